@@ -48,12 +48,15 @@ class SparseNeighbours:
         index = np.asarray(self.index)
         mask = np.ones(index.shape, bool) if self.mask is None else np.asarray(self.mask)
         if index.ndim != 2:
-            raise ConfigError("neighbours.index", f"must be 2-D (agent, k), got shape {index.shape}")
+            raise ConfigError(
+                "neighbours.index", f"must be 2-D (agent, k), got shape {index.shape}"
+            )
         if not np.issubdtype(index.dtype, np.integer):
             raise ConfigError("neighbours.index", f"must be integer, got dtype {index.dtype}")
         if mask.shape != index.shape or mask.dtype != np.bool_:
             raise ConfigError(
-                "neighbours.mask", f"must be bool with shape {index.shape}, got {mask.dtype} {mask.shape}"
+                "neighbours.mask",
+                f"must be bool with shape {index.shape}, got {mask.dtype} {mask.shape}",
             )
         n = index.shape[0]
         bad = mask & ((index < 0) | (index >= n))
@@ -66,7 +69,9 @@ class SparseNeighbours:
         self_loop = mask & (index == np.arange(n)[:, None])
         if self_loop.any():
             i = int(np.argwhere(self_loop)[0][0])
-            raise ConfigError("neighbours.index", f"agent {i} lists itself (the diagonal is excluded)")
+            raise ConfigError(
+                "neighbours.index", f"agent {i} lists itself (the diagonal is excluded)"
+            )
         masked = np.where(mask, index, -1 - np.arange(index.shape[1])[None, :])
         srt = np.sort(masked, axis=1)
         dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
@@ -88,8 +93,11 @@ class SparseNeighbours:
     def ring(cls, n_agents: int, half_width: int) -> SparseNeighbours:
         """Each agent listens to the ``half_width`` agents on each side of it on a ring."""
         if n_agents < 2 or half_width < 1 or 2 * half_width > n_agents - 1:
-            raise ConfigError("neighbours", f"ring needs 1 <= 2*half_width <= n_agents-1, got "
-                              f"n_agents={n_agents}, half_width={half_width}")
+            raise ConfigError(
+                "neighbours",
+                f"ring needs 1 <= 2*half_width <= n_agents-1, got "
+                f"n_agents={n_agents}, half_width={half_width}",
+            )
         offs = np.concatenate([np.arange(-half_width, 0), np.arange(1, half_width + 1)])
         idx = (np.arange(n_agents)[:, None] + offs[None, :]) % n_agents
         return cls(idx, np.ones(idx.shape, bool))
@@ -157,7 +165,9 @@ class ModelConfig:
             s(key, _check_real(key, getattr(self, key), positive=True))
         s("jitter", _check_real("jitter", self.jitter, nonneg=True))
         if self.aggregator not in AGGREGATORS:
-            raise ConfigError("aggregator", f"must be one of {AGGREGATORS}, got {self.aggregator!r}")
+            raise ConfigError(
+                "aggregator", f"must be one of {AGGREGATORS}, got {self.aggregator!r}"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         self._resolve_irreps()
@@ -173,8 +183,9 @@ class ModelConfig:
                 raise ConfigError("K", "give K (odd) or irreps (a list of l's)")
             if K % 2 == 0:
                 raise ConfigError(
-                    "K", f"a single so(3) irrep has odd dimension 2l+1; got K={K} (use irreps=[...] "
-                    "for a block-diagonal sum of irreps)"
+                    "K",
+                    f"a single so(3) irrep has odd dimension 2l+1; got K={K} (use irreps=[...] "
+                    "for a block-diagonal sum of irreps)",
                 )
             irreps = ((K - 1) // 2,)
         else:
@@ -198,7 +209,9 @@ class ModelConfig:
                 raise ConfigError("neighbours", f"must be 'dense' or SparseNeighbours, got {nb!r}")
         elif isinstance(nb, dict):
             object.__setattr__(
-                self, "neighbours", SparseNeighbours(np.asarray(nb["index"]), np.asarray(nb["mask"]))
+                self,
+                "neighbours",
+                SparseNeighbours(np.asarray(nb["index"]), np.asarray(nb["mask"])),
             )
         elif not isinstance(nb, SparseNeighbours):
             raise ConfigError("neighbours", f"must be 'dense' or SparseNeighbours, got {type(nb)}")

@@ -27,7 +27,7 @@ TAYLOR_DEGREE = 12
 THETA = 0.25
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _irrep_generators_cached(l: int) -> np.ndarray:
     d = 2 * l + 1
     m = np.arange(-l, l + 1)
@@ -66,7 +66,7 @@ def irrep_generators(l: int) -> np.ndarray:
     return _irrep_generators_cached(int(l))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _generators_cached(irreps: tuple[int, ...]) -> np.ndarray:
     K = sum(2 * l + 1 for l in irreps)
     G = np.zeros((3, K, K))

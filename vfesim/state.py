@@ -7,7 +7,6 @@ Variables: ``mu_q, mu_p`` (agent, latent); ``sigma_q, sigma_p`` (agent, latent, 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
 import numpy as np
@@ -75,7 +74,9 @@ def make_state(
     return ds
 
 
-def _random_spd(rng: np.random.Generator, n: int, K: int, eig_range: tuple[float, float]) -> np.ndarray:
+def _random_spd(
+    rng: np.random.Generator, n: int, K: int, eig_range: tuple[float, float]
+) -> np.ndarray:
     lo, hi = eig_range
     eig = np.exp(rng.uniform(np.log(lo), np.log(hi), size=(n, K)))
     Q, Rr = np.linalg.qr(rng.standard_normal((n, K, K)))
@@ -146,7 +147,9 @@ def _xp(a):
     return np
 
 
-def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: bool = True) -> None:
+def validate_state(
+    state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: bool = True
+) -> None:
     """Raise :class:`StateError` naming the variable and agent for the first problem found.
 
     Checks presence, dims and shapes, one float dtype, finiteness, symmetry and SPD (Cholesky).
@@ -179,7 +182,9 @@ def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: 
         if isinstance(state, xr.Dataset) and state[k].dims != STATE_DIMS[k]:
             raise StateError(k, f"dims must be {STATE_DIMS[k]}, got {state[k].dims}")
         if tuple(a.shape) != expect[k]:
-            raise StateError(k, f"shape must be {expect[k]} (agents={n}, K={K}), got {tuple(a.shape)}")
+            raise StateError(
+                k, f"shape must be {expect[k]} (agents={n}, K={K}), got {tuple(a.shape)}"
+            )
         if np.dtype(a.dtype) != dtype:
             raise StateError(k, f"dtype {a.dtype} differs from mu_q's {dtype}")
         xp = _xp(a)
@@ -189,8 +194,11 @@ def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: 
     if n == 0:
         raise StateError("agent", "the state has no agents")
     if not cfg.dense and cfg.neighbours.n_agents != n:
-        raise StateError("agent", f"config has sparse neighbours for {cfg.neighbours.n_agents} "
-                         f"agents but the state has {n}")
+        raise StateError(
+            "agent",
+            f"config has sparse neighbours for {cfg.neighbours.n_agents} "
+            f"agents but the state has {n}",
+        )
     if check_spd:
         for k in COVARIANCES:
             check_spd_batch(get(k), k)
@@ -213,7 +221,9 @@ def check_spd_batch(S, name: str) -> None:
     L = xp.linalg.cholesky(S)
     bad = ~xp.isfinite(L).reshape(S.shape[0], -1).all(axis=1)
     if bool(bad.any()):
-        raise StateError(name, "is not positive definite (Cholesky failed)", agent=int(xp.argmax(bad)))
+        raise StateError(
+            name, "is not positive definite (Cholesky failed)", agent=int(xp.argmax(bad))
+        )
 
 
 def _cholesky_or_raise(S: np.ndarray, name: str) -> None:

@@ -1,0 +1,124 @@
+"""The Gaussian free energy (SPEC §2.2) and its exact gradient, assembled from the term modules.
+
+A backend supplies the pairwise part (``pairwise_dense`` / ``pairwise_sparse`` with the signatures of
+:mod:`vfesim.gaussian.pairwise`); the per-agent parts (frames, features, self and observation terms)
+are shared, array-module generic code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..groups import generators, phi_grad_from_R
+from . import pairwise as _np_pairwise
+from .features import agent_features, features_vjp, frames
+from .terms import observation, observation_vjp, self_kl, self_kl_vjp
+
+__all__ = ["TERMS", "energy_and_gradient_arrays", "attention"]
+
+TERMS = ("self", "belief_align", "prior_align", "observation")
+
+
+def _xp(a):
+    return np if type(a).__module__.split(".")[0] == "numpy" else __import__("cupy")
+
+
+def _with_jitter(S, eps: float):
+    if eps == 0.0:
+        return S
+    xp = _xp(S)
+    return S + eps * xp.eye(S.shape[-1], dtype=S.dtype)
+
+
+def _alignment_pairs(cfg: ModelConfig):
+    """(term name, lambda, kappa, mean key, covariance key) of the two alignment terms."""
+    return (
+        ("belief_align", cfg.lambda_belief, cfg.kappa_beta, "mu_q", "sigma_q"),
+        ("prior_align", cfg.lambda_prior, cfg.kappa_gamma, "mu_p", "sigma_p"),
+    )
+
+
+def energy_and_gradient_arrays(
+    arrays: dict[str, Any],
+    cfg: ModelConfig,
+    *,
+    pairwise_dense: Callable = _np_pairwise.pairwise_dense,
+    pairwise_sparse: Callable = _np_pairwise.pairwise_sparse,
+    neighbours: tuple | None = None,
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Energy terms and the gradient of ``terms["total"]`` for raw arrays (no validation).
+
+    arrays: mu_q, mu_p (N, K); sigma_q, sigma_p (N, K, K); phi (N, 3); obs (N, D) if needed.
+    neighbours: (index, mask) already on the arrays' device for sparse configs (default: from cfg).
+    """
+    xp = _xp(arrays["mu_q"])
+    S = {k: _with_jitter(arrays[k], cfg.jitter) for k in ("sigma_q", "sigma_p")}
+    grads = {k: xp.zeros_like(v) for k, v in arrays.items()}
+    terms = dict.fromkeys(TERMS, 0.0)
+    total64 = lambda e: float(e.sum(dtype=np.float64))
+
+    if cfg.lambda_self > 0:
+        kl, cache = self_kl(arrays["mu_q"], S["sigma_q"], arrays["mu_p"], S["sigma_p"])
+        terms["self"] = cfg.lambda_self * total64(kl)
+        g = self_kl_vjp(xp.full(kl.shape, cfg.lambda_self, kl.dtype), cache)
+        for k, gk in zip(("mu_q", "sigma_q", "mu_p", "sigma_p"), g):
+            grads[k] += gk
+
+    if cfg.lambda_obs > 0:
+        W = xp.asarray(cfg.W, dtype=arrays["mu_q"].dtype)
+        R = xp.asarray(cfg.R, dtype=arrays["mu_q"].dtype)
+        e, cache = observation(arrays["mu_q"], S["sigma_q"], arrays["obs"], W, R)
+        terms["observation"] = cfg.lambda_obs * total64(e)
+        g_mu, g_sigma, g_obs = observation_vjp(xp.full(e.shape, cfg.lambda_obs, e.dtype), cache)
+        grads["mu_q"] += g_mu
+        grads["sigma_q"] += g_sigma
+        grads["obs"] += g_obs
+
+    active = [p for p in _alignment_pairs(cfg) if p[1] > 0]
+    if active:
+        phi = arrays["phi"]
+        R = frames(phi, cfg.irreps)
+        g_R = xp.zeros_like(R)
+        if not cfg.dense and neighbours is None:
+            neighbours = (cfg.neighbours.index, cfg.neighbours.mask)
+        for name, lam, kappa, kmu, ksig in active:
+            A, B, c, cache = agent_features(arrays[kmu], S[ksig], R)
+            if cfg.dense:
+                E, gA, gB, gc = pairwise_dense(A, B, c, kappa, cfg.aggregator)
+            else:
+                E, gA, gB, gc = pairwise_sparse(A, B, c, *neighbours, kappa, cfg.aggregator)
+            terms[name] = lam * E
+            g_mu, g_sigma, g_Rk = features_vjp(lam * gA, lam * gB, lam * gc, cache)
+            grads[kmu] += g_mu
+            grads[ksig] += g_sigma
+            g_R += g_Rk
+        grads["phi"] += phi_grad_from_R(g_R, R, phi, generators(cfg.irreps))
+
+    terms["total"] = sum(terms[k] for k in TERMS)
+    return terms, grads
+
+
+def attention(arrays: dict[str, Any], cfg: ModelConfig, which: str = "belief") -> np.ndarray:
+    """Attention weights beta (dense: (N, N), zero diagonal; sparse: (N, k) aligned with the index).
+
+    which: "belief" (beta, kappa_beta, q) or "prior" (gamma, kappa_gamma, p). NumPy arrays.
+    """
+    if which not in ("belief", "prior"):
+        raise ValueError(f"which: must be 'belief' or 'prior', got {which!r}")
+    kmu, ksig, kappa = (
+        ("mu_q", "sigma_q", cfg.kappa_beta)
+        if which == "belief"
+        else ("mu_p", "sigma_p", cfg.kappa_gamma)
+    )
+    R = frames(arrays["phi"], cfg.irreps)
+    A, B, c, _ = agent_features(arrays[kmu], _with_jitter(arrays[ksig], cfg.jitter), R)
+    if cfg.dense:
+        return _np_pairwise.pairwise_dense(A, B, c, kappa, cfg.aggregator, return_beta=True)[-1]
+    nb = cfg.neighbours
+    return _np_pairwise.pairwise_sparse(
+        A, B, c, nb.index, nb.mask, kappa, cfg.aggregator, return_beta=True
+    )[-1]
