@@ -48,9 +48,7 @@ class SparseNeighbours:
         index = np.asarray(self.index)
         mask = np.ones(index.shape, bool) if self.mask is None else np.asarray(self.mask)
         if index.ndim != 2:
-            raise ConfigError(
-                "neighbours.index", f"must be 2-D (agent, k), got shape {index.shape}"
-            )
+            raise ConfigError("neighbours.index", f"must be 2-D (agent, k), got shape {index.shape}")
         if not np.issubdtype(index.dtype, np.integer):
             raise ConfigError("neighbours.index", f"must be integer, got dtype {index.dtype}")
         if mask.shape != index.shape or mask.dtype != np.bool_:
@@ -69,9 +67,7 @@ class SparseNeighbours:
         self_loop = mask & (index == np.arange(n)[:, None])
         if self_loop.any():
             i = int(np.argwhere(self_loop)[0][0])
-            raise ConfigError(
-                "neighbours.index", f"agent {i} lists itself (the diagonal is excluded)"
-            )
+            raise ConfigError("neighbours.index", f"agent {i} lists itself (the diagonal is excluded)")
         masked = np.where(mask, index, -1 - np.arange(index.shape[1])[None, :])
         srt = np.sort(masked, axis=1)
         dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
@@ -165,9 +161,7 @@ class ModelConfig:
             s(key, _check_real(key, getattr(self, key), positive=True))
         s("jitter", _check_real("jitter", self.jitter, nonneg=True))
         if self.aggregator not in AGGREGATORS:
-            raise ConfigError(
-                "aggregator", f"must be one of {AGGREGATORS}, got {self.aggregator!r}"
-            )
+            raise ConfigError("aggregator", f"must be one of {AGGREGATORS}, got {self.aggregator!r}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         self._resolve_irreps()

@@ -74,9 +74,7 @@ def make_state(
     return ds
 
 
-def _random_spd(
-    rng: np.random.Generator, n: int, K: int, eig_range: tuple[float, float]
-) -> np.ndarray:
+def _random_spd(rng: np.random.Generator, n: int, K: int, eig_range: tuple[float, float]) -> np.ndarray:
     lo, hi = eig_range
     eig = np.exp(rng.uniform(np.log(lo), np.log(hi), size=(n, K)))
     Q, Rr = np.linalg.qr(rng.standard_normal((n, K, K)))
@@ -132,9 +130,7 @@ def random_state(
     phi = direction * radius
     obs = obs_scale * rng.standard_normal((n_agents, cfg.obs_dim)) if cfg.obs_dim else None
     cast = lambda a: None if a is None else np.ascontiguousarray(a, dtype=dtype)
-    return make_state(
-        cfg, cast(mu_q), cast(sigma_q), cast(mu_p), cast(sigma_p), cast(phi), cast(obs)
-    )
+    return make_state(cfg, cast(mu_q), cast(sigma_q), cast(mu_p), cast(sigma_p), cast(phi), cast(obs))
 
 
 def _xp(a):
@@ -147,9 +143,7 @@ def _xp(a):
     return np
 
 
-def validate_state(
-    state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: bool = True
-) -> None:
+def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: bool = True) -> None:
     """Raise :class:`StateError` naming the variable and agent for the first problem found.
 
     Checks presence, dims and shapes, one float dtype, finiteness, symmetry and SPD (Cholesky).
@@ -182,9 +176,7 @@ def validate_state(
         if isinstance(state, xr.Dataset) and state[k].dims != STATE_DIMS[k]:
             raise StateError(k, f"dims must be {STATE_DIMS[k]}, got {state[k].dims}")
         if tuple(a.shape) != expect[k]:
-            raise StateError(
-                k, f"shape must be {expect[k]} (agents={n}, K={K}), got {tuple(a.shape)}"
-            )
+            raise StateError(k, f"shape must be {expect[k]} (agents={n}, K={K}), got {tuple(a.shape)}")
         if np.dtype(a.dtype) != dtype:
             raise StateError(k, f"dtype {a.dtype} differs from mu_q's {dtype}")
         xp = _xp(a)
@@ -196,8 +188,7 @@ def validate_state(
     if not cfg.dense and cfg.neighbours.n_agents != n:
         raise StateError(
             "agent",
-            f"config has sparse neighbours for {cfg.neighbours.n_agents} "
-            f"agents but the state has {n}",
+            f"config has sparse neighbours for {cfg.neighbours.n_agents} agents but the state has {n}",
         )
     if check_spd:
         for k in COVARIANCES:
@@ -221,9 +212,7 @@ def check_spd_batch(S, name: str) -> None:
     L = xp.linalg.cholesky(S)
     bad = ~xp.isfinite(L).reshape(S.shape[0], -1).all(axis=1)
     if bool(bad.any()):
-        raise StateError(
-            name, "is not positive definite (Cholesky failed)", agent=int(xp.argmax(bad))
-        )
+        raise StateError(name, "is not positive definite (Cholesky failed)", agent=int(xp.argmax(bad)))
 
 
 def _cholesky_or_raise(S: np.ndarray, name: str) -> None:

@@ -78,10 +78,6 @@ def energy_and_gradient(
     mod = get(backend)
     arrays = mod.to_device({k: state[k].data for k in state.data_vars})
     terms, grads = mod.energy_and_gradient(arrays, cfg)
-    grads = (
-        mod.to_host(grads)
-        if isinstance(state[next(iter(state.data_vars))].data, np.ndarray)
-        else grads
-    )
+    grads = mod.to_host(grads) if isinstance(state[next(iter(state.data_vars))].data, np.ndarray) else grads
     ds = xr.Dataset({k: (STATE_DIMS[k], v) for k, v in grads.items()}, attrs=dict(state.attrs))
     return terms, ds

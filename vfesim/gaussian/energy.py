@@ -65,7 +65,7 @@ def energy_and_gradient_arrays(
         kl, cache = self_kl(arrays["mu_q"], S["sigma_q"], arrays["mu_p"], S["sigma_p"])
         terms["self"] = cfg.lambda_self * total64(kl)
         g = self_kl_vjp(xp.full(kl.shape, cfg.lambda_self, kl.dtype), cache)
-        for k, gk in zip(("mu_q", "sigma_q", "mu_p", "sigma_p"), g):
+        for k, gk in zip(("mu_q", "sigma_q", "mu_p", "sigma_p"), g, strict=True):
             grads[k] += gk
 
     if cfg.lambda_obs > 0:
@@ -110,15 +110,13 @@ def attention(arrays: dict[str, Any], cfg: ModelConfig, which: str = "belief") -
     if which not in ("belief", "prior"):
         raise ValueError(f"which: must be 'belief' or 'prior', got {which!r}")
     kmu, ksig, kappa = (
-        ("mu_q", "sigma_q", cfg.kappa_beta)
-        if which == "belief"
-        else ("mu_p", "sigma_p", cfg.kappa_gamma)
+        ("mu_q", "sigma_q", cfg.kappa_beta) if which == "belief" else ("mu_p", "sigma_p", cfg.kappa_gamma)
     )
     R = frames(arrays["phi"], cfg.irreps)
     A, B, c, _ = agent_features(arrays[kmu], _with_jitter(arrays[ksig], cfg.jitter), R)
     if cfg.dense:
         return _np_pairwise.pairwise_dense(A, B, c, kappa, cfg.aggregator, return_beta=True)[-1]
     nb = cfg.neighbours
-    return _np_pairwise.pairwise_sparse(
-        A, B, c, nb.index, nb.mask, kappa, cfg.aggregator, return_beta=True
-    )[-1]
+    return _np_pairwise.pairwise_sparse(A, B, c, nb.index, nb.mask, kappa, cfg.aggregator, return_beta=True)[
+        -1
+    ]
