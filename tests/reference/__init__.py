@@ -1,0 +1,1 @@
+"""Slow, obviously-correct loop implementations used as test oracles (float64 only)."""

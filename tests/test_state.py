@@ -1,0 +1,231 @@
+"""The state Dataset (SPEC §1.1): constructors, random_state and validation errors naming agent/variable."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import make_obs_config
+
+import vfesim
+from vfesim import ModelConfig, SparseNeighbours, StateError, make_state, random_state, validate_state
+
+CFG = ModelConfig(K=3)
+N = 5
+
+
+def arrays(cfg: ModelConfig = CFG, n: int = N, dtype=np.float64) -> dict:
+    """A valid set of state arrays as a dict of plain copies."""
+    st = random_state(cfg, n_agents=n, seed=3, dtype=np.dtype(dtype).name)
+    return {k: st[k].values.copy() for k in st.data_vars}
+
+
+def build(cfg: ModelConfig = CFG, **a):
+    return make_state(cfg, a["mu_q"], a["sigma_q"], a["mu_p"], a["sigma_p"], a["phi"], a.get("obs"))
+
+
+def test_schema_and_attrs():
+    cfg = make_obs_config(K=5, obs_dim=2)
+    st = random_state(cfg, n_agents=4, seed=0)
+    assert st["mu_q"].dims == ("agent", "latent")
+    assert st["sigma_q"].dims == ("agent", "latent", "latent_b")
+    assert st["mu_p"].dims == ("agent", "latent")
+    assert st["sigma_p"].dims == ("agent", "latent", "latent_b")
+    assert st["phi"].dims == ("agent", "gauge")
+    assert st["obs"].dims == ("agent", "obs_dim")
+    assert dict(st.sizes) == {"agent": 4, "latent": 5, "latent_b": 5, "gauge": 3, "obs_dim": 2}
+    assert ModelConfig.from_json(st.attrs["model_config"]) == cfg
+    json.loads(st.attrs["model_config"])
+    assert st.attrs["vfesim_version"] == vfesim.__version__
+    assert st.attrs["dtype"] == "float64"
+    assert "obs" not in random_state(CFG, n_agents=2).data_vars
+
+
+def test_random_state_reproducible():
+    a = random_state(CFG, n_agents=8, seed=11)
+    b = random_state(CFG, n_agents=8, seed=11)
+    c = random_state(CFG, n_agents=8, seed=12)
+    for k in a.data_vars:
+        np.testing.assert_array_equal(a[k].values, b[k].values)
+        assert not np.array_equal(a[k].values, c[k].values), k
+
+
+@pytest.mark.parametrize("eig_range", [(0.5, 2.0), (0.1, 0.3), (1.0, 1.0)])
+def test_random_state_spd_in_range(eig_range):
+    st = random_state(ModelConfig(K=7), n_agents=20, seed=0, eig_range=eig_range, prior_eig_range=(3.0, 4.0))
+    lo, hi = eig_range
+    for name, (a, b) in (("sigma_q", (lo, hi)), ("sigma_p", (3.0, 4.0))):
+        S = st[name].values
+        np.testing.assert_array_equal(S, np.swapaxes(S, 1, 2))
+        w = np.linalg.eigvalsh(S)
+        assert w.min() >= a * (1 - 1e-12) and w.max() <= b * (1 + 1e-12), name
+
+
+@pytest.mark.parametrize("radius", [0.0, 0.5, 3.0])
+def test_random_state_phi_radius(radius):
+    phi = random_state(CFG, n_agents=200, seed=1, phi_radius=radius)["phi"].values
+    r = np.linalg.norm(phi, axis=1)
+    assert r.max() <= radius
+    if radius:
+        assert r.max() > 0.8 * radius  # uniform in the ball reaches near the boundary
+
+
+def test_random_state_float32():
+    cfg = make_obs_config(K=3, obs_dim=2)
+    st = random_state(cfg, n_agents=6, seed=0, dtype="float32")
+    assert st.attrs["dtype"] == "float32"
+    assert all(st[k].dtype == np.float32 for k in st.data_vars)
+    validate_state(st, cfg)
+    st64 = random_state(cfg, n_agents=6, seed=0)
+    np.testing.assert_allclose(st["sigma_q"].values, st64["sigma_q"].values, rtol=1e-6)
+    assert random_state(ModelConfig(K=3, dtype="float32"), n_agents=2)["mu_q"].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"dtype": "float16"}, "dtype"),
+        ({"n_agents": 0}, "n_agents"),
+        ({"phi_radius": np.pi}, "phi"),
+        ({"phi_radius": -0.1}, "phi"),
+        ({"eig_range": (0.0, 1.0)}, "sigma_q"),
+        ({"eig_range": (2.0, 1.0)}, "sigma_q"),
+    ],
+)
+def test_random_state_bad_arguments(kw, name):
+    kw = {"n_agents": 3} | kw
+    with pytest.raises(StateError, match=rf"^{name}: "):
+        random_state(CFG, **kw)
+
+
+def test_random_state_sparse_size_mismatch():
+    cfg = ModelConfig(K=3, neighbours=SparseNeighbours.ring(5, 1))
+    random_state(cfg, n_agents=5)
+    with pytest.raises(StateError, match=r"^agent: .*5 agents"):
+        random_state(cfg, n_agents=6)
+
+
+# --- validation errors ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["sigma_q", "sigma_p"])
+def test_non_spd_names_agent_and_variable(name):
+    a = arrays()
+    a[name][3] = np.diag([1.0, -0.5, 2.0])
+    with pytest.raises(StateError, match=rf"^{name}\[agent=3\]: is not positive definite") as e:
+        build(**a)
+    assert e.value.agent == 3 and e.value.variable == name
+
+
+def test_non_symmetric_names_agent():
+    a = arrays()
+    a["sigma_q"][2, 0, 1] += 0.1
+    with pytest.raises(StateError, match=r"^sigma_q\[agent=2\]: is not symmetric"):
+        build(**a)
+
+
+def test_singular_covariance():
+    a = arrays()
+    a["sigma_p"][4] = np.ones((3, 3))
+    with pytest.raises(StateError, match=r"^sigma_p\[agent=4\]: "):
+        build(**a)
+
+
+@pytest.mark.parametrize("name", ["mu_q", "sigma_q", "mu_p", "sigma_p", "phi", "obs"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_names_agent(name, bad):
+    cfg = make_obs_config(K=3, obs_dim=2)
+    a = arrays(cfg)
+    a[name][2].flat[-1] = bad
+    with pytest.raises(StateError, match=rf"^{name}\[agent=2\]: .*NaN or Inf") as e:
+        build(cfg, **a)
+    assert e.value.agent == 2
+
+
+def test_wrong_dims():
+    st = random_state(CFG, n_agents=N)
+    bad = st.assign(phi=(("agent", "latent"), st["phi"].values))  # K = 3 = gauge size
+    with pytest.raises(StateError, match=r"^phi: dims must be"):
+        validate_state(bad, CFG)
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [("sigma_q", (N, 3, 4)), ("mu_q", (N, 5)), ("phi", (N, 2)), ("sigma_p", (N, 3))],
+)
+def test_wrong_shape(name, shape):
+    a = arrays()
+    a[name] = np.ones(shape)
+    with pytest.raises(StateError, match=rf"^{name}: (shape|dims)"):
+        validate_state(a, CFG)
+
+
+def test_wrong_shape_dataset():
+    st = random_state(ModelConfig(K=5), n_agents=N)
+    with pytest.raises(StateError, match=r"^mu_q: shape must be \(5, 3\)"):
+        validate_state(st, CFG)
+
+
+def test_wrong_n_agents_between_variables():
+    a = arrays()
+    a["phi"] = a["phi"][:3]
+    with pytest.raises(StateError, match=r"^phi: shape"):
+        validate_state(a, CFG)
+
+
+@pytest.mark.parametrize("name", ["sigma_q", "phi", "mu_p"])
+def test_mixed_dtype(name):
+    a = arrays()
+    a[name] = a[name].astype(np.float32)
+    with pytest.raises(StateError, match=rf"^{name}: dtype float32 differs"):
+        build(**a)
+
+
+def test_non_float_dtype():
+    a = arrays()
+    a["mu_q"] = np.zeros((N, 3), np.int64)
+    with pytest.raises(StateError, match=r"^mu_q: dtype must be float32 or float64"):
+        validate_state(a, CFG)
+
+
+@pytest.mark.parametrize("name", ["mu_q", "sigma_q", "mu_p", "sigma_p", "phi"])
+def test_missing_variable(name):
+    st = random_state(CFG, n_agents=N).drop_vars(name)
+    with pytest.raises(StateError, match=rf"^{name}: missing"):
+        validate_state(st, CFG)
+
+
+def test_unknown_variable():
+    st = random_state(CFG, n_agents=N)
+    st = st.assign(momentum=(("agent", "latent"), st["mu_q"].values))
+    with pytest.raises(StateError, match=r"^momentum: unknown state variable"):
+        validate_state(st, CFG)
+
+
+def test_missing_obs_when_config_has_W():
+    cfg = make_obs_config(K=3, obs_dim=2)
+    a = arrays()  # from a config without observations
+    with pytest.raises(StateError, match=r"^obs: .*observation model"):
+        build(cfg, **a)
+
+
+def test_sparse_config_agent_count():
+    cfg = ModelConfig(K=3, neighbours=SparseNeighbours.ring(4, 1))
+    with pytest.raises(StateError, match=r"^agent: .*4 agents .*5"):
+        build(cfg, **arrays())
+
+
+def test_empty_state():
+    a = {k: v[:0] for k, v in arrays().items()}
+    with pytest.raises(StateError, match=r"^agent: .*no agents"):
+        validate_state(a, CFG)
+
+
+def test_valid_mapping_and_check_spd_switch():
+    a = arrays()
+    validate_state(a, CFG)
+    a["sigma_q"][0] = -np.eye(3)
+    validate_state(a, CFG, check_spd=False)
+    with pytest.raises(StateError, match=r"^sigma_q\[agent=0\]"):
+        validate_state(a, CFG)
