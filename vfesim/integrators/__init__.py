@@ -1,0 +1,61 @@
+"""Integrators looked up by name (SPEC §2.5): ``make_integrator(method, cfg, dt, ...)`` -> Integrator.
+
+Methods: "gradient_flow" (natural-gradient flow; Euclidean and Adam rules as options), the constant-mass
+symplectic schemes "symplectic_euler" (order 1), "verlet" (2), "ruth3" (3), "pefrl" (4), and
+"riemannian_leapfrog" (Fisher mass, generalized implicit leapfrog, order 2).
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .base import Carry, DynamicsError, Integrator
+from .gradient_flow import make_gradient_flow
+from .hamiltonian import SCHEMES, make_hamiltonian
+
+__all__ = [
+    "Carry",
+    "DynamicsError",
+    "Integrator",
+    "ORDERS",
+    "available",
+    "is_hamiltonian",
+    "make_integrator",
+]
+
+ORDERS = {"gradient_flow": 1, **{k: v[0] for k, v in SCHEMES.items()}, "riemannian_leapfrog": 2}
+
+
+def available() -> list[str]:
+    """Names accepted by :func:`make_integrator`."""
+    return list(ORDERS)
+
+
+def is_hamiltonian(method: str) -> bool:
+    """True for methods whose carries hold momenta (terms gain "kinetic" and "hamiltonian")."""
+    return method in ORDERS and method != "gradient_flow"
+
+
+def make_integrator(
+    method: str,
+    cfg: ModelConfig,
+    dt: float,
+    *,
+    backend: str = "numpy",
+    friction: float = 0.0,
+    seed: int = 0,
+    **options,
+) -> Integrator:
+    """The ``init``/``step``/``restore`` triple of ``method``; unknown methods or options raise ValueError."""
+    if method not in ORDERS:
+        raise ValueError(f"unknown integrator method {method!r}; available: {available()}")
+    if backend not in ("numpy", "numba"):
+        from ..backends import resolve
+
+        resolve(backend)  # unknown names raise here
+        raise ValueError(f"integrators: backend {backend!r} is not supported yet (use 'numpy' or 'numba')")
+    dt = float(dt)
+    if not (dt > 0 and dt < float("inf")):
+        raise ValueError(f"dt must be finite and > 0, got {dt}")
+    if method == "gradient_flow":
+        return make_gradient_flow(cfg, dt, backend=backend, friction=friction, seed=seed, **options)
+    return make_hamiltonian(method, cfg, dt, backend=backend, friction=friction, seed=seed, **options)

@@ -1,0 +1,236 @@
+"""Fused per-agent update kernels for the integrators (CPU, Numba ``njit(parallel=True)``).
+
+Numbers and arrays only. One ``prange`` pass over agents does, per agent, everything a sub-step needs:
+  * ``gradient_flow_update_cpu``: step of means, covariances (affine-invariant exponential retraction,
+    SPEC §2.5) and frames (principal-ball wrap) in one pass;
+  * ``kick_drift_cpu``: Hamiltonian kick ``p -= kick * dF/dx`` then drift ``x += drift * p / m`` of a
+    (mean, log-Cholesky) block and optionally the frame, rebuilding ``Sigma = L L^T``.
+Layout: means (N, K); covariances (N, K, K); frames (N, 3); log-Cholesky coordinates ``theta`` (N, T),
+T = K(K+1)/2, row-major lower triangle (index of (k, l), l <= k: k(k+1)/2 + l), diagonal entries log L_kk.
+The NumPy twins live in ``vfesim.integrators``; the two agree to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = [
+    "MODE_NATURAL",
+    "MODE_EUCLIDEAN",
+    "MODE_DIRECTION",
+    "gradient_flow_update_cpu",
+    "kick_drift_cpu",
+    "theta_to_sigma_cpu",
+]
+
+MODE_NATURAL = 0  # input is dF/dx: d mu = -Sigma g, d Sigma = -2 Sigma G Sigma
+MODE_EUCLIDEAN = 1  # input is dF/dx: d mu = -g, d Sigma = -G
+MODE_DIRECTION = 2  # input is the direction itself (e.g. Adam's): d mu = g, d Sigma = G
+
+
+@njit(cache=True)
+def _mm(A, B, out):
+    n, m = A.shape
+    p = B.shape[1]
+    for a in range(n):
+        for b in range(p):
+            acc = 0.0
+            for k in range(m):
+                acc += A[a, k] * B[k, b]
+            out[a, b] = acc
+
+
+@njit(cache=True)
+def _retract(S, G, eta, mode, out):
+    """out = S^1/2 expm(eta A) S^1/2 with A = S^-1/2 dS S^-1/2 (symmetrised result); S, G, out (K, K)."""
+    K = S.shape[0]
+    w, V = np.linalg.eigh(S)
+    sq = np.sqrt(w)
+    # H = S^{1/2} (natural) or S^{-1/2} (euclidean/direction), A = coef * H G H
+    H = np.empty((K, K))
+    p = 0.5 if mode == MODE_NATURAL else -0.5
+    for a in range(K):
+        for b in range(K):
+            acc = 0.0
+            for k in range(K):
+                acc += V[a, k] * (w[k] ** p) * V[b, k]
+            H[a, b] = acc
+    coef = -2.0 * eta if mode == MODE_NATURAL else (-eta if mode == MODE_EUCLIDEAN else eta)
+    HG = np.empty((K, K))
+    A = np.empty((K, K))
+    _mm(H, G, HG)
+    _mm(HG, H, A)
+    for a in range(K):
+        for b in range(a + 1, K):
+            m = 0.5 * (A[a, b] + A[b, a])
+            A[a, b] = m
+            A[b, a] = m
+    for a in range(K):
+        for b in range(K):
+            A[a, b] *= coef
+    e, U = np.linalg.eigh(A)
+    # B = S^{1/2} U diag(exp(e/2)); out = B B^T
+    Sh = np.empty((K, K))
+    for a in range(K):
+        for b in range(K):
+            acc = 0.0
+            for k in range(K):
+                acc += V[a, k] * sq[k] * V[b, k]
+            Sh[a, b] = acc
+    B = np.empty((K, K))
+    _mm(Sh, U, B)
+    for j in range(K):
+        s = math.exp(0.5 * e[j])
+        for a in range(K):
+            B[a, j] *= s
+    for a in range(K):
+        for b in range(a, K):
+            acc = 0.0
+            for j in range(K):
+                acc += B[a, j] * B[b, j]
+            out[a, b] = acc
+            out[b, a] = acc
+
+
+@njit(cache=True)
+def _wrap_phi(phi, out):
+    """Principal-ball representative: |phi| > pi -> phi (1 - 2 pi / |phi|) (same rotation)."""
+    t = math.sqrt(phi[0] * phi[0] + phi[1] * phi[1] + phi[2] * phi[2])
+    f = 1.0
+    while t > math.pi:
+        tn = t - 2.0 * math.pi
+        f *= tn / t
+        t = abs(tn)
+    for a in range(3):
+        out[a] = phi[a] * f
+
+
+@njit(parallel=True, cache=True)
+def gradient_flow_update_cpu(
+    mu_q, sigma_q, mu_p, sigma_p, phi,
+    g_mu_q, g_sigma_q, g_mu_p, g_sigma_p, g_phi,
+    eta, mode,
+    o_mu_q, o_sigma_q, o_mu_p, o_sigma_p, o_phi,
+):  # fmt: skip
+    """One gradient-flow step for every agent. eta (5,): step sizes of mu_q, sigma_q, mu_p, sigma_p, phi
+    (0 freezes the field: copied). mode: MODE_*. Means: mu - eta Sigma g (natural) / mu - eta g
+    (euclidean) / mu + eta g (direction); covariances through ``_retract``; phi - eta g_phi (or + eta g
+    for direction), wrapped into the principal ball."""
+    N, K = mu_q.shape
+    for i in prange(N):
+        for f in range(2):
+            mu = mu_q if f == 0 else mu_p
+            S = sigma_q if f == 0 else sigma_p
+            gm = g_mu_q if f == 0 else g_mu_p
+            gS = g_sigma_q if f == 0 else g_sigma_p
+            om = o_mu_q if f == 0 else o_mu_p
+            oS = o_sigma_q if f == 0 else o_sigma_p
+            em = eta[2 * f]
+            eS = eta[2 * f + 1]
+            for a in range(K):
+                if em == 0.0:
+                    om[i, a] = mu[i, a]
+                elif mode == MODE_NATURAL:
+                    acc = 0.0
+                    for b in range(K):
+                        acc += S[i, a, b] * gm[i, b]
+                    om[i, a] = mu[i, a] - em * acc
+                elif mode == MODE_EUCLIDEAN:
+                    om[i, a] = mu[i, a] - em * gm[i, a]
+                else:
+                    om[i, a] = mu[i, a] + em * gm[i, a]
+            if eS == 0.0:
+                for a in range(K):
+                    for b in range(K):
+                        oS[i, a, b] = S[i, a, b]
+            else:
+                _retract(S[i], gS[i], eS, mode, oS[i])
+        ep = eta[4]
+        tmp = np.empty(3)
+        sgn = 1.0 if mode == MODE_DIRECTION else -1.0
+        for a in range(3):
+            tmp[a] = phi[i, a] + sgn * ep * g_phi[i, a]
+        if ep == 0.0:
+            for a in range(3):
+                o_phi[i, a] = phi[i, a]
+        else:
+            _wrap_phi(tmp, o_phi[i])
+
+
+@njit(cache=True)
+def _unpack_L(theta, K, L):
+    for k in range(K):
+        for l in range(K):
+            L[k, l] = 0.0
+        base = k * (k + 1) // 2
+        for l in range(k):
+            L[k, l] = theta[base + l]
+        L[k, k] = math.exp(theta[base + k])
+
+
+@njit(parallel=True, cache=True)
+def theta_to_sigma_cpu(theta, K, out):
+    """Sigma = L L^T from log-Cholesky coordinates: theta (N, T) -> out (N, K, K)."""
+    N = theta.shape[0]
+    for i in prange(N):
+        L = np.empty((K, K))
+        _unpack_L(theta[i], K, L)
+        for a in range(K):
+            for b in range(a, K):
+                acc = 0.0
+                for j in range(b + 1):
+                    acc += L[a, j] * L[b, j]
+                out[i, a, b] = acc
+                out[i, b, a] = acc
+
+
+@njit(parallel=True, cache=True)
+def kick_drift_cpu(
+    x_mu, x_theta, p_mu, p_theta, g_mu, g_sigma, kick, drift, inv_m_mu, inv_m_theta, out_sigma,
+    x_phi, p_phi, g_phi, inv_m_phi, do_phi,
+):  # fmt: skip
+    """In place, per agent: ``p -= kick * dF/dx`` then ``x += drift * p / m``, Sigma = L L^T.
+
+    dF/dtheta from the symmetric G = dF/dSigma: dF/dL = 2 G L (lower part), times L_kk on the
+    log-diagonal. kick == 0 or drift == 0 skips that half; out_sigma is rebuilt only when drift != 0.
+    The frame block (x_phi, p_phi, g_phi) is updated too when ``do_phi``.
+    """
+    N, K = x_mu.shape
+    for i in prange(N):
+        L = np.empty((K, K))
+        if kick != 0.0:
+            _unpack_L(x_theta[i], K, L)
+            for a in range(K):
+                p_mu[i, a] -= kick * g_mu[i, a]
+            for k in range(K):
+                base = k * (k + 1) // 2
+                for l in range(k + 1):
+                    acc = 0.0  # (G L)[k, l] = sum_j G[k, j] L[j, l], L[j, l] = 0 for j < l
+                    for j in range(l, K):
+                        acc += g_sigma[i, k, j] * L[j, l]
+                    d = 2.0 * acc
+                    if l == k:
+                        d *= L[k, k]
+                    p_theta[i, base + l] -= kick * d
+            if do_phi:
+                for a in range(3):
+                    p_phi[i, a] -= kick * g_phi[i, a]
+        if drift != 0.0:
+            for a in range(K):
+                x_mu[i, a] += drift * inv_m_mu * p_mu[i, a]
+            for t in range(x_theta.shape[1]):
+                x_theta[i, t] += drift * inv_m_theta * p_theta[i, t]
+            if do_phi:
+                for a in range(3):
+                    x_phi[i, a] += drift * inv_m_phi * p_phi[i, a]
+            _unpack_L(x_theta[i], K, L)
+            for a in range(K):
+                for b in range(a, K):
+                    acc = 0.0
+                    for j in range(b + 1):
+                        acc += L[a, j] * L[b, j]
+                    out_sigma[i, a, b] = acc
+                    out_sigma[i, b, a] = acc

@@ -1,0 +1,196 @@
+"""Natural-gradient flow on the free energy (SPEC §2.5), method ``"gradient_flow"``.
+
+Fisher–Rao directions: d mu = -Sigma dF/dmu, d Sigma = -2 Sigma (dF/dSigma) Sigma, d phi = -dF/dphi.
+Covariances are retracted with the affine-invariant exponential map
+``Sigma <- Sigma^1/2 expm(eta Sigma^-1/2 dSigma Sigma^-1/2) Sigma^1/2`` (stays SPD); frames are kept in the
+principal ball |phi| <= pi (``phi - 2 pi phi/|phi|`` is the same rotation for every integer-spin irrep).
+
+Options (unknown ones raise ValueError):
+  rule: "natural" (default), "euclidean" (d x = -dF/dx; covariances still retracted by the exponential
+      map, so they stay SPD) or "adam" (Adam moments of the Euclidean gradient; direction
+      -m_hat/(sqrt(v_hat)+eps), retracted the same way).
+  step_scale: dict field -> multiplier of dt (fields mu_q, sigma_q, mu_p, sigma_p, phi; 0 freezes).
+  update_priors (True), update_frames (True): move mu_p/sigma_p and phi at all.
+  adam_beta1 (0.9), adam_beta2 (0.999), adam_eps (1e-8).
+  energy: a callable (arrays) -> (terms, grads) replacing the model energy (custom potentials, tests).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xarray as xr
+
+from ..config import ModelConfig
+from ..state import validate_state
+from .base import (
+    MOVABLE,
+    Carry,
+    Integrator,
+    check_fields,
+    check_options,
+    energy_fn,
+    guard_state,
+    guard_terms,
+    state_arrays,
+    with_arrays,
+)
+
+__all__ = ["make_gradient_flow", "retract_spd", "wrap_phi", "gradient_flow_update"]
+
+MODES = {"natural": 0, "euclidean": 1, "adam": 2}
+DEFAULTS = {
+    "rule": "natural",
+    "step_scale": None,
+    "update_priors": True,
+    "update_frames": True,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_eps": 1e-8,
+    "energy": None,
+}
+_CACHE = "_vfesim_grads"
+
+
+def retract_spd(S: np.ndarray, G: np.ndarray, eta: float, mode: int) -> np.ndarray:
+    """Exponential-map retraction for a batch: S, G (N, K, K) -> (N, K, K), SPD.
+
+    A = S^-1/2 dS S^-1/2 with dS = -2 S G S (mode 0), -G (mode 1) or G (mode 2, G is the direction);
+    out = S^1/2 expm(eta A) S^1/2, evaluated as B B^T, B = S^1/2 U exp(eta a/2) with A = U diag(a) U^T.
+    """
+    w, V = np.linalg.eigh(S)
+    sq = np.sqrt(w)
+    H = (V * (sq if mode == 0 else 1.0 / sq)[:, None, :]) @ np.swapaxes(V, 1, 2)
+    coef = -2.0 * eta if mode == 0 else (-eta if mode == 1 else eta)
+    A = H @ G @ H
+    A = coef * (0.5 * (A + np.swapaxes(A, 1, 2)))
+    e, U = np.linalg.eigh(A)
+    Sh = (V * sq[:, None, :]) @ np.swapaxes(V, 1, 2)
+    B = (Sh @ U) * np.exp(0.5 * e)[:, None, :]
+    out = B @ np.swapaxes(B, 1, 2)
+    return 0.5 * (out + np.swapaxes(out, 1, 2))
+
+
+def wrap_phi(phi: np.ndarray) -> np.ndarray:
+    """Principal-ball representative (N, 3): |phi| > pi -> phi (|phi| - 2 pi)/|phi| (same rotation)."""
+    t = np.sqrt(np.einsum("na,na->n", phi, phi))
+    f = np.ones_like(t)
+    while (t > np.pi).any():
+        big = t > np.pi
+        tn = np.where(big, t - 2 * np.pi, t)
+        f = np.where(big, f * tn / np.where(big, t, 1.0), f)
+        t = np.abs(tn)
+    return phi * f[:, None]
+
+
+def gradient_flow_update(
+    arrays: dict[str, np.ndarray], direc: dict[str, np.ndarray], eta: np.ndarray, mode: int
+) -> dict[str, np.ndarray]:
+    """NumPy twin of ``vfesim_kernels.update_cpu.gradient_flow_update_cpu`` (same arguments, by field)."""
+    out = {}
+    for f, (m, s) in enumerate((("mu_q", "sigma_q"), ("mu_p", "sigma_p"))):
+        em, es = eta[2 * f], eta[2 * f + 1]
+        mu, S = arrays[m], arrays[s]
+        if em == 0.0:
+            out[m] = mu
+        elif mode == 0:
+            out[m] = mu - em * np.einsum("nab,nb->na", S, direc[m])
+        elif mode == 1:
+            out[m] = mu - em * direc[m]
+        else:
+            out[m] = mu + em * direc[m]
+        out[s] = S if es == 0.0 else retract_spd(S, direc[s], es, mode)
+    if eta[4] == 0.0:
+        out["phi"] = arrays["phi"]
+    else:
+        sgn = 1.0 if mode == 2 else -1.0
+        out["phi"] = wrap_phi(arrays["phi"] + sgn * eta[4] * direc["phi"])
+    return out
+
+
+def _update_numba(arrays, direc, eta, mode):
+    from vfesim_kernels.update_cpu import gradient_flow_update_cpu
+
+    out = {k: np.empty_like(arrays[k]) for k in MOVABLE}
+    c = np.ascontiguousarray
+    gradient_flow_update_cpu(
+        *(c(arrays[k]) for k in MOVABLE),
+        *(c(direc[k]) for k in MOVABLE),
+        np.asarray(eta, np.float64),
+        mode,
+        *(out[k] for k in MOVABLE),
+    )
+    return out
+
+
+def make_gradient_flow(
+    cfg: ModelConfig, dt: float, *, backend: str = "numpy", friction: float = 0.0, seed: int = 0, **options
+) -> Integrator:
+    """Build the ``"gradient_flow"`` integrator; ``dt`` is the step size eta."""
+    opt = check_options("gradient_flow", options, DEFAULTS)
+    if opt["rule"] not in MODES:
+        raise ValueError(
+            f"method 'gradient_flow': option 'rule' must be one of {list(MODES)}, got {opt['rule']!r}"
+        )
+    if friction != 0.0:
+        raise ValueError("method 'gradient_flow': friction applies to Hamiltonian methods only")
+    scale = {k: 1.0 for k in MOVABLE}
+    scale.update(check_fields("gradient_flow", "step_scale", opt["step_scale"], MOVABLE))
+    if not opt["update_priors"]:
+        scale["mu_p"] = scale["sigma_p"] = 0.0
+    if not opt["update_frames"]:
+        scale["phi"] = 0.0
+    eta = np.array([dt * scale[k] for k in MOVABLE], np.float64)
+    moving = tuple(k for k in MOVABLE if scale[k] != 0.0)
+    mode = MODES[opt["rule"]]
+    b1, b2, eps = float(opt["adam_beta1"]), float(opt["adam_beta2"]), float(opt["adam_eps"])
+    if mode == 2 and not (0 <= b1 < 1 and 0 <= b2 < 1 and eps > 0):
+        raise ValueError(
+            "method 'gradient_flow': adam needs 0 <= adam_beta1, adam_beta2 < 1 and adam_eps > 0"
+        )
+    efn = energy_fn(cfg, backend, opt["energy"])
+    update = _update_numba if backend == "numba" else gradient_flow_update
+    aux_names = tuple(f"adam_{w}_{k}" for k in moving for w in ("m", "v")) if mode == 2 else ()
+
+    def _carry(state, step, aux, terms, grads, rng_state=None):
+        c = Carry(state, step, aux, terms, rng_state)
+        object.__setattr__(c, _CACHE, grads)  # force at `state`, recomputable from it (not checkpointed)
+        return c
+
+    def restore(state: xr.Dataset, step: int, aux: dict, rng_state: dict | None = None) -> Carry:
+        validate_state(state, cfg)
+        if set(aux) != set(aux_names):
+            raise ValueError(f"gradient_flow restore: aux keys {sorted(aux)} != expected {sorted(aux_names)}")
+        terms, grads = efn(state_arrays(state))
+        return _carry(state, int(step), dict(aux), terms, grads, rng_state)
+
+    def init(state: xr.Dataset) -> Carry:
+        aux = {}
+        for k in moving if mode == 2 else ():
+            aux[f"adam_m_{k}"] = np.zeros_like(state[k].data)
+            aux[f"adam_v_{k}"] = np.zeros_like(state[k].data)
+        return restore(state, 0, aux, None)
+
+    def step(carry: Carry) -> Carry:
+        grads = getattr(carry, _CACHE, None)
+        arrays = state_arrays(carry.state)
+        if grads is None:
+            grads = efn(arrays)[1]
+        n = carry.step + 1
+        aux = carry.aux
+        direc = grads
+        if mode == 2:
+            aux, direc = {}, dict(grads)
+            for k in moving:
+                g = grads[k]
+                m = b1 * carry.aux[f"adam_m_{k}"] + (1 - b1) * g
+                v = b2 * carry.aux[f"adam_v_{k}"] + (1 - b2) * g * g
+                aux[f"adam_m_{k}"], aux[f"adam_v_{k}"] = m, v
+                direc[k] = -(m / (1 - b1**n)) / (np.sqrt(v / (1 - b2**n)) + eps)
+        new = dict(arrays)
+        new.update(update(arrays, direc, eta, mode))
+        guard_state(n, new, cfg, aux)
+        terms, grads = efn(new)
+        guard_terms(n, terms)
+        return _carry(with_arrays(carry.state, new), n, aux, terms, grads)
+
+    return Integrator("gradient_flow", init, step, restore)
