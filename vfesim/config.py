@@ -162,7 +162,12 @@ class ModelConfig:
         s("jitter", _check_real("jitter", self.jitter, nonneg=True))
         if self.aggregator not in AGGREGATORS:
             raise ConfigError("aggregator", f"must be one of {AGGREGATORS}, got {self.aggregator!r}")
-        if self.dtype not in DTYPES:
+        if isinstance(self.dtype, (np.dtype, type)):
+            try:
+                s("dtype", np.dtype(self.dtype).name)
+            except TypeError:
+                raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}") from None
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         self._resolve_irreps()
         self._resolve_neighbours()
@@ -202,11 +207,12 @@ class ModelConfig:
             if nb != "dense":
                 raise ConfigError("neighbours", f"must be 'dense' or SparseNeighbours, got {nb!r}")
         elif isinstance(nb, dict):
-            object.__setattr__(
-                self,
-                "neighbours",
-                SparseNeighbours(np.asarray(nb["index"]), np.asarray(nb["mask"])),
-            )
+            if "index" not in nb or set(nb) - {"index", "mask"}:
+                raise ConfigError(
+                    "neighbours", f"a dict needs 'index' and optionally 'mask', got {sorted(nb)}"
+                )
+            mask = None if nb.get("mask") is None else np.asarray(nb["mask"])
+            object.__setattr__(self, "neighbours", SparseNeighbours(np.asarray(nb["index"]), mask))
         elif not isinstance(nb, SparseNeighbours):
             raise ConfigError("neighbours", f"must be 'dense' or SparseNeighbours, got {type(nb)}")
 

@@ -159,6 +159,8 @@ def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: 
     if cfg.obs_dim and "obs" not in names:
         raise StateError("obs", "the config has an observation model but the state has no obs")
     n = get("mu_q").shape[0] if get("mu_q").ndim else 0
+    if n == 0:
+        raise StateError("agent", "the state has no agents")
     K = cfg.K
     expect = {
         "mu_q": (n, K),
@@ -183,8 +185,6 @@ def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: 
         bad = ~xp.isfinite(a).reshape(n, -1).all(axis=1)
         if bool(bad.any()):
             raise StateError(k, "contains NaN or Inf", agent=int(xp.argmax(bad)))
-    if n == 0:
-        raise StateError("agent", "the state has no agents")
     if not cfg.dense and cfg.neighbours.n_agents != n:
         raise StateError(
             "agent",
