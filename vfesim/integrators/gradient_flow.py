@@ -88,7 +88,7 @@ def gradient_flow_update(
     """NumPy twin of ``vfesim_kernels.update_cpu.gradient_flow_update_cpu`` (same arguments, by field)."""
     out = {}
     for f, (m, s) in enumerate((("mu_q", "sigma_q"), ("mu_p", "sigma_p"))):
-        em, es = eta[2 * f], eta[2 * f + 1]
+        em, es = float(eta[2 * f]), float(eta[2 * f + 1])  # Python floats keep float32 states float32
         mu, S = arrays[m], arrays[s]
         if em == 0.0:
             out[m] = mu
@@ -99,11 +99,12 @@ def gradient_flow_update(
         else:
             out[m] = mu + em * direc[m]
         out[s] = S if es == 0.0 else retract_spd(S, direc[s], es, mode)
-    if eta[4] == 0.0:
+    ep = float(eta[4])
+    if ep == 0.0:
         out["phi"] = arrays["phi"]
     else:
         sgn = 1.0 if mode == 2 else -1.0
-        out["phi"] = wrap_phi(arrays["phi"] + sgn * eta[4] * direc["phi"])
+        out["phi"] = wrap_phi(arrays["phi"] + sgn * ep * direc["phi"])
     return out
 
 
@@ -171,6 +172,10 @@ def make_gradient_flow(
         return restore(state, 0, aux, None)
 
     def step(carry: Carry) -> Carry:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # the guard reports instead
+            return _step(carry)
+
+    def _step(carry: Carry) -> Carry:
         grads = getattr(carry, _CACHE, None)
         arrays = state_arrays(carry.state)
         if grads is None:

@@ -340,7 +340,7 @@ def make_hamiltonian(
         guard_terms(n, eterms)
         return eterms, grads
 
-    def step_const(carry: Carry) -> Carry:
+    def _step_const(carry: Carry) -> Carry:
         cached = getattr(carry, _CACHE, None)
         arrays = state_arrays(carry.state)
         eterms, grads = cached if cached is not None else efn(arrays)
@@ -395,7 +395,12 @@ def make_hamiltonian(
         return _carry(with_arrays(carry.state, arrays), n, aux, eterms, grads, carry.rng_state)
 
     def step_riemann(carry: Carry) -> Carry:
-        return _riemann_step(carry)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # the guard reports instead
+            return _riemann_step(carry)
+
+    def step_const(carry: Carry) -> Carry:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return _step_const(carry)
 
     def _dHdx_kin(aux_th, p_mu, p_th, s_block):
         """(dK/dtheta, velocity v_theta, Sigma) for one block at theta with momenta (p_mu, p_th)."""
