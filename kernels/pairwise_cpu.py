@@ -1,0 +1,309 @@
+"""Numba CPU kernels of the pairwise alignment energy and its adjoint, tiled and streaming (SPEC §2.3–2.4).
+
+Same contract as ``vfesim.gaussian.pairwise.pairwise_dense`` / ``pairwise_sparse`` (without
+``return_beta``): features A, B (N, D), c (N,) with KL_ij = 1/2 (A_i . B_j + c_i) ->
+(E: Python float, gA (N, D), gB (N, D), gc (N,)), computed in the input dtype (float32 or float64).
+
+Dense, three sweeps over (receiver tile) x (sender tile) blocks of the KL matrix, never holding more than
+one tile per thread (peak memory O(N D + threads * tile^2), no N x N array):
+  1. per receiver block (parallel): online log-sum-exp statistics (m, s, t) over sender tiles;
+  2. the same receiver block, right after: recompute the tiles, W_ij, and accumulate gA_i, gc_i;
+  3. per sender block (parallel): recompute the tiles and accumulate gB_j over receivers.
+Every per-receiver and per-sender sum runs in ascending index order within fixed-size tiles; no thread
+shares an output row and there are no atomics, so results are bitwise identical run to run and do not
+depend on the thread count. Sparse: per receiver over its (N, k) list; senders through a CSC reverse index
+built by a stable counting sort, parallel over senders, each summing its receivers in ascending order.
+
+The scalar per-pair math (online LSE, weights) is :mod:`vfesim_kernels.pair_math`, compiled here with
+``numba.njit(inline="always")``; only the tile loops are CPU-specific.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from . import pair_math as _pm
+
+__all__ = ["pairwise_dense", "pairwise_sparse", "SENDER_TILE", "RECEIVER_TILE"]
+
+# Sender tile of sweeps 1-2. It fixes the grouping of the online log-sum-exp, so it is a constant (the
+# results must not depend on the thread count). 256 columns x 32 rows of float64 = 64 KiB per thread.
+SENDER_TILE = 256
+# Receiver rows per tile (sweeps 1-3); it does not change any summation order.
+RECEIVER_TILE = 32
+
+_inline = numba.njit(inline="always", cache=True, nogil=True)
+_lse_merge = _inline(_pm.lse_merge)
+_lse_push = _inline(_pm.lse_push)
+_row_abar = _inline(_pm.row_abar)
+_row_energy = _inline(_pm.row_energy)
+_pair_weight = _inline(_pm.pair_weight)
+_pair_kl = _inline(_pm.pair_kl)
+_pair_logit = _inline(_pm.pair_logit)
+_accumulate_row = _inline(_pm.accumulate_row)
+
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+_kernel = numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+_serial = numba.njit(nogil=True, cache=True)
+
+
+@_inline
+def _kl_tile(Ah, Bt, ch, i0, ni, j0, nj, out):
+    """out[ii, jj] = Ah[i0+ii] . Bt[:, j0+jj] + ch[i0+ii], summed in ascending d (as pair_math.pair_kl).
+
+    The inner loop runs over contiguous senders of the transposed Bt (D, N), so it vectorises without
+    reassociating any sum.
+    """
+    D = Ah.shape[1]
+    for ii in range(ni):
+        i = i0 + ii
+        a = Ah[i, 0]
+        for jj in range(nj):
+            out[ii, jj] = a * Bt[0, j0 + jj]
+        for d in range(1, D):
+            a = Ah[i, d]
+            for jj in range(nj):
+                out[ii, jj] += a * Bt[d, j0 + jj]
+        a = ch[i]
+        for jj in range(nj):
+            out[ii, jj] += a
+
+
+@_inline
+def _weight_tile(kl, i0, ni, j0, nj, m, inv_s, abar, kappa, agg):
+    """kl (tile) -> W in place, with the receivers' row statistics; the diagonal i == j gets 0."""
+    for ii in range(ni):
+        i = i0 + ii
+        mi, isi, ai = m[i], inv_s[i], abar[i]
+        for jj in range(nj):
+            kl[ii, jj] = _pair_weight(kl[ii, jj], mi, isi, ai, kappa, agg)
+        if j0 <= i < j0 + nj:
+            kl[ii, i - j0] = kl[ii, i - j0] - kl[ii, i - j0]
+
+
+@_kernel
+def _dense_receivers(Ah, B, Bt, ch, kappa, one, ninf, agg, m, inv_s, abar, erow, gA, gc):
+    """Sweeps 1-2 over receiver blocks: row statistics, row energies, gA = sum_j W_ij B_j, gc = sum_j W_ij."""
+    N, D = Ah.shape
+    TR, TS = RECEIVER_TILE, SENDER_TILE
+    nblk = (N + TR - 1) // TR
+    for b in numba.prange(nblk):
+        i0 = b * TR
+        ni = min(TR, N - i0)
+        tile = np.empty((TR, TS), Ah.dtype)
+        zero = one - one
+        for ii in range(ni):
+            m[i0 + ii], inv_s[i0 + ii], abar[i0 + ii] = ninf, zero, zero
+        # Sweep 1: online log-sum-exp per receiver, one sender tile at a time (tile max, then one merge).
+        for j0 in range(0, N, TS):
+            nj = min(TS, N - j0)
+            _kl_tile(Ah, Bt, ch, i0, ni, j0, nj, tile)
+            for ii in range(ni):
+                i = i0 + ii
+                mt = ninf
+                for jj in range(nj):
+                    x = _pair_logit(tile[ii, jj], kappa)
+                    if x > mt and j0 + jj != i:
+                        mt = x
+                if mt == ninf:
+                    continue  # only the diagonal in this tile
+                st, tt = zero, zero
+                for jj in range(nj):
+                    if j0 + jj != i:
+                        kl = tile[ii, jj]
+                        e = math.exp(_pair_logit(kl, kappa) - mt)
+                        st += e
+                        tt += e * kl
+                # m, inv_s, abar hold (m, s, t) until the sweep ends.
+                m[i], inv_s[i], abar[i] = _lse_merge(m[i], inv_s[i], abar[i], mt, st, tt)
+        for ii in range(ni):
+            i = i0 + ii
+            mi, si, ti = m[i], inv_s[i], abar[i]
+            erow[i] = _row_energy(mi, si, ti, kappa, agg)
+            abar[i] = _row_abar(si, ti)
+            inv_s[i] = one / si if si != zero else zero
+        # Sweep 2: recompute tiles, turn them into weights, accumulate gA and gc per receiver.
+        acc = np.zeros((TR, D), Ah.dtype)
+        wsum = np.zeros(TR, Ah.dtype)
+        for j0 in range(0, N, TS):
+            nj = min(TS, N - j0)
+            _kl_tile(Ah, Bt, ch, i0, ni, j0, nj, tile)
+            _weight_tile(tile, i0, ni, j0, nj, m, inv_s, abar, kappa, agg)
+            # gA_i += W_i,tile . Bt[:, tile]: contiguous dots, vectorised by the reassoc flag (fixed order).
+            for ii in range(ni):
+                ws = tile[ii, 0]
+                for jj in range(1, nj):
+                    ws += tile[ii, jj]
+                wsum[ii] += ws
+                for d in range(D):
+                    dot = tile[ii, 0] * Bt[d, j0]
+                    for jj in range(1, nj):
+                        dot += tile[ii, jj] * Bt[d, j0 + jj]
+                    acc[ii, d] += dot
+        for ii in range(ni):
+            gc[i0 + ii] = wsum[ii]
+            for d in range(D):
+                gA[i0 + ii, d] = acc[ii, d]
+
+
+@_kernel
+def _dense_senders(Ah, Bt, ch, kappa, agg, m, inv_s, abar, TSB, gB):
+    """Sweep 3 over sender blocks of TSB: gB_j = sum_i W_ij Ah_i (= 1/2 sum_i W_ij A_i), i ascending."""
+    N, D = Ah.shape
+    TR = RECEIVER_TILE
+    nblk = (N + TSB - 1) // TSB
+    for b in numba.prange(nblk):
+        j0 = b * TSB
+        nj = min(TSB, N - j0)
+        tile = np.empty((TR, TSB), Ah.dtype)
+        acc = np.zeros((D, TSB), Ah.dtype)  # gB^T of the block: the update below runs over senders
+        for i0 in range(0, N, TR):
+            ni = min(TR, N - i0)
+            _kl_tile(Ah, Bt, ch, i0, ni, j0, nj, tile)
+            _weight_tile(tile, i0, ni, j0, nj, m, inv_s, abar, kappa, agg)
+            for ii in range(ni):
+                for d in range(D):
+                    a = Ah[i0 + ii, d]
+                    for jj in range(nj):
+                        acc[d, jj] += tile[ii, jj] * a
+        for jj in range(nj):
+            for d in range(D):
+                gB[j0 + jj, d] = acc[d, jj]
+
+
+# Serial builds of the same dense kernels for small problems, where waking the thread pool costs more
+# than the work (prange runs as range); the arithmetic, and so the result, is identical.
+_dense_receivers_serial = numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(_dense_receivers.py_func)
+_dense_senders_serial = numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(_dense_senders.py_func)
+# Pair-feature products (N^2 D) below which the serial kernels run.
+SERIAL_WORK = 1 << 21
+
+
+def _sender_block(N: int) -> int:
+    """Senders per block of sweep 3: enough blocks to feed every thread, at most one sender tile."""
+    per = -(-N // (4 * numba.get_num_threads()))
+    return int(min(SENDER_TILE, max(8, per)))
+
+
+def _prepare(A, B, c, kappa):
+    dt = np.result_type(A.dtype, B.dtype, c.dtype)
+    if dt not in (np.float32, np.float64):
+        raise TypeError(f"features must be float32 or float64, got {dt}")
+    # Halving is exact (a power of two): KL_ij = Ah_i . B_j + ch_i equals 1/2 (A_i . B_j + c_i) bitwise.
+    Ah = np.ascontiguousarray(A, dt) * dt.type(0.5)
+    ch = np.ascontiguousarray(c, dt) * dt.type(0.5)
+    B = np.ascontiguousarray(B, dt)
+    return dt, Ah, B, ch, dt.type(kappa)
+
+
+def pairwise_dense(A, B, c, kappa: float, aggregator: str):
+    """All pairs j != i. A, B (N, D), c (N,) -> (E, gA (N, D), gB (N, D), gc (N,)); see module doc."""
+    agg = _pm.aggregator_code(aggregator)
+    dt, Ah, B, ch, kappa = _prepare(A, B, c, kappa)
+    N, D = Ah.shape
+    gA = np.zeros((N, D), dt)
+    gB = np.zeros((N, D), dt)
+    gc = np.zeros(N, dt)
+    if N < 2:
+        return 0.0, gA, gB, gc
+    Bt = np.ascontiguousarray(B.T)
+    m = np.empty(N, dt)
+    inv_s = np.empty(N, dt)
+    abar = np.empty(N, dt)
+    erow = np.empty(N, dt)
+    serial = N * N * D < SERIAL_WORK
+    recv, send = (
+        (_dense_receivers_serial, _dense_senders_serial) if serial else (_dense_receivers, _dense_senders)
+    )
+    recv(Ah, B, Bt, ch, kappa, dt.type(1), dt.type(-np.inf), agg, m, inv_s, abar, erow, gA, gc)
+    send(Ah, Bt, ch, kappa, agg, m, inv_s, abar, SENDER_TILE if serial else _sender_block(N), gB)
+    gA *= dt.type(0.5)
+    gc *= dt.type(0.5)
+    return float(erow.sum(dtype=np.float64)), gA, gB, gc
+
+
+@_kernel
+def _sparse_receivers(Ah, B, ch, index, mask, kappa, one, ninf, agg, erow, W, gA, gc):
+    """Per receiver over its list: statistics, row energy, W (N, k), gA = sum W B_j, gc = sum W."""
+    N, k = index.shape
+    for i in numba.prange(N):
+        zero = one - one
+        mi, si, ti = ninf, zero, zero
+        for q in range(k):
+            if mask[i, q]:
+                kl = _pair_kl(Ah, i, B, index[i, q], ch)
+                W[i, q] = kl
+                mi, si, ti = _lse_push(mi, si, ti, _pair_logit(kl, kappa), kl)
+        erow[i] = _row_energy(mi, si, ti, kappa, agg)
+        if si == zero:
+            continue
+        ai = _row_abar(si, ti)
+        isi = one / si
+        wsum = zero
+        for q in range(k):
+            if mask[i, q]:
+                w = _pair_weight(W[i, q], mi, isi, ai, kappa, agg)
+                W[i, q] = w
+                wsum += w
+                _accumulate_row(gA, i, w, B, index[i, q])
+        gc[i] = wsum
+
+
+@_serial
+def _csc(index, mask):
+    """Reverse index by a stable counting sort: entries of sender j are flat[ptr[j]:ptr[j+1]] (flat
+    positions i * k + q of the (N, k) lists), in ascending receiver order."""
+    N, k = index.shape
+    ptr = np.zeros(N + 1, np.int64)
+    for i in range(N):
+        for q in range(k):
+            if mask[i, q]:
+                ptr[index[i, q] + 1] += 1
+    for j in range(N):
+        ptr[j + 1] += ptr[j]
+    cur = ptr[:-1].copy()
+    flat = np.empty(ptr[N], np.int64)
+    for i in range(N):
+        for q in range(k):
+            if mask[i, q]:
+                j = index[i, q]
+                flat[cur[j]] = i * k + q
+                cur[j] += 1
+    return ptr, flat
+
+
+@_kernel
+def _sparse_senders(Ah, W, k, ptr, flat, gB):
+    """gB_j = sum over receivers i listing j (ascending) of W_iq Ah_i; W flattened (N * k,)."""
+    N = Ah.shape[0]
+    for j in numba.prange(N):
+        for e in range(ptr[j], ptr[j + 1]):
+            p = flat[e]
+            _accumulate_row(gB, j, W[p], Ah, p // k)
+
+
+def pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
+    """Fixed-width neighbour lists index/mask (N, k) -> (E, gA, gB, gc); masked entries are ignored."""
+    agg = _pm.aggregator_code(aggregator)
+    dt, Ah, B, ch, kappa = _prepare(A, B, c, kappa)
+    N, D = Ah.shape
+    index = np.ascontiguousarray(index, np.int64)
+    mask = np.ascontiguousarray(mask, np.bool_)
+    if index.shape != mask.shape or index.ndim != 2 or index.shape[0] != N:
+        raise ValueError(f"index/mask must both be (N={N}, k), got {index.shape} and {mask.shape}")
+    k = index.shape[1]
+    gA = np.zeros((N, D), dt)
+    gB = np.zeros((N, D), dt)
+    gc = np.zeros(N, dt)
+    erow = np.zeros(N, dt)
+    W = np.zeros((N, k), dt)
+    if k > 0:
+        _sparse_receivers(Ah, B, ch, index, mask, kappa, dt.type(1), dt.type(-np.inf), agg, erow, W, gA, gc)
+        ptr, flat = _csc(index, mask)
+        _sparse_senders(Ah, W.reshape(-1), k, ptr, flat, gB)
+    gA *= dt.type(0.5)
+    gc *= dt.type(0.5)
+    return float(erow.sum(dtype=np.float64)), gA, gB, gc

@@ -1,0 +1,200 @@
+"""The "numba" backend (kernels/pairwise_cpu.py) against the numpy reference (SPEC §2.4, §4).
+
+Energies and every gradient agree to the dtype table of conftest (1e-10 float64, 1e-4 float32), the
+results are bitwise reproducible, and N = 16384 runs under an address-space cap that one N x N float64
+array would break.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numba
+import numpy as np
+import pytest
+from conftest import tol
+from vfesim_kernels import pairwise_cpu
+
+import vfesim
+from vfesim.gaussian import pairwise as np_pairwise
+
+VARS = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
+
+NEIGHBOURS = {
+    "dense": lambda n: "dense",
+    "ring": lambda n: vfesim.SparseNeighbours.ring(n, 2),
+    # ragged lists with empty rows (every third agent receives nothing)
+    "ragged": lambda n: vfesim.SparseNeighbours.from_lists(
+        [[(i + 3) % n, (i + 5) % n, (i + 1) % n][: i % 3 + (i % 3 > 0)] for i in range(n)]
+    ),
+}
+
+
+def _scaled_tol(dtype, ref):
+    """The dtype table's rtol, with atol relative to the array's scale (gradients cross zero)."""
+    t = tol(dtype)
+    return {"rtol": t["rtol"], "atol": t["rtol"] * float(np.max(np.abs(ref), initial=0.0))}
+
+
+def _compare(state, cfg):
+    t_np, g_np = vfesim.energy_and_gradient(state, cfg, backend="numpy")
+    t_nb, g_nb = vfesim.energy_and_gradient(state, cfg, backend="numba")
+    dt = state.mu_q.dtype
+    for k, v in t_np.items():
+        np.testing.assert_allclose(t_nb[k], v, rtol=tol(dt)["rtol"], atol=tol(dt)["atol"], err_msg=k)
+    for k in VARS:
+        assert g_nb[k].dtype == dt, k
+        ref = g_np[k].values
+        np.testing.assert_allclose(g_nb[k].values, ref, **_scaled_tol(dt, ref), err_msg=k)
+    return t_nb, g_nb
+
+
+@pytest.mark.parametrize("neighbours", list(NEIGHBOURS))
+@pytest.mark.parametrize("aggregator", ["expected", "softmin"])
+@pytest.mark.parametrize("irreps", [(1,), (2,), (0, 1, 2)])
+def test_backend_matches_numpy(irreps, aggregator, neighbours, dtype):
+    n = 37  # not a multiple of the receiver tile
+    cfg = vfesim.ModelConfig(
+        irreps=irreps,
+        lambda_prior=0.4,
+        kappa_beta=0.6,
+        kappa_gamma=1.7,
+        aggregator=aggregator,
+        neighbours=NEIGHBOURS[neighbours](n),
+    )
+    st = vfesim.random_state(cfg, n, seed=3, dtype=dtype, mu_scale=1.5, phi_radius=2.5)
+    _compare(st, cfg)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_one_and_two_agents(n, dtype):
+    cfg = vfesim.ModelConfig(K=3, lambda_prior=0.5)
+    st = vfesim.random_state(cfg, n, seed=1, dtype=dtype)
+    terms, grads = _compare(st, cfg)
+    if n == 1:
+        assert terms["belief_align"] == 0.0 and terms["prior_align"] == 0.0
+
+
+def _features(rng, n, D, dtype, spread=3.0):
+    """Random features whose KLs spread over several kappa (a non-trivial softmax)."""
+    A = rng.standard_normal((n, D)) * 0.4
+    B = rng.standard_normal((n, D)) * 0.4
+    c = rng.standard_normal(n) * spread
+    return A.astype(dtype), B.astype(dtype), c.astype(dtype)
+
+
+# 300 receivers span 10 receiver tiles and two sender tiles (the second one partial); N^2 D decides
+# between the serial (300, 10) and the threaded kernels (300, 253) and (600, 10).
+@pytest.mark.parametrize("n, D", [(300, 10), (300, 253), (600, 10)])
+@pytest.mark.parametrize("aggregator", ["expected", "softmin"])
+def test_pairwise_dense_matches_numpy(n, D, aggregator, dtype, rng):
+    A, B, c = _features(rng, n, D, dtype)
+    ref = np_pairwise.pairwise_dense(A, B, c, 0.8, aggregator)
+    out = pairwise_cpu.pairwise_dense(A, B, c, 0.8, aggregator)
+    assert isinstance(out[0], float)
+    np.testing.assert_allclose(out[0], ref[0], rtol=tol(dtype)["rtol"])
+    for a, b in zip(out[1:], ref[1:], strict=True):
+        assert a.dtype == np.dtype(dtype) and a.shape == b.shape
+        np.testing.assert_allclose(a, b, **_scaled_tol(dtype, b))
+
+
+@pytest.mark.parametrize("aggregator", ["expected", "softmin"])
+def test_pairwise_sparse_matches_numpy(aggregator, dtype, rng):
+    n, k = 200, 9
+    index = np.stack([rng.choice(np.delete(np.arange(n), i), k, replace=False) for i in range(n)])
+    mask = rng.random((n, k)) < 0.7
+    mask[::5] = False  # receivers without neighbours
+    A, B, c = _features(rng, n, 21, dtype)
+    ref = np_pairwise.pairwise_sparse(A, B, c, index, mask, 0.8, aggregator)
+    out = pairwise_cpu.pairwise_sparse(A, B, c, index, mask, 0.8, aggregator)
+    np.testing.assert_allclose(out[0], ref[0], rtol=tol(dtype)["rtol"])
+    for a, b in zip(out[1:], ref[1:], strict=True):
+        np.testing.assert_allclose(a, b, **_scaled_tol(dtype, b))
+    assert not np.any(out[1][::5]) and not np.any(out[3][::5])
+
+
+def test_serial_and_threaded_kernels_are_bitwise_equal(rng, monkeypatch):
+    A, B, c = _features(rng, 300, 10, "float64")
+    serial = pairwise_cpu.pairwise_dense(A, B, c, 0.8, "expected")
+    monkeypatch.setattr(pairwise_cpu, "SERIAL_WORK", 0)
+    threaded = pairwise_cpu.pairwise_dense(A, B, c, 0.8, "expected")
+    assert serial[0] == threaded[0]
+    for a, b in zip(serial[1:], threaded[1:], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("neighbours", ["dense", "ring"])
+def test_bitwise_deterministic(neighbours):
+    n = 700
+    cfg = vfesim.ModelConfig(K=3, lambda_prior=0.5, neighbours=NEIGHBOURS[neighbours](n))
+    st = vfesim.random_state(cfg, n, seed=5)
+    t1, g1 = vfesim.energy_and_gradient(st, cfg, backend="numba")
+    t2, g2 = vfesim.energy_and_gradient(st, cfg, backend="numba")
+    assert t1 == t2
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        t3, g3 = vfesim.energy_and_gradient(st, cfg, backend="numba")
+    finally:
+        numba.set_num_threads(threads)
+    assert t1 == t3
+    for k in VARS:
+        np.testing.assert_array_equal(g1[k].values, g2[k].values)
+        np.testing.assert_array_equal(g1[k].values, g3[k].values)
+
+
+_MEMCAP_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys
+    import numpy as np
+    import vfesim
+
+    N = int(sys.argv[1])
+    cfg = vfesim.ModelConfig(K=3)
+    vfesim.energy_and_gradient(vfesim.random_state(cfg, 64, seed=0), cfg, backend="numba")  # JIT, threads
+    state = vfesim.random_state(cfg, N, seed=0)
+
+    def vm_bytes():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+
+    cap = vm_bytes() + (512 << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    try:
+        np.ones((N, N))  # 2 GiB: must not fit, or the cap proves nothing
+        print("NXN-FITS")
+    except MemoryError:
+        print("NXN-REFUSED")
+    terms, grads = vfesim.energy_and_gradient(state, cfg, backend="numba")
+    assert np.isfinite(terms["total"]) and np.isfinite(grads.phi.values).all()
+    print("OK", terms["total"])
+    """
+)
+
+
+@pytest.mark.slow
+def test_large_n_streams_under_memory_cap():
+    """N = 16384, K = 3: runs with 512 MiB of address space above the warm baseline (N x N f64 = 2 GiB)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMCAP_SCRIPT, "16384"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.split()
+    assert "NXN-REFUSED" in lines, proc.stdout
+    assert "OK" in lines, proc.stdout
+
+
+def test_unknown_backend_is_an_error():
+    cfg = vfesim.ModelConfig(K=3)
+    st = vfesim.random_state(cfg, 4, seed=0)
+    with pytest.raises(ValueError, match="backend: unknown 'numbaa'"):
+        vfesim.energy_and_gradient(st, cfg, backend="numbaa")
+
+
+def test_bad_feature_dtype_is_an_error():
+    A = np.ones((3, 10), np.int64)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        pairwise_cpu.pairwise_dense(A, A, np.ones(3, np.int64), 1.0, "expected")
