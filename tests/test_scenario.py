@@ -1,0 +1,116 @@
+"""Scenario validation: every bad key is named, defaults resolve, scenarios/*.toml load."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vfesim.scenario import Scenario, ScenarioError, load_scenario
+
+SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
+
+GOOD = {
+    "model": {"K": 3},
+    "population": {"n_agents": 5},
+    "integrator": {"dt": 0.1},
+    "run": {"n_steps": 4},
+}
+
+
+def with_(section, **kv):
+    d = {k: dict(v) for k, v in GOOD.items()}
+    d.setdefault(section, {}).update(kv)
+    return d
+
+
+def test_defaults_resolve_and_round_trip():
+    s = Scenario.from_dict(GOOD)
+    assert s.run["checkpoint_every"] == 4 and s.run["backend"] == "numpy"
+    assert s.integrator["method"] == "gradient_flow" and s.output["keep_checkpoints"] == 2
+    again = Scenario.from_json(s.to_json())
+    assert again.to_dict() == s.to_dict() and again.model == s.model
+
+
+@pytest.mark.parametrize(
+    "section, kv, key",
+    [
+        ("integrator", {"dt": 0.0}, "integrator.dt: must be > 0"),
+        ("integrator", {"dt": -1}, "integrator.dt: must be > 0"),
+        ("integrator", {"dt": "fast"}, "integrator.dt: must be a number"),
+        ("integrator", {"method": "rk4"}, "integrator.method: must be one of"),
+        ("integrator", {"friction": -0.1}, "integrator.friction: must be >= 0"),
+        ("integrator", {"stepsize": 1}, "integrator.stepsize: unknown key"),
+        ("integrator", {"options": {"x": [1, 2]}}, "integrator.options.x"),
+        ("run", {"n_steps": 0}, "run.n_steps: must be >= 1"),
+        ("run", {"n_steps": 2.5}, "run.n_steps: must be an integer"),
+        ("run", {"n_steps": True}, "run.n_steps: must be an integer"),
+        ("run", {"save_every": 3}, "run.n_steps: must be a multiple of run.save_every"),
+        ("run", {"checkpoint_every": 0}, "run.checkpoint_every: must be >= 1"),
+        ("run", {"dtype": "float16"}, "run.dtype: must be one of"),
+        ("run", {"backend": "fortran"}, "run.backend: must be one of"),
+        ("run", {"seed": -1}, "run.seed: must be >= 0"),
+        ("model", {"lambda_self": -1.0}, "model.lambda_self: must be >= 0"),
+        ("model", {"kappa_beta": 0}, "model.kappa_beta: must be > 0"),
+        ("model", {"K": 4}, "model.K: a single so(3) irrep"),
+        ("model", {"lambda_obs": 1.0}, "model.W: lambda_obs > 0 needs"),
+        ("model", {"temperature": 1.0}, "model.temperature: unknown key"),
+        ("model", {"dtype": "float32"}, "model.dtype: set the dtype in run.dtype"),
+        ("model", {"W": [[1.0, 0, 0]], "R": [[-1.0]]}, "model.R: must be positive definite"),
+        ("population", {"n_agents": 1}, "population.n_agents: must be >= 2"),
+        ("population", {"phi_radius": 4.0}, "population.phi_radius: must be < pi"),
+        ("population", {"eig_range": [2.0, 1.0]}, "population.eig_range: needs lo <= hi"),
+        ("population", {"eig_range": [0.0, 1.0]}, "population.eig_range: must be > 0"),
+        ("population", {"neighbours": "ring"}, "population.half_width: is required"),
+        ("population", {"neighbours": "ring", "half_width": 3}, "population.half_width: 2*half"),
+        ("population", {"neighbours": "knn"}, "population.neighbours: must be one of"),
+        ("population", {"camps": 2}, "population.camp_offset: must be > 0"),
+        ("output", {"keep_checkpoints": 1}, "output.keep_checkpoints: must be >= 2"),
+        ("output", {"path": 3}, "output.path: must be a string"),
+        ("extra", {"a": 1}, "extra: unknown section"),
+    ],
+)
+def test_bad_values_name_the_key(section, kv, key):
+    with pytest.raises(ScenarioError) as e:
+        Scenario.from_dict(with_(section, **kv))
+    assert key in str(e.value)
+
+
+def test_required_keys():
+    for section, key in (
+        ("model", "K"),
+        ("population", "n_agents"),
+        ("integrator", "dt"),
+        ("run", "n_steps"),
+    ):
+        d = {k: dict(v) for k, v in GOOD.items()}
+        del d[section][key]
+        with pytest.raises(ScenarioError, match=f"{section}.{key}"):
+            Scenario.from_dict(d)
+
+
+def test_toml_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nK = 3")
+    with pytest.raises(ScenarioError, match="invalid TOML"):
+        load_scenario(bad)
+    with pytest.raises(ScenarioError, match="not found"):
+        load_scenario(tmp_path / "missing.toml")
+
+
+def test_ring_and_camps_build_the_population():
+    s = Scenario.from_dict(
+        with_(
+            "population", n_agents=6, neighbours="ring", half_width=1, camps=2, camp_offset=4.0, mu_scale=0.0
+        )
+    )
+    assert s.model.neighbours.width == 2
+    state = s.initial_state()
+    mu_p = state["mu_p"].values
+    np.testing.assert_allclose(mu_p[0::2, 0] - mu_p[1::2, 0], 4.0)
+    assert s.initial_state().identical(state)
+
+
+@pytest.mark.parametrize("path", sorted(SCENARIOS.glob("*.toml")), ids=lambda p: p.stem)
+def test_shipped_scenarios_validate(path):
+    s = load_scenario(path)
+    assert s.name == path.stem and s.run["n_steps"] >= 1

@@ -1,0 +1,143 @@
+"""Command line (SPEC §1): ``vfesim run | resume | inspect | plot``.
+
+Exit codes: 0 done, 2 bad scenario or arguments, 3 the dynamics failed (NaN/Inf, SPD loss),
+4 the store cannot be written, read or resumed, 130 interrupted. Messages go to stderr through the
+``vfesim`` logger; ``inspect`` prints its report on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import ConfigError
+from .progress import configure_logging, log
+
+__all__ = ["main"]
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, warnings only")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vfesim", description="Run and analyse vfesim simulations.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run a scenario file")
+    p.add_argument("scenario", help="scenario TOML file")
+    p.add_argument("--out", help="output Zarr store (default: [output] path)")
+    p.add_argument("--steps", type=int, help="total number of steps (overrides run.n_steps)")
+    p.add_argument("--backend", help="numpy | numba | cuda | dask | auto (overrides run.backend)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run store")
+    _common(p)
+    p = sub.add_parser("resume", help="continue a run from its last checkpoint")
+    p.add_argument("store", help="run Zarr store")
+    p.add_argument("--steps", type=int, help="new total number of steps (default: the run's)")
+    p.add_argument("--backend", help="backend (default: the run's; another one breaks bitwise)")
+    p.add_argument("--scenario", help="check the stored scenario against this file")
+    p.add_argument(
+        "--allow-version-change", action="store_true", help="resume a run of another vfesim version"
+    )
+    _common(p)
+    p = sub.add_parser("inspect", help="config, steps done, energies, checkpoints")
+    p.add_argument("store")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _common(p)
+    p = sub.add_parser("plot", help="PNG figures of a run")
+    p.add_argument("store")
+    p.add_argument("--outdir", help="where to write PNGs (default: STORE without .zarr + _plots)")
+    _common(p)
+    return ap
+
+
+def _inspect(path: str, as_json: bool) -> None:
+    from .simulate import run_info
+
+    info = run_info(path)
+    if as_json:
+        _out(json.dumps(info, indent=2, sort_keys=True))
+        return
+    sc = info["scenario"]
+    lines = [
+        f"run          {info['path']}  ({info['name']})",
+        f"status       {info['status']}",
+        f"version      vfesim {info['vfesim_version']}, backend {info['backend']}, {info['dtype']}",
+        f"agents       {info['n_agents']}  (K = {sc['model'].get('K')})",
+        f"integrator   {sc['integrator']['method']}, dt = {sc['integrator']['dt']}, "
+        f"friction = {sc['integrator']['friction']}",
+        f"steps        {info['last_saved_step']} saved of {info['n_steps']} "
+        f"({info['frames_saved']} frames, every {sc['run']['save_every']})",
+        f"checkpoints  {', '.join(map(str, info['checkpoints'])) or 'none'}",
+    ]
+    for k, v in info["last_energies"].items():
+        lines.append(f"  {k:<28} {v:.10g}")
+    lines.append("scenario     " + json.dumps(sc, sort_keys=True))
+    _out("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``vfesim`` command; returns the exit code."""
+    args = _parser().parse_args(argv)
+    configure_logging(quiet=args.quiet, verbose=args.verbose)
+    from .integrators.base import DynamicsError
+    from .io.store import StoreError
+    from .simulate import RunError
+
+    progress = False if args.quiet else None
+    try:
+        if args.command == "run":
+            from .simulate import simulate
+
+            simulate(
+                args.scenario,
+                out=args.out,
+                steps=args.steps,
+                backend=args.backend,
+                progress=progress,
+                overwrite=args.overwrite,
+            )
+        elif args.command == "resume":
+            from .simulate import resume
+
+            resume(
+                args.store,
+                steps=args.steps,
+                backend=args.backend,
+                scenario=args.scenario,
+                progress=progress,
+                allow_version_change=args.allow_version_change,
+            )
+        elif args.command == "inspect":
+            _inspect(args.store, args.json)
+        elif args.command == "plot":
+            from .plots import plot_run
+
+            outdir = args.outdir or str(args.store).rstrip("/").removesuffix(".zarr") + "_plots"
+            for p in plot_run(args.store, Path(outdir)):
+                log.info("wrote %s", p)
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
+    except DynamicsError:
+        return 3  # already reported by the run loop, with the last good checkpoint
+    except (StoreError, RunError) as e:
+        log.error("%s", e)
+        return 4
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return 130
+    except Exception as e:  # a bug or an unexpected failure: say what, traceback with --verbose
+        log.error("%s: %s", type(e).__name__, e, exc_info=args.verbose)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

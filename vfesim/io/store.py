@@ -1,0 +1,325 @@
+"""The run store (SPEC §5): one Zarr v3 directory per run.
+
+Layout of ``RUN.zarr``::
+
+    zarr.json                 root group; attrs: format, scenario (JSON), model_config (JSON),
+                              vfesim_version, dtype, backend, status
+    mu_q, sigma_q, mu_p,      (time, agent, ...) trajectory arrays, preallocated for the whole run
+    sigma_p, phi
+    system_free_energy,       (time,) energy terms of each saved frame
+    system_energy_<term>
+    saved                     (time,) bool, True once a frame is written (fill value False)
+    time, step                coordinates: physical time (step * dt) and integer step of each frame
+    obs                       (agent, obs_dim) observations, when the model has them
+    checkpoints/step-<12 digits>/   full state + ``aux__<name>`` integrator arrays; attrs: step,
+                              rng_state, terms, scenario, vfesim_version, backend, frames_saved
+
+Frame ``f`` holds step ``f * save_every``. Trajectory writes start at chunk boundaries of the
+``time`` axis: a full chunk is written once; at a checkpoint the current partial chunk is written
+from its start and rewritten when it fills. Zarr's local store replaces each chunk file atomically,
+so a kill mid-write leaves the old or the new chunk, never a torn one, and nothing is ever appended
+(no metadata change while running). Checkpoints are written to ``checkpoints/.tmp-*`` and moved into
+place with ``os.replace``; the newest ``keep_checkpoints`` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xarray as xr
+import zarr
+
+from .._version import __version__
+from ..state import STATE_DIMS
+
+__all__ = ["StoreError", "RunStore", "Checkpoint", "FORMAT", "TRAJ_STATE", "term_var"]
+
+FORMAT = "vfesim-run/1"
+TRAJ_STATE = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
+_CKPT = re.compile(r"^step-(\d{12})$")
+log = logging.getLogger("vfesim")
+
+
+class StoreError(RuntimeError):
+    """The run store cannot be created, read or written; the message names the path."""
+
+
+def term_var(term: str) -> str:
+    """Trajectory variable name of an energy term ("total" is the system free energy)."""
+    return "system_free_energy" if term == "total" else f"system_energy_{term}"
+
+
+def _zkw() -> dict:
+    return {"zarr_format": 3, "consolidated": False}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Everything needed to continue a run bitwise: state, integrator aux, RNG state, step."""
+
+    path: Path
+    step: int
+    state: xr.Dataset
+    aux: dict[str, np.ndarray]
+    rng_state: dict | None
+    terms: dict[str, float]
+    attrs: dict
+
+
+class RunStore:
+    """A run's Zarr store; see the module docstring for the layout."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.ckpt_dir = self.path / "checkpoints"
+
+    # --- creation ----------------------------------------------------------------------------
+    @staticmethod
+    def probe(path: str | Path, overwrite: bool = False) -> None:
+        """Fail early, before any computing, if ``path`` cannot hold a new run."""
+        path = Path(path)
+        if path.exists():
+            if not overwrite:
+                raise StoreError(f"{path}: already exists (pass overwrite / --overwrite, or resume)")
+            if not RunStore.is_run(path):
+                raise StoreError(f"{path}: exists and is not a vfesim run; refusing to overwrite")
+        parent = path.absolute().parent
+        probe = parent / f".{path.name}.probe-{uuid.uuid4().hex}"
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            probe.mkdir()
+            probe.rmdir()
+        except OSError as e:
+            raise StoreError(f"{path}: output location is not writable ({e.strerror or e})") from e
+
+    @staticmethod
+    def is_run(path: str | Path) -> bool:
+        try:
+            meta = json.loads((Path(path) / "zarr.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return meta.get("attributes", {}).get("format") == FORMAT
+
+    @classmethod
+    def create(
+        cls,
+        path: str | Path,
+        state: xr.Dataset,
+        terms: list[str],
+        *,
+        n_frames: int,
+        save_every: int,
+        dt: float,
+        time_chunk: int,
+        attrs: dict,
+        overwrite: bool = False,
+    ) -> RunStore:
+        """Preallocate the trajectory (metadata only) and an empty checkpoints group.
+
+        The store is built at a hidden temporary path beside ``path``; :meth:`publish` moves it into
+        place, so a run killed before its first checkpoint leaves no half-made store behind.
+        """
+        cls.probe(path, overwrite)
+        final = Path(path)
+        path = final.absolute().parent / f".{final.name}.creating-{uuid.uuid4().hex[:8]}"
+        steps = np.arange(n_frames, dtype=np.int64) * save_every
+        coords = {
+            "time": ("time", steps * dt, {"units": "model time (step * dt)"}),
+            "step": ("time", steps),
+        }
+        data = {"obs": (STATE_DIMS["obs"], state["obs"].values)} if "obs" in state else {}
+        base = xr.Dataset(data, coords=coords, attrs={"format": FORMAT, "status": "created", **attrs})
+        # Time-indexed arrays: metadata only (no chunk is written until a frame is), fill NaN.
+        arrays = {
+            k: ((n_frames, *state[k].shape), ("time", *state[k].dims), state[k].dtype, np.nan)
+            for k in TRAJ_STATE
+        }
+        for t in terms:
+            arrays[term_var(t)] = ((n_frames,), ("time",), np.float64, np.nan)
+        arrays["saved"] = ((n_frames,), ("time",), np.bool_, False)
+        try:
+            base.to_zarr(path, mode="w", **_zkw())
+            g = zarr.open_group(path, mode="r+", zarr_format=3)
+            for name, (shape, dims, dtype, fill) in arrays.items():
+                g.create_array(
+                    name,
+                    shape=shape,
+                    chunks=(time_chunk, *shape[1:]),
+                    dtype=dtype,
+                    fill_value=fill,
+                    dimension_names=dims,
+                    attributes={"coordinates": "step"},
+                )
+            g["saved"].attrs["description"] = "frame written (open_run keeps only these)"
+            zarr.open_group(path / "checkpoints", mode="w", zarr_format=3)
+        except OSError as e:
+            shutil.rmtree(path, ignore_errors=True)
+            raise StoreError(f"{final}: cannot create the run store ({e})") from e
+        return cls(path)
+
+    def publish(self, path: str | Path) -> RunStore:
+        """Move a store made by :meth:`create` to ``path`` (replacing a run there) atomically."""
+        path = Path(path)
+        try:
+            if path.exists():
+                trash = path.absolute().parent / f".{path.name}.trash-{uuid.uuid4().hex[:8]}"
+                os.replace(path, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            os.replace(self.path, path)
+        except OSError as e:
+            raise StoreError(f"{path}: cannot move the new run store into place ({e})") from e
+        return RunStore(path)
+
+    # --- metadata ----------------------------------------------------------------------------
+    @property
+    def attrs(self) -> dict:
+        try:
+            return dict(zarr.open_group(self.path, mode="r", zarr_format=3).attrs)
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError) as e:
+            raise StoreError(f"{self.path}: not a vfesim run store ({e})") from None
+
+    def set_attrs(self, **attrs) -> None:
+        """Update root attrs (the root zarr.json is replaced atomically by the local store)."""
+        zarr.open_group(self.path, mode="r+", zarr_format=3).attrs.update(attrs)
+
+    def n_frames(self) -> int:
+        return zarr.open_array(self.path / "saved", mode="r", zarr_format=3).shape[0]
+
+    def time_chunk(self) -> int:
+        return zarr.open_array(self.path / "saved", mode="r", zarr_format=3).chunks[0]
+
+    def extend(self, n_frames: int, save_every: int, dt: float) -> None:
+        """Grow every time-indexed array to ``n_frames`` (idempotent; for resume with more steps)."""
+        g = zarr.open_group(self.path, mode="r+", zarr_format=3)
+        for _, arr in g.arrays():
+            names = arr.metadata.dimension_names or ()
+            if names and names[0] == "time" and arr.shape[0] != n_frames:
+                arr.resize((n_frames, *arr.shape[1:]))
+        steps = np.arange(n_frames, dtype=np.int64) * save_every
+        g["step"][:] = steps
+        g["time"][:] = steps * dt
+
+    # --- trajectory --------------------------------------------------------------------------
+    def write_frames(self, start: int, frames: list[dict[str, np.ndarray]]) -> None:
+        """Write frames ``start .. start+len(frames)`` (``start`` is a chunk boundary)."""
+        if not frames:
+            return
+        n = len(frames)
+        data = {k: (("time", *STATE_DIMS[k]), np.stack([f[k] for f in frames])) for k in TRAJ_STATE}
+        for k in frames[0]:
+            if k not in TRAJ_STATE:
+                data[k] = (("time",), np.array([f[k] for f in frames], np.float64))
+        region = {"time": slice(start, start + n)}
+        try:
+            xr.Dataset(data).to_zarr(self.path, region=region, **_zkw())
+            # Marked saved only after every variable's chunk is in place.
+            xr.Dataset({"saved": (("time",), np.ones(n, bool))}).to_zarr(self.path, region=region, **_zkw())
+        except OSError as e:
+            raise StoreError(f"{self.path}: writing frames {start}..{start + n - 1} failed ({e})") from e
+
+    def read_frames(self, start: int, stop: int) -> list[dict[str, np.ndarray]]:
+        """Frames ``start .. stop-1`` back from disk (to refill a partial chunk on resume)."""
+        if stop <= start:
+            return []
+        ds = xr.open_zarr(self.path, chunks=None, **_zkw()).isel(time=slice(start, stop)).load()
+        if not bool(ds["saved"].all()):
+            raise StoreError(f"{self.path}: frames {start}..{stop - 1} are not all written")
+        keys = [k for k in ds.data_vars if "time" in ds[k].dims and k != "saved"]
+        return [{k: ds[k].values[i] for k in keys} for i in range(stop - start)]
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def checkpoint_steps(self) -> list[int]:
+        if not self.ckpt_dir.is_dir():
+            return []
+        return sorted(int(m[1]) for p in self.ckpt_dir.iterdir() if (m := _CKPT.match(p.name)))
+
+    def write_checkpoint(
+        self,
+        state: xr.Dataset,
+        step: int,
+        aux: dict[str, np.ndarray],
+        rng_state: dict | None,
+        terms: dict[str, float],
+        attrs: dict,
+        keep: int = 2,
+    ) -> Path:
+        """Write a checkpoint to a temporary store, ``os.replace`` it into place, prune old ones."""
+        state = state.as_numpy()
+        data = {k: state[k] for k in state.data_vars}
+        for name, a in aux.items():
+            a = np.asarray(a)
+            data[f"aux__{name}"] = ([f"aux__{name}__{d}" for d in range(a.ndim)], a)
+        ds = xr.Dataset(data)
+        ds.attrs = {
+            **state.attrs,
+            "step": int(step),
+            "rng_state": json.dumps(rng_state),
+            "terms": json.dumps({k: float(v) for k, v in terms.items()}),
+            "aux_names": json.dumps(list(aux)),
+            "vfesim_version": __version__,
+            **attrs,
+        }
+        final = self.ckpt_dir / f"step-{step:012d}"
+        tmp = self.ckpt_dir / f".tmp-{step:012d}-{uuid.uuid4().hex[:8]}"
+        try:
+            ds.to_zarr(tmp, mode="w", **_zkw())
+            if final.exists():  # a rerun after a crash re-creates the same checkpoint
+                self._discard(final)
+            os.replace(tmp, final)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise StoreError(f"{self.path}: writing the checkpoint at step {step} failed ({e})") from e
+        for old in self.checkpoint_steps()[:-keep]:
+            self._discard(self.ckpt_dir / f"step-{old:012d}")
+        return final
+
+    def _discard(self, p: Path) -> None:
+        # Rename first so a half-deleted checkpoint never looks like a complete one.
+        trash = self.ckpt_dir / f".trash-{uuid.uuid4().hex[:8]}"
+        os.replace(p, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def clean(self) -> None:
+        """Remove leftovers of killed writes: temporary checkpoints, trash, partial chunk files."""
+        if self.ckpt_dir.is_dir():
+            for p in self.ckpt_dir.iterdir():
+                if p.name.startswith((".tmp-", ".trash-")):
+                    shutil.rmtree(p, ignore_errors=True)
+        for p in self.path.rglob("*.partial"):
+            p.unlink(missing_ok=True)
+
+    def load_checkpoint(self, step: int) -> Checkpoint:
+        p = self.ckpt_dir / f"step-{step:012d}"
+        ds = xr.open_zarr(p, chunks=None, **_zkw()).load()
+        names = json.loads(ds.attrs["aux_names"])
+        aux = {n: ds[f"aux__{n}"].values for n in names}
+        state = ds.drop_vars([f"aux__{n}" for n in names])
+        state = state.drop_dims([d for d in state.dims if d.startswith("aux__")])
+        keep = ("model_config", "vfesim_version", "dtype")
+        state.attrs = {k: ds.attrs[k] for k in keep if k in ds.attrs}
+        return Checkpoint(
+            path=p,
+            step=int(ds.attrs["step"]),
+            state=state,
+            aux=aux,
+            rng_state=json.loads(ds.attrs["rng_state"]),
+            terms=json.loads(ds.attrs["terms"]),
+            attrs=dict(ds.attrs),
+        )
+
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """The newest checkpoint that loads completely (older ones are tried if it does not)."""
+        for step in reversed(self.checkpoint_steps()):
+            try:
+                return self.load_checkpoint(step)
+            except Exception as e:  # a damaged checkpoint: say so and fall back to the previous
+                log.warning("checkpoint at step %d is unreadable (%s); trying an older one", step, e)
+        return None

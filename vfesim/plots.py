@@ -1,0 +1,171 @@
+"""PNG figures of a run (``vfesim plot``): energies, final attention, belief paths, frame angles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .io.reader import open_run
+from .io.store import StoreError
+
+__all__ = ["plot_run", "plot_energy", "plot_attention", "plot_beliefs", "plot_frames"]
+
+MAX_PATHS = 200
+MAX_ATTENTION = 600
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_energy(ds, path: Path) -> Path:
+    """Free energy (and Hamiltonian, kinetic energy) on top, the terms of F below, against time."""
+    plt = _plt()
+    t = ds["time"].values
+    top = [k for k in ("system_free_energy", "system_energy_hamiltonian") if k in ds]
+    terms = [k for k in ds.data_vars if k.startswith("system_energy_") and k not in top]
+    terms = [k for k in terms if k != "system_energy_hamiltonian"]
+    fig, (a0, a1) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, constrained_layout=True)
+    for k in top:
+        a0.plot(t, ds[k].values, lw=1.6, label=k.removeprefix("system_"))
+    a0.set_ylabel("energy")
+    a0.set_title("free energy F = sum of the terms below")
+    a0.legend(loc="best")
+    zero = []
+    for k in terms:
+        v = ds[k].values
+        if np.all(v == 0):
+            zero.append(k.removeprefix("system_energy_"))
+            continue
+        a1.plot(t, v, lw=1.3, label=k.removeprefix("system_energy_"))
+    a1.set_xlabel("time (step * dt)")
+    a1.set_ylabel("term")
+    title = "energy terms"
+    if zero:
+        title += f" (identically zero: {', '.join(zero)})"
+    a1.set_title(title, fontsize=10)
+    if a1.lines:
+        a1.legend(loc="best")
+    for a in (a0, a1):
+        a.grid(alpha=0.3)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and top-2 principal axes (2, K) of rows of ``x`` (K = 1 pads with zero)."""
+    mean = x.mean(axis=0)
+    _, _, vt = np.linalg.svd(x - mean, full_matrices=False)
+    axes = np.zeros((2, x.shape[1]))
+    axes[: min(2, vt.shape[0])] = vt[:2]
+    return mean, axes
+
+
+def _final_arrays(ds) -> dict[str, np.ndarray]:
+    last = ds.isel(time=-1)
+    arrays = {k: last[k].values for k in ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")}
+    if "obs" in ds:
+        arrays["obs"] = ds["obs"].values
+    return arrays
+
+
+def plot_attention(ds, cfg: ModelConfig, path: Path) -> Path:
+    """Final belief attention beta_ij, agents ordered by their final belief's first PC."""
+    from .gaussian.energy import attention
+
+    plt = _plt()
+    arrays = _final_arrays(ds)
+    beta = np.asarray(attention(arrays, cfg, "belief"))
+    n = arrays["mu_q"].shape[0]
+    if not cfg.dense:
+        nb = cfg.neighbours
+        dense = np.zeros((n, n))
+        rows = np.repeat(np.arange(n)[:, None], nb.width, axis=1)
+        dense[rows[nb.mask], nb.index[nb.mask]] = beta[nb.mask]
+        beta = dense
+    mean, axes = _pca(arrays["mu_q"])
+    order = np.argsort((arrays["mu_q"] - mean) @ axes[0], kind="stable")
+    if n > MAX_ATTENTION:
+        order = order[:: int(np.ceil(n / MAX_ATTENTION))]
+    b = beta[np.ix_(order, order)]
+    fig, ax = plt.subplots(figsize=(6.4, 5.4), constrained_layout=True)
+    im = ax.imshow(b, cmap="magma", interpolation="nearest", vmin=0)
+    fig.colorbar(im, ax=ax, label="beta_ij (row i attends to column j)")
+    shown = f"{len(order)} of {n}" if len(order) < n else f"{n}"
+    ax.set_title(f"final belief attention ({shown} agents, sorted by belief PC1)", fontsize=10)
+    ax.set_xlabel("sender j")
+    ax.set_ylabel("receiver i")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_beliefs(ds, path: Path) -> Path:
+    """Belief-mean trajectories projected on the top two principal axes of all frames."""
+    plt = _plt()
+    n = ds.sizes["agent"]
+    pick = np.arange(n) if n <= MAX_PATHS else np.linspace(0, n - 1, MAX_PATHS).astype(int)
+    mu = ds["mu_q"].isel(agent=pick).values  # (T, n, K)
+    T, m, K = mu.shape
+    mean, axes = _pca(mu.reshape(T * m, K))
+    xy = (mu - mean) @ axes.T  # (T, n, 2)
+    fig, ax = plt.subplots(figsize=(6.4, 5.6), constrained_layout=True)
+    colour = plt.get_cmap("viridis")(np.linspace(0, 1, m)[np.argsort(np.argsort(xy[0, :, 0]))])
+    for j in range(m):
+        ax.plot(xy[:, j, 0], xy[:, j, 1], color=colour[j], lw=0.7, alpha=0.6)
+    ax.scatter(xy[0, :, 0], xy[0, :, 1], s=14, facecolors="none", edgecolors=colour, label="start")
+    ax.scatter(xy[-1, :, 0], xy[-1, :, 1], s=18, c=colour, marker="o", label="end")
+    ax.set_xlabel("belief PC1")
+    ax.set_ylabel("belief PC2")
+    shown = f"{m} of {n}" if m < n else f"{n}"
+    ax.set_title(f"belief means mu_q over time ({shown} agents, coloured by start PC1)", fontsize=10)
+    ax.legend(loc="best")
+    ax.set_aspect("equal", adjustable="datalim")
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_frames(ds, path: Path) -> Path:
+    """Histogram of the frame angles |phi_i| at the first and last saved frame."""
+    plt = _plt()
+    first = np.linalg.norm(ds["phi"].isel(time=0).values, axis=-1)
+    last = np.linalg.norm(ds["phi"].isel(time=-1).values, axis=-1)
+    bins = np.linspace(0, np.pi, 37)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), constrained_layout=True)
+    t0, t1 = ds["time"].values[[0, -1]]
+    ax.hist(first, bins=bins, alpha=0.5, label=f"t = {t0:g}")
+    ax.hist(last, bins=bins, histtype="step", lw=2, label=f"t = {t1:g}")
+    ax.set_xlabel("|phi| (frame rotation angle, rad)")
+    ax.set_ylabel("agents")
+    ax.set_xlim(0, np.pi)
+    ax.set_title("distribution of frame angles")
+    ax.legend(loc="best")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_run(store: str | Path, outdir: str | Path) -> list[Path]:
+    """Write energy.png, attention.png, beliefs.png and frames.png for a run; return the paths."""
+    ds = open_run(store)
+    if ds.sizes["time"] == 0:
+        raise StoreError(f"{store}: no saved frames to plot")
+    cfg = ModelConfig.from_json(ds.attrs["model_config"])
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    return [
+        plot_energy(ds, outdir / "energy.png"),
+        plot_attention(ds, cfg, outdir / "attention.png"),
+        plot_beliefs(ds, outdir / "beliefs.png"),
+        plot_frames(ds, outdir / "frames.png"),
+    ]

@@ -1,0 +1,368 @@
+"""Scenario files (SPEC §5): a TOML run definition, validated completely before anything runs.
+
+Sections and keys (all optional except ``model.K`` or ``model.irreps`` and ``population.n_agents``)::
+
+    [model]        ModelConfig fields (K, lambda_*, kappa_*, aggregator, irreps, W, R, jitter)
+    [population]   n_agents, seed, mu_scale, prior_mu_scale, eig_range, prior_eig_range,
+                   phi_radius, obs_scale, neighbours ("dense" | "ring"), half_width,
+                   camps (>= 1 prior camps), camp_offset (distance between camp centres)
+    [integrator]   method, dt, friction, options (a table passed to make_integrator)
+    [run]          n_steps, save_every, checkpoint_every, backend, dtype, seed
+    [output]       path, time_chunk, keep_checkpoints
+
+Every problem raises :class:`ScenarioError` naming the key as ``section.key``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from .config import ConfigError, ModelConfig, SparseNeighbours
+from .state import StateError, make_state, random_state
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+__all__ = ["ScenarioError", "Scenario", "load_scenario", "read_toml", "BACKENDS"]
+
+BACKENDS = ("numpy", "numba", "cuda", "dask", "auto")
+
+
+def _methods() -> list[str]:
+    from .integrators import available
+
+    return available()
+
+
+SECTIONS = ("model", "population", "integrator", "run", "output")
+
+
+class ScenarioError(ConfigError):
+    """A scenario value is missing, unknown, of the wrong type or impossible; names ``section.key``."""
+
+
+def _int(key: str, v: Any, lo: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ScenarioError(key, f"must be an integer, got {type(v).__name__} {v!r}")
+    if lo is not None and v < lo:
+        raise ScenarioError(key, f"must be >= {lo}, got {v}")
+    return int(v)
+
+
+def _real(key: str, v: Any, *, positive: bool = False, nonneg: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise ScenarioError(key, f"must be a number, got {type(v).__name__} {v!r}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise ScenarioError(key, f"must be finite, got {v}")
+    if positive and v <= 0:
+        raise ScenarioError(key, f"must be > 0, got {v}")
+    if nonneg and v < 0:
+        raise ScenarioError(key, f"must be >= 0, got {v}")
+    return v
+
+
+def _str(key: str, v: Any, choices: tuple[str, ...] | None = None) -> str:
+    if not isinstance(v, str):
+        raise ScenarioError(key, f"must be a string, got {type(v).__name__} {v!r}")
+    if choices is not None and v not in choices:
+        raise ScenarioError(key, f"must be one of {list(choices)}, got {v!r}")
+    return v
+
+
+def _range(key: str, v: Any) -> tuple[float, float]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise ScenarioError(key, f"must be a pair [lo, hi], got {v!r}")
+    lo, hi = (_real(key, x, positive=True) for x in v)
+    if lo > hi:
+        raise ScenarioError(key, f"needs lo <= hi, got [{lo}, {hi}]")
+    return lo, hi
+
+
+def _table(key: str, v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ScenarioError(key, f"must be a table, got {type(v).__name__}")
+    return v
+
+
+def _no_unknown(section: str, d: dict, known: dict) -> None:
+    for k in d:
+        if k not in known:
+            raise ScenarioError(f"{section}.{k}", f"unknown key (known: {sorted(known)})")
+
+
+# Defaults of each section (None: required or derived).
+POPULATION = {
+    "n_agents": None,
+    "seed": 0,
+    "mu_scale": 1.0,
+    "prior_mu_scale": None,
+    "eig_range": (0.5, 2.0),
+    "prior_eig_range": None,
+    "phi_radius": 1.0,
+    "obs_scale": 1.0,
+    "neighbours": "dense",
+    "half_width": None,
+    "camps": 1,
+    "camp_offset": 0.0,
+}
+INTEGRATOR = {"method": "gradient_flow", "dt": None, "friction": 0.0, "options": {}}
+RUN = {
+    "n_steps": None,
+    "save_every": 1,
+    "checkpoint_every": None,
+    "backend": "numpy",
+    "dtype": "float64",
+    "seed": 0,
+}
+OUTPUT = {"path": None, "time_chunk": None, "keep_checkpoints": 2}
+
+
+def _population(d: dict) -> dict:
+    _no_unknown("population", d, POPULATION)
+    p = {**POPULATION, **d}
+    if p["n_agents"] is None:
+        raise ScenarioError("population.n_agents", "is required")
+    p["n_agents"] = _int("population.n_agents", p["n_agents"], 2)
+    p["seed"] = _int("population.seed", p["seed"], 0)
+    p["mu_scale"] = _real("population.mu_scale", p["mu_scale"], nonneg=True)
+    if p["prior_mu_scale"] is not None:
+        p["prior_mu_scale"] = _real("population.prior_mu_scale", p["prior_mu_scale"], nonneg=True)
+    p["eig_range"] = _range("population.eig_range", p["eig_range"])
+    if p["prior_eig_range"] is not None:
+        p["prior_eig_range"] = _range("population.prior_eig_range", p["prior_eig_range"])
+    p["phi_radius"] = _real("population.phi_radius", p["phi_radius"], nonneg=True)
+    if p["phi_radius"] >= math.pi:
+        raise ScenarioError("population.phi_radius", f"must be < pi, got {p['phi_radius']}")
+    p["obs_scale"] = _real("population.obs_scale", p["obs_scale"], nonneg=True)
+    p["neighbours"] = _str("population.neighbours", p["neighbours"], ("dense", "ring"))
+    if p["neighbours"] == "ring":
+        if p["half_width"] is None:
+            raise ScenarioError("population.half_width", "is required with neighbours = 'ring'")
+        hw = _int("population.half_width", p["half_width"], 1)
+        if 2 * hw > p["n_agents"] - 1:
+            raise ScenarioError(
+                "population.half_width",
+                f"2*half_width must be <= n_agents-1 = {p['n_agents'] - 1}, got {hw}",
+            )
+        p["half_width"] = hw
+    elif p["half_width"] is not None:
+        raise ScenarioError("population.half_width", "only valid with neighbours = 'ring'")
+    p["camps"] = _int("population.camps", p["camps"], 1)
+    if p["camps"] > p["n_agents"]:
+        raise ScenarioError("population.camps", f"must be <= n_agents, got {p['camps']}")
+    p["camp_offset"] = _real("population.camp_offset", p["camp_offset"], nonneg=True)
+    return p
+
+
+def _integrator(d: dict) -> dict:
+    _no_unknown("integrator", d, INTEGRATOR)
+    p = {**INTEGRATOR, **d}
+    p["method"] = _str("integrator.method", p["method"], tuple(_methods()))
+    if p["dt"] is None:
+        raise ScenarioError("integrator.dt", "is required")
+    p["dt"] = _real("integrator.dt", p["dt"], positive=True)
+    p["friction"] = _real("integrator.friction", p["friction"], nonneg=True)
+    opts = _table("integrator.options", p["options"])
+    for k, v in opts.items():
+        vals = v.values() if isinstance(v, dict) else [v]
+        if not all(isinstance(x, (bool, int, float, str)) for x in vals):
+            raise ScenarioError(
+                f"integrator.options.{k}", f"must be a scalar or a table of scalars, got {v!r}"
+            )
+    p["options"] = dict(opts)
+    return p
+
+
+def _run(d: dict) -> dict:
+    _no_unknown("run", d, RUN)
+    p = {**RUN, **d}
+    if p["n_steps"] is None:
+        raise ScenarioError("run.n_steps", "is required")
+    p["n_steps"] = _int("run.n_steps", p["n_steps"], 1)
+    p["save_every"] = _int("run.save_every", p["save_every"], 1)
+    if p["n_steps"] % p["save_every"]:
+        raise ScenarioError(
+            "run.n_steps",
+            f"must be a multiple of run.save_every = {p['save_every']} (got {p['n_steps']})",
+        )
+    if p["checkpoint_every"] is None:
+        p["checkpoint_every"] = p["n_steps"]
+    p["checkpoint_every"] = _int("run.checkpoint_every", p["checkpoint_every"], 1)
+    p["backend"] = _str("run.backend", p["backend"], BACKENDS)
+    p["dtype"] = _str("run.dtype", p["dtype"], ("float32", "float64"))
+    p["seed"] = _int("run.seed", p["seed"], 0)
+    return p
+
+
+def _output(d: dict) -> dict:
+    _no_unknown("output", d, OUTPUT)
+    p = {**OUTPUT, **d}
+    if p["path"] is not None:
+        p["path"] = _str("output.path", p["path"])
+        if not p["path"]:
+            raise ScenarioError("output.path", "must not be empty")
+    if p["time_chunk"] is not None:
+        p["time_chunk"] = _int("output.time_chunk", p["time_chunk"], 1)
+    p["keep_checkpoints"] = _int("output.keep_checkpoints", p["keep_checkpoints"], 2)
+    return p
+
+
+def _model(d: dict, pop: dict, dtype: str) -> ModelConfig:
+    d = dict(d)
+    if "dtype" in d:
+        raise ScenarioError("model.dtype", "set the dtype in run.dtype")
+    if "neighbours" in d:
+        raise ScenarioError("model.neighbours", "set neighbours in population.neighbours")
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"dtype", "neighbours"}
+    _no_unknown("model", d, dict.fromkeys(names))
+    if "irreps" in d and isinstance(d["irreps"], list):
+        d["irreps"] = tuple(d["irreps"])
+    if pop["neighbours"] == "ring":
+        d["neighbours"] = SparseNeighbours.ring(pop["n_agents"], pop["half_width"])
+    try:
+        return ModelConfig(**d, dtype=dtype)
+    except ConfigError as e:
+        raise ScenarioError(f"model.{e.key}", str(e).split(": ", 1)[1]) from None
+    except (TypeError, ValueError) as e:
+        raise ScenarioError("model", str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Scenario:
+    """A validated run definition. ``to_dict()`` is the resolved config stored with every run."""
+
+    model: ModelConfig
+    population: dict
+    integrator: dict
+    run: dict
+    output: dict
+    name: str = "scenario"
+
+    @classmethod
+    def from_dict(cls, d: dict, name: str = "scenario") -> Scenario:
+        """Validate a nested dict (as read from TOML); raise ScenarioError naming the key."""
+        d = _table("scenario", d)
+        for k in d:
+            if k not in SECTIONS:
+                raise ScenarioError(k, f"unknown section (known: {list(SECTIONS)})")
+        sec = {s: _table(s, d.get(s, {})) for s in SECTIONS}
+        pop = _population(sec["population"])
+        integ = _integrator(sec["integrator"])
+        run = _run(sec["run"])
+        out = _output(sec["output"])
+        if "K" not in sec["model"] and "irreps" not in sec["model"]:
+            raise ScenarioError("model.K", "is required (or model.irreps)")
+        model = _model(sec["model"], pop, run["dtype"])
+        if pop["camps"] > 1 and pop["camp_offset"] == 0:
+            raise ScenarioError("population.camp_offset", "must be > 0 when camps > 1")
+        return cls(model, pop, integ, run, out, name)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> Scenario:
+        """Read and validate a TOML scenario file."""
+        return cls.from_dict(read_toml(path), name=Path(path).stem)
+
+    @classmethod
+    def from_json(cls, s: str) -> Scenario:
+        d = json.loads(s)
+        return cls.from_dict(d["scenario"], name=d.get("name", "scenario"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved scenario as plain JSON-able data (defaults filled in)."""
+        model = self.model.to_dict()
+        for k in ("dtype", "neighbours"):
+            model.pop(k)
+        model = {k: v for k, v in model.items() if v is not None}
+        if len(self.model.irreps) == 1:
+            model.pop("irreps")
+
+        def plain(sec: dict) -> dict:
+            return {k: list(v) if isinstance(v, tuple) else v for k, v in sec.items() if v is not None}
+
+        return {
+            "model": model,
+            "population": plain(self.population),
+            "integrator": plain(self.integrator),
+            "run": plain(self.run),
+            "output": plain(self.output),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "scenario": self.to_dict()}, sort_keys=True)
+
+    def replace(self, section: str, **changes: Any) -> Scenario:
+        """A new scenario with keys of one section changed (validated again)."""
+        d = self.to_dict()
+        d[section] = {**d[section], **changes}
+        return Scenario.from_dict(d, name=self.name)
+
+    def initial_state(self) -> xr.Dataset:
+        """The population's initial state (random_state, then prior camps if asked)."""
+        p = self.population
+        kw = {
+            k: p[k]
+            for k in ("mu_scale", "prior_mu_scale", "eig_range", "prior_eig_range", "phi_radius")
+            if p[k] is not None
+        }
+        if self.model.obs_dim:
+            kw["obs_scale"] = p["obs_scale"]
+        try:
+            state = random_state(self.model, p["n_agents"], seed=p["seed"], dtype=self.run["dtype"], **kw)
+        except StateError as e:
+            raise ScenarioError(f"population.{e.variable}", str(e)) from None
+        if p["camps"] > 1:
+            state = _prior_camps(state, self.model, p["camps"], p["camp_offset"])
+        return state
+
+
+def _prior_camps(state: xr.Dataset, cfg: ModelConfig, camps: int, offset: float) -> xr.Dataset:
+    """Shift prior (and belief) means of agent i by the centre of camp ``i % camps``.
+
+    Centres lie on a circle of diameter ``offset`` in the plane of the first two latent axes
+    (on the first axis, at +-offset/2, when K = 1 or camps = 2).
+    """
+    n, K = state.sizes["agent"], cfg.K
+    ang = 2 * np.pi * np.arange(camps) / camps
+    centres = np.zeros((camps, K))
+    centres[:, 0] = 0.5 * offset * np.cos(ang)
+    if K > 1:
+        centres[:, 1] = 0.5 * offset * np.sin(ang)
+    shift = centres[np.arange(n) % camps].astype(state["mu_p"].dtype)
+    arrays = {k: state[k].values for k in state.data_vars}
+    arrays["mu_p"] = arrays["mu_p"] + shift
+    arrays["mu_q"] = arrays["mu_q"] + shift
+    return make_state(cfg, **arrays)
+
+
+def read_toml(path: str | Path) -> dict:
+    """The raw nested dict of a TOML file (not yet validated)."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ScenarioError(str(path), "scenario file not found") from None
+    except IsADirectoryError:
+        raise ScenarioError(str(path), "is a directory, not a scenario file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(str(path), f"invalid TOML: {e}") from None
+
+
+def load_scenario(source: str | Path | dict | Scenario) -> Scenario:
+    """A Scenario from a TOML path, a nested dict, or a Scenario (returned as is)."""
+    if isinstance(source, Scenario):
+        return source
+    if isinstance(source, dict):
+        return Scenario.from_dict(source)
+    return Scenario.from_toml(source)

@@ -1,0 +1,348 @@
+"""The run loop (SPEC §5): init -> step -> save frames / checkpoint, and resume from a checkpoint.
+
+``simulate(scenario, out=...)`` and ``resume(out)`` return a :class:`Run` (path, scenario, final step,
+final state and energy terms); ``Run.open()`` gives the trajectory as a lazy xarray Dataset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from ._version import __version__
+from .config import ModelConfig
+from .io.reader import open_run
+from .io.store import TRAJ_STATE, RunStore, StoreError, term_var
+from .progress import Progress, log
+from .scenario import Scenario, ScenarioError, load_scenario, read_toml
+
+__all__ = ["Run", "simulate", "resume", "RunError", "frame_bytes"]
+
+TARGET_CHUNK_BYTES = 16 * 2**20
+
+
+class RunError(RuntimeError):
+    """A run cannot be started or resumed (incompatible store, version or config)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A finished (or stopped) run: where it is, what it ran, and where it ended."""
+
+    path: Path
+    scenario: Scenario
+    step: int
+    state: xr.Dataset
+    terms: dict[str, float]
+
+    def open(self) -> xr.Dataset:
+        """The trajectory: ``vfesim.open_run(self.path)``."""
+        return open_run(self.path)
+
+
+def _host(a: Any) -> np.ndarray:
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def _frame(carry) -> dict[str, np.ndarray]:
+    f = {k: _host(carry.state[k].data) for k in TRAJ_STATE}
+    f.update({term_var(k): float(v) for k, v in carry.terms.items()})
+    return f
+
+
+def frame_bytes(state: xr.Dataset) -> int:
+    return sum(state[k].nbytes for k in TRAJ_STATE)
+
+
+def _make_integrator(scn: Scenario, backend: str):
+    from .integrators import make_integrator
+
+    ig = scn.integrator
+    try:
+        return make_integrator(
+            ig["method"],
+            scn.model,
+            ig["dt"],
+            backend=backend,
+            friction=ig["friction"],
+            seed=scn.run["seed"],
+            **ig["options"],
+        )
+    except (TypeError, ValueError) as e:
+        raise ScenarioError("integrator", str(e)) from None
+
+
+def _with_overrides(scn: Scenario, steps: int | None, backend: str | None, out) -> Scenario:
+    run = {}
+    if steps is not None:
+        run["n_steps"] = steps
+    if backend is not None:
+        run["backend"] = backend
+    if run:
+        scn = scn.replace("run", **run)
+    if out is not None:
+        scn = scn.replace("output", path=str(out))
+    return scn
+
+
+def simulate(
+    scenario_or_config: Scenario | ModelConfig | str | Path | dict,
+    out: str | Path | None = None,
+    *,
+    steps: int | None = None,
+    backend: str | None = None,
+    progress: bool | None = None,
+    overwrite: bool = False,
+    **sections: dict,
+) -> Run:
+    """Run a scenario to ``run.n_steps`` (or ``steps``), writing trajectory and checkpoints to ``out``.
+
+    scenario_or_config: a :class:`Scenario`, a TOML path, a nested dict, or a ModelConfig (then give
+    ``population={...}, integrator={...}, run={...}`` as keyword sections). Keyword sections also
+    override a scenario's. ``progress``: None -> bar on a TTY / log lines when logging shows INFO.
+    Returns a :class:`Run`; ``Run.open()`` is the lazy trajectory Dataset.
+    """
+    name = "scenario"
+    if isinstance(scenario_or_config, ModelConfig):
+        model = scenario_or_config.to_dict()
+        if model.pop("dtype") != "float64":
+            sections.setdefault("run", {}).setdefault("dtype", scenario_or_config.dtype)
+        if not isinstance(model.pop("neighbours"), str):
+            raise ScenarioError("model.neighbours", "sparse neighbours: use population.neighbours")
+        d = {"model": {k: v for k, v in model.items() if v is not None}}
+    elif isinstance(scenario_or_config, Scenario):
+        d, name = scenario_or_config.to_dict(), scenario_or_config.name
+    elif isinstance(scenario_or_config, dict):
+        d = {k: dict(v) if isinstance(v, dict) else v for k, v in scenario_or_config.items()}
+    else:
+        d, name = read_toml(scenario_or_config), Path(scenario_or_config).stem
+    for sec, changes in sections.items():
+        if not isinstance(changes, dict):
+            raise ScenarioError(sec, f"keyword section must be a dict, got {changes!r}")
+        d[sec] = {**d.get(sec, {}), **changes}
+    scn = Scenario.from_dict(d, name=name)
+    scn = _with_overrides(scn, steps, backend, out)
+    path = scn.output["path"]
+    if path is None:
+        raise ScenarioError("output.path", "give out=... (or --out, or [output] path)")
+    RunStore.probe(path, overwrite)
+
+    backend_name = _resolve_backend(scn.run["backend"])
+    state0 = scn.initial_state()
+    integ = _make_integrator(scn, backend_name)
+    carry = integ.init(state0)  # a DynamicsError here propagates: nothing was written yet
+    run = scn.run
+    n_frames = run["n_steps"] // run["save_every"] + 1
+    fpc = max(1, run["checkpoint_every"] // run["save_every"])
+    by_size = max(1, TARGET_CHUNK_BYTES // max(1, frame_bytes(state0)))
+    chunk = scn.output["time_chunk"] or min(fpc, by_size, n_frames)
+    attrs = {
+        "scenario": scn.to_json(),
+        "model_config": scn.model.to_json(),
+        "vfesim_version": __version__,
+        "dtype": run["dtype"],
+        "backend": backend_name,
+        "integrator": carry_name(integ),
+    }
+    store = RunStore.create(
+        path,
+        state0,
+        list(carry.terms),
+        n_frames=n_frames,
+        save_every=run["save_every"],
+        dt=scn.integrator["dt"],
+        time_chunk=chunk,
+        attrs=attrs,
+        overwrite=overwrite,
+    )
+    log.info("run %s: %d agents, %d steps -> %s", scn.name, state0.sizes["agent"], run["n_steps"], path)
+    buf = [_frame(carry)]
+    try:
+        _checkpoint(store, scn, carry, buf, 0, backend_name)
+    except StoreError:
+        shutil.rmtree(store.path, ignore_errors=True)
+        raise
+    store = store.publish(path)
+    return _advance(store, scn, integ, carry, buf, 0, backend_name, progress)
+
+
+def _resolve_backend(name: str) -> str:
+    from .backends import resolve
+
+    try:
+        return resolve(name)
+    except (ValueError, RuntimeError) as e:
+        raise ScenarioError("run.backend", str(e).removeprefix("backend: ")) from None
+
+
+def carry_name(integ) -> str:
+    return getattr(integ, "name", type(integ).__name__)
+
+
+def _checkpoint(store: RunStore, scn: Scenario, carry, buf, buf_start, backend: str) -> None:
+    store.write_frames(buf_start, buf)
+    store.write_checkpoint(
+        carry.state,
+        carry.step,
+        {k: _host(v) for k, v in carry.aux.items()},
+        carry.rng_state,
+        carry.terms,
+        {
+            "scenario": scn.to_json(),
+            "backend": backend,
+            "frames_saved": buf_start + len(buf),
+        },
+        keep=scn.output["keep_checkpoints"],
+    )
+
+
+def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run:
+    from .integrators.base import DynamicsError
+
+    run = scn.run
+    n_steps, every, ck = run["n_steps"], run["save_every"], run["checkpoint_every"]
+    chunk = store.time_chunk()
+    bar = Progress(n_steps, carry.step, enabled=progress)
+    store.set_attrs(status="running")
+    try:
+        while carry.step < n_steps:
+            carry = integ.step(carry)
+            if carry.step % every == 0:
+                buf.append(_frame(carry))
+                if len(buf) == chunk:
+                    store.write_frames(buf_start, buf)
+                    buf_start, buf = buf_start + chunk, []
+            if carry.step % ck == 0 or carry.step == n_steps:
+                _checkpoint(store, scn, carry, buf, buf_start, backend)
+            bar.update(carry.step, carry.terms.get("total"))
+    except DynamicsError as e:
+        bar.close()
+        last = store.checkpoint_steps()
+        msg = f"stopped: {e} (last good checkpoint: step {last[-1] if last else 'none'})"
+        log.error(msg)
+        store.set_attrs(status=f"failed: {e}")
+        raise
+    except KeyboardInterrupt:
+        bar.close()
+        store.set_attrs(status="interrupted")
+        raise
+    except Exception as e:
+        bar.close()
+        store.set_attrs(status=f"failed: {type(e).__name__}: {e}")
+        raise
+    bar.close()
+    store.set_attrs(status="complete")
+    log.info("done: step %d, F = %.10g", carry.step, carry.terms.get("total", float("nan")))
+    return Run(store.path, scn, carry.step, carry.state, dict(carry.terms))
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+IGNORED_ON_RESUME = {"run.n_steps", "run.backend", "output.path"}
+
+
+def resume(
+    path: str | Path,
+    *,
+    steps: int | None = None,
+    backend: str | None = None,
+    scenario: Scenario | str | Path | dict | None = None,
+    progress: bool | None = None,
+    allow_version_change: bool = False,
+) -> Run:
+    """Continue a run from its newest complete checkpoint to ``steps`` total steps (default: the
+    run's ``n_steps``). Bitwise identical to an uninterrupted run on the same backend and device.
+
+    scenario: if given, it must equal the stored one (except run.n_steps, run.backend, output.path).
+    A store written by another vfesim version is refused unless ``allow_version_change``.
+    """
+    store = RunStore(path)
+    if not RunStore.is_run(path):
+        raise StoreError(f"{path}: not a vfesim run store")
+    attrs = store.attrs
+    if attrs["vfesim_version"] != __version__:
+        msg = (
+            f"{path} was written by vfesim {attrs['vfesim_version']}, this is {__version__}; "
+            "a resumed run may differ from an uninterrupted one"
+        )
+        if not allow_version_change:
+            raise RunError(msg + " (pass allow_version_change=True / --allow-version-change)")
+        log.warning(msg)
+    store.clean()
+    ckpt = store.latest_checkpoint()
+    if ckpt is None:
+        raise RunError(f"{path}: no readable checkpoint to resume from")
+    scn = Scenario.from_json(ckpt.attrs["scenario"])
+    if scenario is not None:
+        other = load_scenario(scenario)
+        diff = [k for k in _diff(scn.to_dict(), other.to_dict()) if k not in IGNORED_ON_RESUME]
+        if diff:
+            raise RunError(f"{path}: the scenario differs from the stored one in {diff}; refusing")
+        scn = _with_overrides(scn, other.run["n_steps"], None, None)
+    scn = _with_overrides(scn, steps, backend, str(path))
+    backend_name = _resolve_backend(scn.run["backend"])
+    if backend_name != ckpt.attrs["backend"]:
+        log.warning(
+            "resuming with backend %r, the run used %r: the result will not be bitwise identical",
+            backend_name,
+            ckpt.attrs["backend"],
+        )
+    run = scn.run
+    if run["n_steps"] < ckpt.step:
+        raise ScenarioError("run.n_steps", f"must be >= the checkpoint step {ckpt.step}")
+    n_frames = run["n_steps"] // run["save_every"] + 1
+    if n_frames > store.n_frames():
+        store.extend(n_frames, run["save_every"], scn.integrator["dt"])
+    store.set_attrs(scenario=scn.to_json())
+    integ = _make_integrator(scn, backend_name)
+    carry = integ.restore(ckpt.state, ckpt.step, ckpt.aux, ckpt.rng_state)
+    next_frame = ckpt.step // run["save_every"] + 1
+    chunk = store.time_chunk()
+    buf_start = next_frame // chunk * chunk
+    buf = store.read_frames(buf_start, next_frame)
+    log.info("resuming %s at step %d of %d", path, ckpt.step, run["n_steps"])
+    return _advance(store, scn, integ, carry, buf, buf_start, backend_name, progress)
+
+
+def run_info(path: str | Path) -> dict:
+    """What ``vfesim inspect`` shows: config, status, steps done, energies, checkpoints."""
+    store = RunStore(path)
+    if not RunStore.is_run(path):
+        raise StoreError(f"{path}: not a vfesim run store")
+    attrs = store.attrs
+    scn = json.loads(attrs["scenario"])
+    steps = store.checkpoint_steps()
+    ds = open_run(path)
+    last = (
+        {k: float(ds[k].values[-1]) for k in ds.data_vars if k.startswith("system_")}
+        if (ds.sizes["time"])
+        else {}
+    )
+    return {
+        "path": str(path),
+        "name": scn["name"],
+        "scenario": scn["scenario"],
+        "status": attrs.get("status"),
+        "vfesim_version": attrs["vfesim_version"],
+        "backend": attrs["backend"],
+        "dtype": attrs["dtype"],
+        "n_agents": ds.sizes["agent"],
+        "n_steps": scn["scenario"]["run"]["n_steps"],
+        "frames_saved": int(ds.sizes["time"]),
+        "last_saved_step": int(ds["step"].values[-1]) if ds.sizes["time"] else None,
+        "checkpoints": steps,
+        "last_energies": last,
+    }
