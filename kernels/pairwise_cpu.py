@@ -34,6 +34,8 @@ __all__ = ["pairwise_dense", "pairwise_sparse", "SENDER_TILE", "RECEIVER_TILE"]
 SENDER_TILE = 256
 # Receiver rows per tile (sweeps 1-3); it does not change any summation order.
 RECEIVER_TILE = 32
+# Feature length from which a KL tile is computed as one vectorised dot product per pair.
+DOT_MIN_D = 32
 
 _inline = numba.njit(inline="always", cache=True, nogil=True)
 _lse_merge = _inline(_pm.lse_merge)
@@ -51,13 +53,25 @@ _serial = numba.njit(nogil=True, cache=True)
 
 
 @_inline
-def _kl_tile(Ah, Bt, ch, i0, ni, j0, nj, out):
-    """out[ii, jj] = Ah[i0+ii] . Bt[:, j0+jj] + ch[i0+ii], summed in ascending d (as pair_math.pair_kl).
+def _kl_tile(Ah, B, Bt, ch, i0, ni, j0, nj, out):
+    """out[ii, jj] = KL of receiver i0+ii and sender j0+jj: Ah[i] . B[j] + ch[i] (pair_math.pair_kl).
 
-    The inner loop runs over contiguous senders of the transposed Bt (D, N), so it vectorises without
-    reassociating any sum.
+    Short rows (D < DOT_MIN_D): the inner loop runs over contiguous senders of the transposed Bt (D, N)
+    and vectorises without reassociating any sum. Long rows: one dot product per pair over contiguous
+    Ah[i] and B[j], vectorised by the kernels' reassoc flag (a fixed, deterministic order).
     """
     D = Ah.shape[1]
+    if D >= DOT_MIN_D:
+        for ii in range(ni):
+            i = i0 + ii
+            ci = ch[i]
+            for jj in range(nj):
+                j = j0 + jj
+                acc = Ah[i, 0] * B[j, 0]
+                for d in range(1, D):
+                    acc += Ah[i, d] * B[j, d]
+                out[ii, jj] = acc + ci
+        return
     for ii in range(ni):
         i = i0 + ii
         a = Ah[i, 0]
@@ -100,23 +114,30 @@ def _dense_receivers(Ah, B, Bt, ch, kappa, one, ninf, agg, m, inv_s, abar, erow,
         # Sweep 1: online log-sum-exp per receiver, one sender tile at a time (tile max, then one merge).
         for j0 in range(0, N, TS):
             nj = min(TS, N - j0)
-            _kl_tile(Ah, Bt, ch, i0, ni, j0, nj, tile)
+            _kl_tile(Ah, B, Bt, ch, i0, ni, j0, nj, tile)
             for ii in range(ni):
                 i = i0 + ii
-                mt = ninf
-                for jj in range(nj):
-                    x = _pair_logit(tile[ii, jj], kappa)
-                    if x > mt and j0 + jj != i:
-                        mt = x
-                if mt == ninf:
+                # Columns [0, dj) and (dj, nj) skip the diagonal without a branch in the loops.
+                lo, hi = (i - j0, i - j0 + 1) if j0 <= i < j0 + nj else (nj, nj)
+                if lo == 0 and hi == nj:
                     continue  # only the diagonal in this tile
+                kmin = tile[ii, 0] if lo > 0 else tile[ii, hi]
+                for jj in range(lo):
+                    kmin = min(kmin, tile[ii, jj])
+                for jj in range(hi, nj):
+                    kmin = min(kmin, tile[ii, jj])
+                mt = _pair_logit(kmin, kappa)  # the tile's max logit (x = -kl/kappa is monotone)
                 st, tt = zero, zero
-                for jj in range(nj):
-                    if j0 + jj != i:
-                        kl = tile[ii, jj]
-                        e = math.exp(_pair_logit(kl, kappa) - mt)
-                        st += e
-                        tt += e * kl
+                for jj in range(lo):
+                    kl = tile[ii, jj]
+                    e = math.exp(_pair_logit(kl, kappa) - mt)
+                    st += e
+                    tt += e * kl
+                for jj in range(hi, nj):
+                    kl = tile[ii, jj]
+                    e = math.exp(_pair_logit(kl, kappa) - mt)
+                    st += e
+                    tt += e * kl
                 # m, inv_s, abar hold (m, s, t) until the sweep ends.
                 m[i], inv_s[i], abar[i] = _lse_merge(m[i], inv_s[i], abar[i], mt, st, tt)
         for ii in range(ni):
@@ -130,7 +151,7 @@ def _dense_receivers(Ah, B, Bt, ch, kappa, one, ninf, agg, m, inv_s, abar, erow,
         wsum = np.zeros(TR, Ah.dtype)
         for j0 in range(0, N, TS):
             nj = min(TS, N - j0)
-            _kl_tile(Ah, Bt, ch, i0, ni, j0, nj, tile)
+            _kl_tile(Ah, B, Bt, ch, i0, ni, j0, nj, tile)
             _weight_tile(tile, i0, ni, j0, nj, m, inv_s, abar, kappa, agg)
             # gA_i += W_i,tile . Bt[:, tile]: contiguous dots, vectorised by the reassoc flag (fixed order).
             for ii in range(ni):
@@ -150,7 +171,7 @@ def _dense_receivers(Ah, B, Bt, ch, kappa, one, ninf, agg, m, inv_s, abar, erow,
 
 
 @_kernel
-def _dense_senders(Ah, Bt, ch, kappa, agg, m, inv_s, abar, TSB, gB):
+def _dense_senders(Ah, B, Bt, ch, kappa, agg, m, inv_s, abar, TSB, gB):
     """Sweep 3 over sender blocks of TSB: gB_j = sum_i W_ij Ah_i (= 1/2 sum_i W_ij A_i), i ascending."""
     N, D = Ah.shape
     TR = RECEIVER_TILE
@@ -162,7 +183,7 @@ def _dense_senders(Ah, Bt, ch, kappa, agg, m, inv_s, abar, TSB, gB):
         acc = np.zeros((D, TSB), Ah.dtype)  # gB^T of the block: the update below runs over senders
         for i0 in range(0, N, TR):
             ni = min(TR, N - i0)
-            _kl_tile(Ah, Bt, ch, i0, ni, j0, nj, tile)
+            _kl_tile(Ah, B, Bt, ch, i0, ni, j0, nj, tile)
             _weight_tile(tile, i0, ni, j0, nj, m, inv_s, abar, kappa, agg)
             for ii in range(ni):
                 for d in range(D):
@@ -219,7 +240,7 @@ def pairwise_dense(A, B, c, kappa: float, aggregator: str):
         (_dense_receivers_serial, _dense_senders_serial) if serial else (_dense_receivers, _dense_senders)
     )
     recv(Ah, B, Bt, ch, kappa, dt.type(1), dt.type(-np.inf), agg, m, inv_s, abar, erow, gA, gc)
-    send(Ah, Bt, ch, kappa, agg, m, inv_s, abar, SENDER_TILE if serial else _sender_block(N), gB)
+    send(Ah, B, Bt, ch, kappa, agg, m, inv_s, abar, SENDER_TILE if serial else _sender_block(N), gB)
     gA *= dt.type(0.5)
     gc *= dt.type(0.5)
     return float(erow.sum(dtype=np.float64)), gA, gB, gc
