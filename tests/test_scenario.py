@@ -114,3 +114,24 @@ def test_ring_and_camps_build_the_population():
 def test_shipped_scenarios_validate(path):
     s = load_scenario(path)
     assert s.name == path.stem and s.run["n_steps"] >= 1
+
+
+@pytest.mark.parametrize("name", ["consensus", "polarization", "inertia", "observation"])
+def test_shipped_scenarios_run_a_few_steps(name, tmp_path):
+    from vfesim.io import open_run
+    from vfesim.simulate import simulate
+
+    s = load_scenario(SCENARIOS / f"{name}.toml")
+    steps = 2 * s.run["save_every"]
+    run = simulate(s, out=tmp_path / "r.zarr", steps=steps, progress=False)
+    ds = open_run(run.path)
+    assert run.step == steps and ds.sizes["time"] == 3
+    F = ds["system_free_energy"].values
+    assert np.isfinite(F).all() and F[-1] < F[0]
+    if name == "inertia":
+        assert ds["system_energy_kinetic"].values[-1] > 0
+    if name == "observation":
+        assert ds["system_energy_observation"].values[0] > 0 and "obs" in ds
+    if name == "polarization":
+        mu_p = ds["mu_p"].values[0]
+        assert abs(mu_p[0::2, 0].mean() - mu_p[1::2, 0].mean()) > 6

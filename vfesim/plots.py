@@ -25,29 +25,38 @@ def _plt():
     return plt
 
 
+TERMS = ("self", "belief_align", "prior_align", "observation")
+TOP = (
+    ("system_free_energy", "F (free energy)"),
+    ("system_energy_hamiltonian", "H = F + kinetic"),
+    ("system_energy_kinetic", "kinetic"),
+)
+
+
 def plot_energy(ds, path: Path) -> Path:
-    """Free energy (and Hamiltonian, kinetic energy) on top, the terms of F below, against time."""
+    """F (and H, kinetic energy for Hamiltonian runs) on top, the terms of F below, against time."""
     plt = _plt()
     t = ds["time"].values
-    top = [k for k in ("system_free_energy", "system_energy_hamiltonian") if k in ds]
-    terms = [k for k in ds.data_vars if k.startswith("system_energy_") and k not in top]
-    terms = [k for k in terms if k != "system_energy_hamiltonian"]
     fig, (a0, a1) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, constrained_layout=True)
-    for k in top:
-        a0.plot(t, ds[k].values, lw=1.6, label=k.removeprefix("system_"))
+    for k, label in TOP:
+        if k in ds:
+            a0.plot(t, ds[k].values, lw=1.6, label=label)
     a0.set_ylabel("energy")
-    a0.set_title("free energy F = sum of the terms below")
+    a0.set_title("free energy" + (" and Hamiltonian" if "system_energy_hamiltonian" in ds else ""))
     a0.legend(loc="best")
     zero = []
-    for k in terms:
+    for term in TERMS:
+        k = f"system_energy_{term}"
+        if k not in ds:
+            continue
         v = ds[k].values
         if np.all(v == 0):
-            zero.append(k.removeprefix("system_energy_"))
+            zero.append(term)
             continue
-        a1.plot(t, v, lw=1.3, label=k.removeprefix("system_energy_"))
+        a1.plot(t, v, lw=1.3, label=term)
     a1.set_xlabel("time (step * dt)")
     a1.set_ylabel("term")
-    title = "energy terms"
+    title = "terms of F"
     if zero:
         title += f" (identically zero: {', '.join(zero)})"
     a1.set_title(title, fontsize=10)
@@ -97,8 +106,14 @@ def plot_attention(ds, cfg: ModelConfig, path: Path) -> Path:
         order = order[:: int(np.ceil(n / MAX_ATTENTION))]
     b = beta[np.ix_(order, order)]
     fig, ax = plt.subplots(figsize=(6.4, 5.4), constrained_layout=True)
-    im = ax.imshow(b, cmap="magma", interpolation="nearest", vmin=0)
-    fig.colorbar(im, ax=ax, label="beta_ij (row i attends to column j)")
+    from matplotlib.colors import PowerNorm
+
+    off = b[b > 0]
+    # A few near-one weights would flatten the colour scale: clip at the 99th percentile.
+    vmax = float(np.quantile(off, 0.99)) if off.size else 1.0
+    im = ax.imshow(b, cmap="magma", interpolation="nearest", norm=PowerNorm(0.5, vmin=0, vmax=vmax))
+    extend = "max" if off.size and off.max() > vmax else "neither"
+    fig.colorbar(im, ax=ax, extend=extend, label="beta_ij (row i attends to column j)")
     shown = f"{len(order)} of {n}" if len(order) < n else f"{n}"
     ax.set_title(f"final belief attention ({shown} agents, sorted by belief PC1)", fontsize=10)
     ax.set_xlabel("sender j")

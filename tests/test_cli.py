@@ -1,0 +1,154 @@
+"""The vfesim command: run -> resume -> inspect -> plot, exit codes and messages, progress."""
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vfesim.cli import main
+from vfesim.io import open_run
+from vfesim.progress import Progress
+
+SMALL = """
+[model]
+K = 3
+kappa_beta = 2.0
+[population]
+n_agents = 6
+seed = 3
+[integrator]
+method = "verlet"
+dt = 0.05
+friction = 0.1
+[run]
+n_steps = 8
+save_every = 2
+checkpoint_every = 4
+"""
+
+
+def write(tmp_path, text, name="s.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_run_resume_inspect_plot(tmp_path, capsys):
+    toml = write(tmp_path, SMALL)
+    out = tmp_path / "r.zarr"
+    assert main(["run", str(toml), "--out", str(out), "--steps", "4", "-q"]) == 0
+    assert open_run(out).sizes["time"] == 3
+    assert main(["resume", str(out), "--steps", "8", "-q"]) == 0
+    assert open_run(out)["step"].values.tolist() == [0, 2, 4, 6, 8]
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "status       complete" in text and "8 saved of 8" in text
+    assert "system_free_energy" in text and "checkpoints  4, 8" in text
+    assert main(["inspect", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["frames_saved"] == 5 and info["scenario"]["integrator"]["method"] == "verlet"
+    assert main(["plot", str(out), "--outdir", str(tmp_path / "png"), "-q"]) == 0
+    pngs = sorted(p.name for p in (tmp_path / "png").glob("*.png"))
+    assert pngs == ["attention.png", "beliefs.png", "energy.png", "frames.png"]
+    assert all((tmp_path / "png" / p).stat().st_size > 10_000 for p in pngs)
+
+
+def test_bad_scenario_exits_2_naming_the_key(tmp_path):
+    toml = write(tmp_path, SMALL.replace("dt = 0.05", "dt = -0.05"))
+    out = tmp_path / "r.zarr"
+    r = subprocess.run(
+        [sys.executable, "-m", "vfesim.cli", "run", str(toml), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2
+    assert "integrator.dt: must be > 0, got -0.05" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (("[run]", "[run]\nsteps = 3"), "run.steps: unknown key"),
+        (('method = "verlet"', 'method = "rk45"'), "integrator.method: must be one of"),
+        (("friction = 0.1", 'friction = "high"'), "integrator.friction: must be a number"),
+        (("n_agents = 6", "n_agents = 6\nmu_scale = -1"), "population.mu_scale: must be >= 0"),
+    ],
+)
+def test_more_bad_scenarios(tmp_path, capsys, change, message):
+    toml = write(tmp_path, SMALL.replace(*change))
+    assert main(["run", str(toml), "--out", str(tmp_path / "r.zarr")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_dynamics_failure_exits_3_with_report(tmp_path, capsys):
+    toml = write(
+        tmp_path,
+        SMALL.replace('method = "verlet"', 'method = "gradient_flow"')
+        .replace("friction = 0.1", "")
+        .replace("dt = 0.05", "dt = 1000.0"),
+    )
+    out = tmp_path / "r.zarr"
+    assert main(["run", str(toml), "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "step 1: sigma_q[agent=0]: contains NaN or Inf" in err
+    assert "last good checkpoint: step 0" in err
+    ds = open_run(out)
+    assert ds.attrs["status"].startswith("failed: step 1") and ds.sizes["time"] == 1
+
+
+def test_unwritable_output_exits_4(tmp_path, capsys):
+    toml = write(tmp_path, SMALL)
+    (tmp_path / "file").write_text("x")
+    assert main(["run", str(toml), "--out", str(tmp_path / "file" / "r.zarr")]) == 4
+    assert "not writable" in capsys.readouterr().err
+
+
+def test_resume_missing_store_exits_4(tmp_path, capsys):
+    assert main(["resume", str(tmp_path / "nothing.zarr")]) == 4
+    assert "not a vfesim run store" in capsys.readouterr().err
+
+
+def test_output_path_from_scenario_is_used(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    toml = write(tmp_path, SMALL + '[output]\npath = "from_toml.zarr"\n')
+    assert main(["run", str(toml), "-q"]) == 0
+    assert open_run(Path("from_toml.zarr")).sizes["time"] == 5
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_on_tty_and_silent_when_off():
+    tty = _Tty()
+    bar = Progress(10, stream=tty)
+    for i in range(1, 11):
+        bar.update(i, F=float(i))
+    bar.close()
+    text = tty.getvalue()
+    assert "steps/s" in text and "F=10" in text and "ETA" in text and "[####" in text
+    quiet = _Tty()
+    off = Progress(10, stream=quiet, enabled=False)
+    off.update(5, 1.0)
+    off.close()
+    assert quiet.getvalue() == ""
+    pipe = io.StringIO()  # not a TTY: no bar characters, ever
+    Progress(10, stream=pipe, enabled=True).update(10, 1.0)
+    assert pipe.getvalue() == ""
+
+
+def test_cli_run_matches_python_api(tmp_path):
+    from vfesim.simulate import simulate
+
+    toml = write(tmp_path, SMALL)
+    assert main(["run", str(toml), "--out", str(tmp_path / "a.zarr"), "-q"]) == 0
+    run = simulate(toml, out=tmp_path / "b.zarr", progress=False)
+    a = open_run(tmp_path / "a.zarr")
+    np.testing.assert_array_equal(a["mu_q"].values[-1], run.state["mu_q"].values)
