@@ -152,3 +152,32 @@ def test_nan_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(mod, "_make_integrator", real)
     run = resume(out, progress=False)
     np.testing.assert_array_equal(run.state["mu_q"].values, clean.state["mu_q"].values)
+
+
+def test_write_failure_mid_run_is_reported_and_resumable(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    clean = simulate(scenario(), out=tmp_path / "clean.zarr", progress=False)
+    real = os.replace
+    calls = {"n": 0}
+
+    def full_disk(src, dst):
+        if os.path.basename(src).startswith(".tmp-"):
+            calls["n"] += 1
+            if calls["n"] == 3:  # checkpoints at steps 0 and 4 land, step 8 hits a full disk
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    out = tmp_path / "full.zarr"
+    with pytest.raises(StoreError, match="No space left"):
+        simulate(scenario(), out=out, progress=False)
+    monkeypatch.undo()
+    assert RunStore(out).checkpoint_steps() == [0, 4]
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    assert open_run(out).attrs["status"].startswith("failed: StoreError")
+    run = resume(out, progress=False)
+    np.testing.assert_array_equal(run.state["mu_q"].values, clean.state["mu_q"].values)
+    a, b = open_run(out), open_run(clean.path)
+    np.testing.assert_array_equal(a["sigma_q"].values, b["sigma_q"].values)

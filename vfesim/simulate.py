@@ -226,20 +226,28 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
         last = store.checkpoint_steps()
         msg = f"stopped: {e} (last good checkpoint: step {last[-1] if last else 'none'})"
         log.error(msg)
-        store.set_attrs(status=f"failed: {e}")
+        _mark(store, f"failed: {e}")
         raise
     except KeyboardInterrupt:
         bar.close()
-        store.set_attrs(status="interrupted")
+        _mark(store, "interrupted")
         raise
     except Exception as e:
         bar.close()
-        store.set_attrs(status=f"failed: {type(e).__name__}: {e}")
+        _mark(store, f"failed: {type(e).__name__}: {e}")
         raise
     bar.close()
     store.set_attrs(status="complete")
     log.info("done: step %d, F = %.10g", carry.step, carry.terms.get("total", float("nan")))
     return Run(store.path, scn, carry.step, carry.state, dict(carry.terms))
+
+
+def _mark(store: RunStore, status: str) -> None:
+    """Record the run status; a store that cannot take it (disk full) must not hide the cause."""
+    try:
+        store.set_attrs(status=status)
+    except OSError as e:
+        log.warning("could not record status %r in %s (%s)", status, store.path, e)
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
