@@ -21,6 +21,7 @@ The scalar per-pair math (online LSE, weights) is :mod:`vfesim_kernels.pair_math
 from __future__ import annotations
 
 import math
+import types
 
 import numba
 import numpy as np
@@ -195,10 +196,18 @@ def _dense_senders(Ah, B, Bt, ch, kappa, agg, m, inv_s, abar, TSB, gB):
                 gB[j0 + jj, d] = acc[d, jj]
 
 
-# Serial builds of the same dense kernels for small problems, where waking the thread pool costs more
-# than the work (prange runs as range); the arithmetic, and so the result, is identical.
-_dense_receivers_serial = numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(_dense_receivers.py_func)
-_dense_senders_serial = numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(_dense_senders.py_func)
+def _serial_copy(kernel):
+    """A non-parallel build of a kernel (prange runs as range; identical arithmetic). The copy gets its
+    own qualname: Numba's on-disk cache is keyed by it and does not tell parallel from serial builds."""
+    f = kernel.py_func
+    g = types.FunctionType(f.__code__, f.__globals__, f.__name__ + "_serial", f.__defaults__, f.__closure__)
+    g.__qualname__ = f.__qualname__ + "_serial"
+    return numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(g)
+
+
+# Serial builds for small problems, where waking the thread pool costs more than the work.
+_dense_receivers_serial = _serial_copy(_dense_receivers)
+_dense_senders_serial = _serial_copy(_dense_senders)
 # Pair-feature products (N^2 D) below which the serial kernels run.
 SERIAL_WORK = 1 << 21
 

@@ -1,0 +1,165 @@
+"""Energy + gradient time and peak memory: numpy vs numba backends vs the per-pair loop oracle (SPEC §6).
+
+Each case (backend, dtype, K, N) runs in a fresh subprocess: the state is built, one untimed call warms
+the JIT (loaded from Numba's cache) and the page cache, then ``--repeat`` timed calls of the whole
+``vfesim.energy_and_gradient`` (default config, lambda_prior = 0) give the median. Peak memory is the
+growth of the process's resident high-water mark during the timed calls: VmHWM is reset through
+/proc/self/clear_refs right before them and compared with VmRSS at that moment (Linux), else the
+ru_maxrss delta. The loop oracle (tests/reference/loop.py ``reference_energy``) computes the energy only,
+in float64; it runs where N <= --loop-max-n.
+
+    python benchmarks/bench_energy.py                      # full table (tens of minutes on 2 cores)
+    python benchmarks/bench_energy.py --quick              # N in {64, 256, 1024}, K = 3, float64
+    python benchmarks/bench_energy.py --n 4096 --k 3 --dtype float64 --backend numba
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_CASE = textwrap.dedent(
+    """
+    import json, resource, sys, time
+    import numpy as np
+    import vfesim
+
+    backend, dtype = sys.argv[1], sys.argv[2]
+    K, N, repeat = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    cfg = vfesim.ModelConfig(K=K)
+    state = vfesim.random_state(cfg, N, seed=0, dtype=dtype)
+    if backend == "loop":
+        sys.path.insert(0, sys.argv[6])
+        from reference.loop import reference_energy
+        call = lambda: reference_energy(state, cfg)
+    else:
+        call = lambda: vfesim.energy_and_gradient(state, cfg, backend=backend)
+        call()  # warm-up: JIT (from cache), first-touch of buffers
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+        return None
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        base, how = status("VmRSS:"), "VmHWM"
+    except OSError:
+        base, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "ru_maxrss"
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+        if sum(times) > 60:
+            break
+    peak = status("VmHWM:") if how == "VmHWM" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("RESULT " + json.dumps({"median": float(np.median(times)), "runs": len(times),
+                                  "peak_mib": max(0, peak - base) / 2**20, "mem": how}))
+    """
+)
+
+
+def run_case(backend: str, dtype: str, K: int, N: int, repeat: int, timeout: float) -> dict | None:
+    """Median seconds and peak MiB of one case in a fresh interpreter; None on timeout or failure."""
+    cmd = [sys.executable, "-c", _CASE, backend, dtype, str(K), str(N), str(repeat), str(ROOT / "tests")]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return None
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    sys.stderr.write(f"{backend} {dtype} K={K} N={N} failed:\n{proc.stderr[-2000:]}\n")
+    return None
+
+
+def loop_available() -> bool:
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from reference.loop import reference_energy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, nargs="+", default=[64, 256, 1024, 4096, 16384])
+    p.add_argument("--k", type=int, nargs="+", default=[3, 21])
+    p.add_argument("--dtype", nargs="+", default=["float32", "float64"], choices=["float32", "float64"])
+    names = ["numpy", "numba", "loop"]
+    p.add_argument("--backend", nargs="+", default=names, choices=names)
+    p.add_argument("--repeat", type=int, default=5, help="timed calls per case (stops after 60 s)")
+    p.add_argument("--loop-max-n", type=int, default=256, help="largest N for the loop oracle")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds per case (then larger N are skipped)"
+    )
+    p.add_argument("--quick", action="store_true", help="N in {64, 256, 1024}, K = 3, float64")
+    p.add_argument("--out", type=Path, default=None, help="also write the table to this file")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.n, a.k, a.dtype = [64, 256, 1024], [3], ["float64"]
+    backends = [b for b in a.backend if b != "loop" or loop_available()]
+    lines = []
+
+    def emit(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    import numba
+
+    cpu = platform.processor() or platform.machine()
+    emit(f"# vfesim bench_energy  {time.strftime('%Y-%m-%d %H:%M')}  {cpu}")
+    emit(
+        f"# cores={os.cpu_count()} numba threads={numba.config.NUMBA_NUM_THREADS} numpy={np.__version__} "
+        f"numba={numba.__version__}  load avg at start={os.getloadavg()[0]:.1f}"
+    )
+    emit("# time: median of the whole energy_and_gradient call (loop: energy only, float64)")
+    emit("# peak: resident high-water growth during the timed calls, fresh process per case")
+    if "loop" in a.backend and "loop" not in backends:
+        emit("# loop oracle not importable (tests/reference/loop.py): skipped")
+    head = (("K", 3), ("dtype", 8), ("N", 6), ("backend", 7), ("time_s", 10), ("peak_MiB", 9))
+    emit(" ".join(f"{h:>{w}}" for h, w in head) + f" {'numpy/x':>8} {'loop/x':>8}")
+    for K in a.k:
+        for dtype in a.dtype:
+            skip = set()
+            for N in a.n:
+                res = {}
+                for b in backends:
+                    if b in skip or (b == "loop" and (N > a.loop_max_n or dtype != a.dtype[-1])):
+                        continue
+                    r = run_case(b, dtype if b != "loop" else "float64", K, N, a.repeat, a.timeout)
+                    if r is None:
+                        skip.add(b)
+                        emit(f"{K:>3} {dtype:>8} {N:>6} {b:>7} {'timeout':>10}")
+                        continue
+                    res[b] = r
+                for b, r in res.items():
+                    t = r["median"]
+                    vs = {x: f"{res[x]['median'] / t:8.1f}" if x in res else " " * 8 for x in names}
+                    emit(
+                        f"{K:>3} {dtype:>8} {N:>6} {b:>7} {r['median']:10.4f} {r['peak_mib']:9.1f} "
+                        f"{vs['numpy']} {vs['loop']}"
+                    )
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
