@@ -44,44 +44,104 @@ def _mm(A, B, out):
 
 
 @njit(cache=True)
-def _retract(S, G, eta, mode, out):
-    """out = S^1/2 expm(eta A) S^1/2 with A = S^-1/2 dS S^-1/2 (symmetrised result); S, G, out (K, K)."""
+def _jacobi_eigh(A, V, w):
+    """Cyclic Jacobi eigendecomposition of a small symmetric A (K, K), overwritten: A = V diag(w) V^T.
+
+    Allocation-free; for K <= ~10 it beats a LAPACK call per agent (no workspace queries).
+    """
+    K = A.shape[0]
+    for a in range(K):
+        for b in range(K):
+            V[a, b] = 1.0 if a == b else 0.0
+    for _ in range(64):
+        off = 0.0
+        dia = 0.0
+        for p in range(K):
+            dia += A[p, p] * A[p, p]
+            for q in range(p + 1, K):
+                off += A[p, q] * A[p, q]
+        if off <= 1e-32 * dia or off == 0.0:
+            break
+        for p in range(K - 1):
+            for q in range(p + 1, K):
+                apq = A[p, q]
+                if apq == 0.0:
+                    continue
+                theta = (A[q, q] - A[p, p]) / (2.0 * apq)
+                if abs(theta) > 1e150:
+                    t = 0.5 / theta
+                else:
+                    t = 1.0 / (abs(theta) + math.sqrt(theta * theta + 1.0))
+                    if theta < 0.0:
+                        t = -t
+                c = 1.0 / math.sqrt(t * t + 1.0)
+                s = t * c
+                for k in range(K):  # A <- A P (columns p, q)
+                    akp = A[k, p]
+                    akq = A[k, q]
+                    A[k, p] = c * akp - s * akq
+                    A[k, q] = s * akp + c * akq
+                for k in range(K):  # A <- P^T A (rows p, q)
+                    apk = A[p, k]
+                    aqk = A[q, k]
+                    A[p, k] = c * apk - s * aqk
+                    A[q, k] = s * apk + c * aqk
+                A[p, q] = 0.0
+                A[q, p] = 0.0
+                for k in range(K):  # V <- V P
+                    vkp = V[k, p]
+                    vkq = V[k, q]
+                    V[k, p] = c * vkp - s * vkq
+                    V[k, q] = s * vkp + c * vkq
+    for a in range(K):
+        w[a] = A[a, a]
+
+
+@njit(cache=True)
+def _sandwich(V, f, out):
+    """out = V diag(f) V^T."""
+    K = V.shape[0]
+    for a in range(K):
+        for b in range(a, K):
+            acc = 0.0
+            for k in range(K):
+                acc += V[a, k] * f[k] * V[b, k]
+            out[a, b] = acc
+            out[b, a] = acc
+
+
+@njit(cache=True)
+def _retract(S, G, eta, mode, out, W, wv):
+    """out = S^1/2 expm(eta A) S^1/2, A = S^-1/2 dS S^-1/2 (SPEC §2.5), for one agent.
+
+    S, G, out (K, K); dS = -2 S G S (natural), -G (euclidean) or G (direction). Scratch W (6, K, K),
+    wv (3, K), float64. A = coef H G H with H = S^1/2 (natural) or S^-1/2; out = B B^T with
+    B = S^1/2 U diag(exp(e/2)), A = U diag(e) U^T.
+    """
     K = S.shape[0]
-    w, V = np.linalg.eigh(S)
-    sq = np.sqrt(w)
-    # H = S^{1/2} (natural) or S^{-1/2} (euclidean/direction), A = coef * H G H
-    H = np.empty((K, K))
-    p = 0.5 if mode == MODE_NATURAL else -0.5
+    Ac, V, H, T, U, B = W[0], W[1], W[2], W[3], W[4], W[5]
+    w, e, f = wv[0], wv[1], wv[2]
     for a in range(K):
         for b in range(K):
-            acc = 0.0
-            for k in range(K):
-                acc += V[a, k] * (w[k] ** p) * V[b, k]
-            H[a, b] = acc
+            Ac[a, b] = S[a, b]
+    _jacobi_eigh(Ac, V, w)
+    for k in range(K):
+        f[k] = math.sqrt(w[k]) if mode == MODE_NATURAL else 1.0 / math.sqrt(w[k])
+    _sandwich(V, f, H)
     coef = -2.0 * eta if mode == MODE_NATURAL else (-eta if mode == MODE_EUCLIDEAN else eta)
-    HG = np.empty((K, K))
-    A = np.empty((K, K))
-    _mm(H, G, HG)
-    _mm(HG, H, A)
+    _mm(H, G, T)
+    _mm(T, H, Ac)
     for a in range(K):
+        Ac[a, a] *= coef
         for b in range(a + 1, K):
-            m = 0.5 * (A[a, b] + A[b, a])
-            A[a, b] = m
-            A[b, a] = m
-    for a in range(K):
-        for b in range(K):
-            A[a, b] *= coef
-    e, U = np.linalg.eigh(A)
-    # B = S^{1/2} U diag(exp(e/2)); out = B B^T
-    Sh = np.empty((K, K))
-    for a in range(K):
-        for b in range(K):
-            acc = 0.0
-            for k in range(K):
-                acc += V[a, k] * sq[k] * V[b, k]
-            Sh[a, b] = acc
-    B = np.empty((K, K))
-    _mm(Sh, U, B)
+            m = 0.5 * coef * (Ac[a, b] + Ac[b, a])
+            Ac[a, b] = m
+            Ac[b, a] = m
+    _jacobi_eigh(Ac, U, e)
+    for k in range(K):
+        f[k] = math.sqrt(w[k])
+    _sandwich(V, f, T)
+    _mm(T, U, B)
     for j in range(K):
         s = math.exp(0.5 * e[j])
         for a in range(K):
@@ -120,6 +180,9 @@ def gradient_flow_update_cpu(
     (euclidean) / mu + eta g (direction); covariances through ``_retract``; phi - eta g_phi (or + eta g
     for direction), wrapped into the principal ball."""
     N, K = mu_q.shape
+    W = np.empty((N, 6, K, K))  # per-agent scratch, allocated once (no allocation inside prange)
+    wv = np.empty((N, 3, K))
+    tmp = np.empty((N, 3))
     for i in prange(N):
         for f in range(2):
             mu = mu_q if f == 0 else mu_p
@@ -147,17 +210,16 @@ def gradient_flow_update_cpu(
                     for b in range(K):
                         oS[i, a, b] = S[i, a, b]
             else:
-                _retract(S[i], gS[i], eS, mode, oS[i])
+                _retract(S[i], gS[i], eS, mode, oS[i], W[i], wv[i])
         ep = eta[4]
-        tmp = np.empty(3)
         sgn = 1.0 if mode == MODE_DIRECTION else -1.0
         for a in range(3):
-            tmp[a] = phi[i, a] + sgn * ep * g_phi[i, a]
+            tmp[i, a] = phi[i, a] + sgn * ep * g_phi[i, a]
         if ep == 0.0:
             for a in range(3):
                 o_phi[i, a] = phi[i, a]
         else:
-            _wrap_phi(tmp, o_phi[i])
+            _wrap_phi(tmp[i], o_phi[i])
 
 
 @njit(cache=True)
@@ -175,8 +237,9 @@ def _unpack_L(theta, K, L):
 def theta_to_sigma_cpu(theta, K, out):
     """Sigma = L L^T from log-Cholesky coordinates: theta (N, T) -> out (N, K, K)."""
     N = theta.shape[0]
+    Ls = np.empty((N, K, K))
     for i in prange(N):
-        L = np.empty((K, K))
+        L = Ls[i]
         _unpack_L(theta[i], K, L)
         for a in range(K):
             for b in range(a, K):
@@ -199,8 +262,9 @@ def kick_drift_cpu(
     The frame block (x_phi, p_phi, g_phi) is updated too when ``do_phi``.
     """
     N, K = x_mu.shape
+    Ls = np.empty((N, K, K))  # per-agent scratch, allocated once
     for i in prange(N):
-        L = np.empty((K, K))
+        L = Ls[i]
         if kick != 0.0:
             _unpack_L(x_theta[i], K, L)
             for a in range(K):

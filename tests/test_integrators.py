@@ -500,3 +500,18 @@ def test_numba_backend_matches_numpy_backend(method, opts):
         np.testing.assert_allclose(b.state[k].values, a.state[k].values, rtol=1e-11, atol=1e-12)
     for k in a.aux:
         np.testing.assert_allclose(b.aux[k], a.aux[k], rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 5, 9])
+def test_numba_jacobi_eigh_small_matrices(rng, K):
+    from vfesim_kernels.update_cpu import _jacobi_eigh
+
+    cases = [random_sym(rng, (K, K)), np.eye(K) * 2.0, np.diag(np.arange(K, dtype=float))]
+    Q = np.linalg.qr(rng.standard_normal((K, K)))[0]
+    cases.append(Q @ np.diag(np.r_[np.ones(K - K // 2), 3 * np.ones(K // 2)]) @ Q.T)  # repeated
+    for A in cases:
+        V, w = np.empty((K, K)), np.empty(K)
+        _jacobi_eigh(A.copy(), V, w)
+        np.testing.assert_allclose((V * w) @ V.T, A, atol=1e-13)
+        np.testing.assert_allclose(V.T @ V, np.eye(K), atol=1e-13)
+        np.testing.assert_allclose(np.sort(w), np.linalg.eigvalsh(A), atol=1e-13)

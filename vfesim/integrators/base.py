@@ -16,7 +16,7 @@ import numpy as np
 import xarray as xr
 
 from ..config import ModelConfig
-from ..state import COVARIANCES, StateError, validate_state
+from ..state import StateError, validate_state
 
 __all__ = [
     "Carry",
@@ -55,6 +55,9 @@ class Carry:
     coordinates ``theta_<var>``, Adam moments ``adam_m_<var>``/``adam_v_<var>``); terms: energy terms at
     ``state`` (plus ``kinetic``, ``hamiltonian`` for Hamiltonian methods); rng_state: the NumPy
     bit-generator state after the init draws (None when nothing was drawn).
+
+    Integrators attach the force at ``state`` to a carry as a private attribute (not a field: it is
+    never checkpointed); a carry without it, e.g. from ``dataclasses.replace``, recomputes it.
     """
 
     state: xr.Dataset
@@ -150,4 +153,4 @@ def guard_terms(step: int, terms: Mapping[str, float]) -> None:
             raise DynamicsError(step, f"terms[{k!r}]", f"energy term is {v}")
 
 
-__all__ += ["COVARIANCES", "MOVABLE", "check_fields", "state_arrays"]
+__all__ += ["MOVABLE", "check_fields", "state_arrays"]

@@ -280,7 +280,7 @@ def make_hamiltonian(
             return out
         return theta_to_sigma(theta, K)
 
-    def kinetic(aux, theta=None) -> float:
+    def kinetic(aux) -> float:
         if not riemann:
             return _kinetic_const(aux, inv_m)
         return _kinetic_riemann(aux)
@@ -340,7 +340,7 @@ def make_hamiltonian(
             aux[name] = (math.sqrt(mass[field]) * z).astype(dtype)
         return restore(with_arrays(state, new), 0, aux, rng.bit_generator.state)
 
-    def _eval(n, state, arrays, aux):
+    def _eval(n, arrays, aux):
         guard_state(n, arrays, cfg, aux)
         eterms, grads = efn(arrays)
         guard_terms(n, eterms)
@@ -361,7 +361,7 @@ def make_hamiltonian(
         valid = True
         for kick, drift in table:
             if kick != 0.0 and not valid:
-                eterms, grads = _eval(n, carry.state, arrays, aux)
+                eterms, grads = _eval(n, arrays, aux)
                 valid = True
             for m, s in blocks:
                 do_phi = frames and m == "mu_q"
@@ -393,7 +393,7 @@ def make_hamiltonian(
             if drift != 0.0:
                 valid = False
         if not valid:
-            eterms, grads = _eval(n, carry.state, arrays, aux)
+            eterms, grads = _eval(n, arrays, aux)
         if damp != 1.0:
             for k in p_names:
                 aux[k] *= damp
@@ -492,7 +492,7 @@ def make_hamiltonian(
             arrays[s] = S1
         if frames:
             arrays["phi"] = arrays["phi"] + (h * inv_m["phi"]) * aux["p_phi"]
-        eterms, grads = _eval(n, carry.state, arrays, aux)
+        eterms, grads = _eval(n, arrays, aux)
         explicit_half_kick(grads)
         if damp != 1.0:
             for k in p_names:
