@@ -197,8 +197,10 @@ def _dense_senders(Ah, B, Bt, ch, kappa, agg, m, inv_s, abar, TSB, gB):
 
 
 def _serial_copy(kernel):
-    """A non-parallel build of a kernel (prange runs as range; identical arithmetic). The copy gets its
-    own qualname: Numba's on-disk cache is keyed by it and does not tell parallel from serial builds."""
+    """A non-parallel build of a kernel (prange runs as range). The copy gets its own qualname: Numba's
+    on-disk cache is keyed by it and does not tell parallel from serial builds. The two builds may
+    vectorise the reassociated sums differently (rounding-level differences); which one runs depends
+    only on (N, D), never on the thread count, so results stay reproducible."""
     f = kernel.py_func
     g = types.FunctionType(f.__code__, f.__globals__, f.__name__ + "_serial", f.__defaults__, f.__closure__)
     g.__qualname__ = f.__qualname__ + "_serial"
