@@ -48,7 +48,7 @@ def test_run_resume_inspect_plot(tmp_path, capsys):
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     assert "status       complete" in text and "8 saved of 8" in text
-    assert "system_free_energy" in text and "checkpoints  4, 8" in text
+    assert "system_free_energy" in text and "checkpoints  at steps 4, 8" in text
     assert main(["inspect", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["frames_saved"] == 5 and info["scenario"]["integrator"]["method"] == "verlet"

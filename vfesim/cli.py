@@ -67,14 +67,15 @@ def _inspect(path: str, as_json: bool) -> None:
     sc = info["scenario"]
     lines = [
         f"run          {info['path']}  ({info['name']})",
-        f"status       {info['status']}",
+        f"status       {info['status']}"
+        + ("  (or killed: `vfesim resume` continues it)" if info["status"] == "running" else ""),
         f"version      vfesim {info['vfesim_version']}, backend {info['backend']}, {info['dtype']}",
         f"agents       {info['n_agents']}  (K = {sc['model'].get('K')})",
         f"integrator   {sc['integrator']['method']}, dt = {sc['integrator']['dt']}, "
         f"friction = {sc['integrator']['friction']}",
         f"steps        {info['last_saved_step']} saved of {info['n_steps']} "
         f"({info['frames_saved']} frames, every {sc['run']['save_every']})",
-        f"checkpoints  {', '.join(map(str, info['checkpoints'])) or 'none'}",
+        f"checkpoints  at steps {', '.join(map(str, info['checkpoints'])) or 'none'}",
     ]
     for k, v in info["last_energies"].items():
         lines.append(f"  {k:<28} {v:.10g}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ __all__ = ["open_run"]
 
 
 def open_run(path: str | Path, *, chunks: dict | str | None = "auto") -> xr.Dataset:
-    """The trajectory of a run, lazily (Dask), trimmed to the frames written so far.
+    """The trajectory of a run, lazily (Dask when installed), trimmed to the frames written so far.
 
     Dims: ``time`` (one frame per ``save_every`` steps; coordinates ``time`` = step * dt and
     ``step``), ``agent``, ``latent``, ``latent_b``, ``gauge``. Variables: ``mu_q, sigma_q, mu_p,
@@ -24,6 +25,8 @@ def open_run(path: str | Path, *, chunks: dict | str | None = "auto") -> xr.Data
     path = Path(path)
     if not RunStore.is_run(path):
         raise StoreError(f"{path}: not a vfesim run store (no zarr.json with format attrs)")
+    if chunks == "auto" and importlib.util.find_spec("dask") is None:
+        chunks = None  # still lazy (xarray's lazy indexing), just not Dask
     ds = xr.open_zarr(path, consolidated=False, zarr_format=3, chunks=chunks)
     saved = np.asarray(ds["saved"].values, bool)
     # Frames are written in order, so the written ones are a prefix.

@@ -300,6 +300,9 @@ class RunStore:
         p = self.ckpt_dir / f"step-{step:012d}"
         ds = xr.open_zarr(p, chunks=None, **_zkw()).load()
         names = json.loads(ds.attrs["aux_names"])
+        missing = [k for k in (*TRAJ_STATE, *(f"aux__{n}" for n in names)) if k not in ds]
+        if missing:
+            raise StoreError(f"{p}: incomplete checkpoint, missing {missing}")
         aux = {n: ds[f"aux__{n}"].values for n in names}
         state = ds.drop_vars([f"aux__{n}" for n in names])
         state = state.drop_dims([d for d in state.dims if d.startswith("aux__")])
