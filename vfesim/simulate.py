@@ -321,7 +321,10 @@ def resume(
     chunk = store.time_chunk()
     buf_start = next_frame // chunk * chunk
     buf = store.read_frames(buf_start, next_frame)
-    log.info("resuming %s at step %d of %d", path, ckpt.step, run["n_steps"])
+    if ckpt.step == run["n_steps"]:
+        log.info("%s is complete at step %d (give --steps / steps= to extend it)", path, ckpt.step)
+    else:
+        log.info("resuming %s at step %d of %d", path, ckpt.step, run["n_steps"])
     return _advance(store, scn, integ, carry, buf, buf_start, backend_name, progress)
 
 
