@@ -45,15 +45,28 @@ def test_run_writes_every_frame_and_checkpoints(tmp_path):
     assert json.loads(ds.attrs["scenario"])["scenario"]["run"]["n_steps"] == 12
 
 
-def test_resume_extends_bitwise(tmp_path):
+@pytest.mark.parametrize("time_chunk", [1, 3, 50])
+def test_resume_extends_bitwise(tmp_path, time_chunk, monkeypatch):
     full = simulate(scenario(), out=tmp_path / "a.zarr", progress=False)
-    part = simulate(scenario(), out=tmp_path / "b.zarr", steps=6, progress=False)
+    writes = []
+    real = RunStore.write_frames
+
+    def spy(self, start, frames):
+        writes.append((start, len(frames)))
+        return real(self, start, frames)
+
+    monkeypatch.setattr(RunStore, "write_frames", spy)
+    part = simulate(
+        scenario(output={"time_chunk": time_chunk}), out=tmp_path / "b.zarr", steps=6, progress=False
+    )
     assert part.step == 6
     resumed = resume(tmp_path / "b.zarr", steps=12, progress=False)
     a, b = open_run(tmp_path / "a.zarr"), open_run(tmp_path / "b.zarr")
     for k in a.data_vars:
         np.testing.assert_array_equal(a[k].values, b[k].values, err_msg=k)
     assert resumed.terms == full.terms
+    # Every write starts on a chunk boundary and stays inside one chunk.
+    assert writes and all(s % time_chunk == 0 and 0 < n <= time_chunk for s, n in writes if n)
 
 
 def test_resume_complete_run_is_a_no_op(tmp_path):

@@ -208,6 +208,8 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
     run = scn.run
     n_steps, every, ck = run["n_steps"], run["save_every"], run["checkpoint_every"]
     chunk = store.time_chunk()
+    if len(buf) == chunk:  # a full chunk already written by the caller's checkpoint
+        buf_start, buf = buf_start + chunk, []
     bar = Progress(n_steps, carry.step, enabled=progress)
     store.set_attrs(status="running")
     try:
