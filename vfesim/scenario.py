@@ -8,7 +8,8 @@ Sections and keys (all optional except ``model.K`` or ``model.irreps`` and ``pop
                    camps (>= 1 prior camps), camp_offset (distance between camp centres)
     [integrator]   method, dt, friction, options (a table passed to make_integrator)
     [run]          n_steps, save_every, checkpoint_every, backend, dtype, seed
-    [output]       path, time_chunk, keep_checkpoints
+    [output]       path (relative to the working directory), time_chunk (frames per Zarr chunk),
+                   keep_checkpoints (>= 2: the newest and the one before are always kept)
 
 Every problem raises :class:`ScenarioError` naming the key as ``section.key``.
 """
