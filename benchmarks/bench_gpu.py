@@ -1,0 +1,275 @@
+"""GPU benchmark of the cuda backend (SPEC §6, issue 5), with a PyTorch autograd baseline.
+
+Measures one energy+gradient evaluation (CuPy arrays in and out) at N in SIZES, K in {3, 21}, float32 and
+float64; peak device memory; the model's FLOP rate against ceilings measured in the same run (CuPy GEMM,
+device-to-device copy); and the ratio to benchmarks/torch_baseline.py, which materialises the
+(N, N, K, K) transports, at every size until it runs out of memory.
+
+    python benchmarks/bench_gpu.py [--quick] [--tune] [--out DIR]
+
+Writes DIR/gpu_bench.jsonl (one record per measurement) and DIR/gpu_bench.txt (the table, also printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+from vfesim_kernels import cuda as kc
+
+import vfesim
+from vfesim.backends import cuda_backend as cb
+from vfesim.gaussian.features import feature_dim
+from vfesim.groups import generators
+
+SIZES = [1024, 4096, 16384, 65536, 262144, 1048576]
+# Extra sizes that locate where the baseline runs out of memory more precisely.
+PROBE_SIZES = [2048, 8192]
+KS = [3, 21]
+DTYPES = ["float32", "float64"]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def timeit(fn, *, min_reps=3, max_reps=20, target_s=1.0):
+    """Median wall time (s) of fn() (which synchronises), after one warm-up call; and the reps done."""
+    fn()
+    times = []
+    t_start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - t_start < target_s):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        fn()
+        cp.cuda.Device().synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), len(times)
+
+
+def ceilings() -> dict:
+    """Measured device ceilings: GEMM FLOP/s (fp32 without TF32, fp64) and copy bytes/s (read + write)."""
+    out = {}
+    n = 8192
+    for dt in ("float32", "float64"):
+        a = cp.random.standard_normal((n, n), dtype=dt)
+        b = cp.random.standard_normal((n, n), dtype=dt)
+        t, _ = timeit(lambda a=a, b=b: a @ b, min_reps=5, target_s=0.5)
+        out[f"gemm_{dt}_flops"] = 2 * n**3 / t
+        del a, b
+    x = cp.random.standard_normal(1 << 28, dtype="float32")  # 1 GiB
+    y = cp.empty_like(x)
+    t, _ = timeit(lambda x=x, y=y: y.__setitem__(Ellipsis, x), min_reps=10, target_s=0.5)
+    out["copy_bytes_per_s"] = 2 * x.nbytes / t
+    del x, y
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def device_state(N: int, K: int, dtype: str, seed: int = 0) -> dict:
+    """Random valid state generated on the device: sigma = L L^T + I/2 (SPD), |phi| <= 1."""
+    rs = cp.random.RandomState(seed)
+    out = {}
+    for m, s in (("mu_q", "sigma_q"), ("mu_p", "sigma_p")):
+        out[m] = rs.standard_normal((N, K))
+        L = 0.4 * rs.standard_normal((N, K, K))
+        out[s] = L @ L.transpose(0, 2, 1) + 0.5 * cp.eye(K)
+    v = rs.standard_normal((N, 3))
+    out["phi"] = v / cp.linalg.norm(v, axis=1, keepdims=True) * rs.uniform(0, 1, (N, 1)) ** (1 / 3)
+    return {k: cp.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
+
+
+def pair_flops(N: int, K: int, nterms: int) -> float:
+    """Model FLOPs of the dense pairwise kernels: per ordered pair and term, three feature dots (2D each),
+    two weighted row accumulations (2D each) and ~21 scalar operations (logits, exps, weights)."""
+    D = feature_dim(K)
+    return float(N) * (N - 1) * nterms * (10 * D + 21)
+
+
+def config(K: int, terms: str) -> vfesim.ModelConfig:
+    return vfesim.ModelConfig(K=K, lambda_prior=1.0 if terms == "both" else 0.0)
+
+
+def bench_cuda(N, K, dtype, cfg):
+    pool = cp.get_default_memory_pool()
+    cb.clear_cache()
+    pool.free_all_blocks()
+    x = device_state(N, K, dtype)
+    base = pool.total_bytes()
+    t, reps = timeit(lambda: cb.energy_and_gradient(x, cfg), min_reps=3 if N <= 65536 else 2, max_reps=20)
+    peak = pool.total_bytes()
+    return t, reps, peak, peak - base
+
+
+def bench_torch(N, K, dtype, cfg):
+    import torch
+    import torch_baseline as tb
+
+    torch.cuda.empty_cache()
+    cp.get_default_memory_pool().free_all_blocks()
+    x = {k: torch.as_tensor(v, device="cuda") for k, v in device_state(N, K, dtype).items()}
+    G = torch.as_tensor(generators(cfg.irreps), dtype=x["mu_q"].dtype, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    result = None
+    try:
+        t, reps = timeit(lambda x=x, G=G: tb.energy_and_gradient(x, G, cfg), max_reps=5, target_s=2.0)
+        result = (t, reps, torch.cuda.max_memory_allocated())
+    except torch.cuda.OutOfMemoryError:
+        pass
+    # Give the caching allocator's memory back before CuPy needs it (also after an OOM).
+    del x, G
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return result
+
+
+def check_baseline(K: int, dtype: str = "float64", N: int = 256) -> dict:
+    """Relative differences between the torch baseline and the cuda backend on one state (same function?)."""
+    import torch
+    import torch_baseline as tb
+
+    cfg = config(K, "both")
+    x = device_state(N, K, dtype, seed=3)
+    terms, g = cb.energy_and_gradient(x, cfg)
+    xt = {k: torch.as_tensor(v, device="cuda") for k, v in x.items()}
+    G = torch.as_tensor(generators(cfg.irreps), dtype=xt["mu_q"].dtype, device="cuda")
+    F, gt = tb.energy_and_gradient(xt, G, cfg)
+    out = {"energy": abs(F - terms["total"]) / abs(terms["total"])}
+    for k in g:
+        a = cp.asnumpy(g[k])
+        b = gt[k].cpu().numpy()
+        out[k] = float(np.abs(a - b).max() / np.abs(b).max())
+    return out
+
+
+def tune(out_rows):
+    """Threads per block x owners per thread of the dense kernels at N = 65536, K = 3."""
+    N, K = 65536, 3
+    keep = (kc.PAIR_THREADS, kc.PAIR_OPT)
+    for dtype in DTYPES:
+        for threads in (128, 256):
+            for opt in (1, 2, 4):
+                kc.PAIR_THREADS, kc.PAIR_OPT = threads, opt
+                t, reps, _, _ = bench_cuda(N, K, dtype, config(K, "belief"))
+                row = dict(kind="tune", N=N, K=K, dtype=dtype, threads=threads, opt=opt, t_s=t, reps=reps)
+                out_rows.append(row)
+                log(f"tune {dtype} threads={threads} opt={opt}: {t * 1e3:.2f} ms")
+    kc.PAIR_THREADS, kc.PAIR_OPT = keep
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="sizes up to 65536, K=21 up to 4096")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--max-eval-s", type=float, default=30.0, help="skip sizes predicted slower than this")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--ks", type=int, nargs="*", default=KS)
+    ap.add_argument("--dtypes", nargs="*", default=DTYPES)
+    ap.add_argument("--min-n", type=int, default=0, help="measure only sizes >= this")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(Path(__file__).parent))
+    rows: list[dict] = []
+    dev = cp.cuda.runtime.getDeviceProperties(0)
+    info = dict(kind="device", name=dev["name"].decode(), sms=dev["multiProcessorCount"],
+                mem_gib=dev["totalGlobalMem"] / 2**30, threads=kc.PAIR_THREADS, opt=kc.PAIR_OPT)  # fmt: skip
+    log(info)
+    ceil = ceilings()
+    rows += [info, dict(kind="ceilings", **ceil)]
+    log({k: f"{v:.3e}" for k, v in ceil.items()})
+    if not args.no_baseline:
+        for K in args.ks:
+            chk = check_baseline(K)
+            rows.append(dict(kind="baseline_check", K=K, **chk))
+            log(f"baseline vs cuda (K={K}, float64, N=256), max relative differences:", chk)
+    if args.tune:
+        tune(rows)
+
+    sizes = sorted(SIZES + PROBE_SIZES)
+    sizes = [n for n in sizes if n <= 65536] if args.quick else sizes
+    for K in args.ks:
+        for dtype in args.dtypes:
+            last = None
+            torch_fits = not args.no_baseline
+            for N in sizes:
+                if (K == 21 and args.quick and N > 4096) or N < args.min_n:
+                    continue
+                if last is not None and last[1] * (N / last[0]) ** 2 > args.max_eval_s:
+                    rows.append(
+                        dict(kind="skipped", N=N, K=K, dtype=dtype, predicted_s=last[1] * (N / last[0]) ** 2)
+                    )
+                    log(f"skip N={N} K={K} {dtype}: predicted {last[1] * (N / last[0]) ** 2:.0f} s")
+                    continue
+                cfg = config(K, "belief")
+                t, reps, peak, used = bench_cuda(N, K, dtype, cfg)
+                last = (N, t)
+                fl = pair_flops(N, K, 1)
+                row = dict(kind="cuda", N=N, K=K, dtype=dtype, terms="belief", t_s=t, reps=reps,
+                           peak_bytes=peak, flops_model=fl, flops_per_s=fl / t,
+                           frac_gemm=fl / t / ceil[f"gemm_{dtype}_flops"])  # fmt: skip
+                if torch_fits:
+                    r = bench_torch(N, K, dtype, cfg)
+                    if r is None:
+                        torch_fits = False
+                        row["torch"] = "OOM"
+                    else:
+                        row |= dict(torch_t_s=r[0], torch_reps=r[1], torch_peak_bytes=r[2], speedup=r[0] / t)
+                rows.append(row)
+                log(json.dumps(row))
+                if N == 65536 and K == 3:
+                    t2, reps2, peak2, _ = bench_cuda(N, K, dtype, config(K, "both"))
+                    fl2 = pair_flops(N, K, 2)
+                    row2 = dict(kind="cuda", N=N, K=K, dtype=dtype, terms="both", t_s=t2, reps=reps2,
+                                peak_bytes=peak2, flops_model=fl2, flops_per_s=fl2 / t2,
+                                frac_gemm=fl2 / t2 / ceil[f"gemm_{dtype}_flops"])  # fmt: skip
+                    rows.append(row2)
+                    log(json.dumps(row2))
+    with open(out / "gpu_bench.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    table = format_table(rows)
+    (out / "gpu_bench.txt").write_text(table)
+    print(table)
+
+
+def format_table(rows) -> str:
+    lines = []
+    for r in rows:
+        if r["kind"] == "ceilings":
+            lines.append(
+                f"ceilings: GEMM fp32 {r['gemm_float32_flops'] / 1e12:.1f} TFLOP/s, fp64 "
+                f"{r['gemm_float64_flops'] / 1e12:.1f} TFLOP/s, copy {r['copy_bytes_per_s'] / 1e12:.2f} TB/s"
+            )
+    hdr = f"{'K':>3} {'dtype':>7} {'terms':>6} {'N':>8} {'time ms':>10} {'TFLOP/s':>8} {'%GEMM':>6} "
+    hdr += f"{'peak MiB':>9} {'torch ms':>10} {'torch MiB':>10} {'speedup':>8}"
+    lines.append(hdr)
+    for r in rows:
+        if r["kind"] == "cuda":
+            tt = r.get("torch_t_s")
+            tcol = f"{tt * 1e3:10.2f}" if tt else f"{r.get('torch', '-'):>10}"
+            tmem = f"{r['torch_peak_bytes'] / 2**20:10.0f}" if tt else f"{'-':>10}"
+            sp = f"{r['speedup']:8.1f}" if tt else f"{'-':>8}"
+            lines.append(
+                f"{r['K']:3d} {r['dtype']:>7} {r['terms']:>6} {r['N']:8d} {r['t_s'] * 1e3:10.2f} "
+                f"{r['flops_per_s'] / 1e12:8.2f} {100 * r['frac_gemm']:6.1f} {r['peak_bytes'] / 2**20:9.0f} "
+                f"{tcol} {tmem} {sp}"
+            )
+        elif r["kind"] == "skipped":
+            pred = r["predicted_s"]
+            lines.append(f"{r['K']:3d} {r['dtype']:>7} {'':>6} {r['N']:8d}  skipped (predicted {pred:.0f} s)")
+        elif r["kind"] == "tune":
+            lines.append(f"tune {r['dtype']} threads={r['threads']} opt={r['opt']}: {r['t_s'] * 1e3:.2f} ms")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

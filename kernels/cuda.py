@@ -1,0 +1,767 @@
+"""numba.cuda kernels of the Gaussian free energy (SPEC §2.1–2.4): frames, features, pairwise, adjoint.
+
+The only module of the package that imports ``numba.cuda`` (ECOSYSTEM: a later switch of the CUDA
+Python layer is then one edit). Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run on NumPy arrays.
+
+Layout: a leading "term" axis f of length 2 holds the belief (f = 0, q) and prior (f = 1, p) alignment
+terms; a launch covers terms ``f0 .. f0 + nf - 1`` (grid axis z), so the inactive term costs nothing.
+
+    mu (2, N, K), sigma (2, N, K, K), phi (N, 3), G (3, K, K) generators in the working dtype
+    R (N, K, K); lam, P (2, N, K, K); nu, Pnu (2, N, K); ld (2, N)
+    A, B (2, N, D) features, c (2, N);  KL_ij / kappa = A_i . B_j + c_i  (A and c pre-scaled by 1/(2 kappa))
+
+The pairwise kernels use the per-pair math of :mod:`vfesim_kernels.pair_math`, compiled here as inlined
+device functions. A and c enter multiplied by 1/(2 kappa) (pair_math takes halved receiver features),
+so the logits are -KL / kappa with no division in the inner loops: the weights W_ij are unchanged,
+energies scale by kappa and the sender cotangent by 2 kappa (see :func:`make_dense_kernels`).
+
+Dense pairs (flash-attention pattern, no N x N array, no float atomics):
+  1. ``stats``: owner thread = receiver, others = sender tiles in shared memory; online log-sum-exp
+     over one slice of the senders (grid axis y splits the senders, for parallelism at moderate N);
+  2. ``merge``: per receiver, merge the slices' statistics in slice order (``lse_merge``); energies;
+  3. ``grads``: grid axis y < S: receiver role, sum_j W_ij B_j (and sum_j W_ij) per slice;
+     y >= S: sender role, sum_i W_ij A_i per slice. Slices are summed, in order, by the adjoint kernel.
+Every sum runs in a fixed order, so results are bitwise reproducible on one device.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, float64
+from numba.core import config as _numba_config
+
+from . import pair_math as _pm
+
+__all__ = [
+    "SIMULATOR",
+    "cuda",
+    "as_device_view",
+    "feature_dim",
+    "dense_splits",
+    "make_agent_kernels",
+    "make_dense_kernels",
+    "make_sparse_kernels",
+    "kernel_signatures",
+    "BLOCK",
+]
+
+SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
+# Small grids are deliberate at small N; numba's low-occupancy warning would be an error under pytest.
+_numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
+
+# Threads per block of the per-agent kernels. The simulator spawns one Python thread per CUDA thread
+# of a block, so it gets small blocks.
+BLOCK = 8 if SIMULATOR else 128
+# Dense pairwise: threads per block, owners per thread (register blocking: each shared-memory row is
+# reused by OPT owners), and the block count the split heuristic aims for (~4 blocks per SM on an H200).
+PAIR_THREADS = 4 if SIMULATOR else 128
+PAIR_OPT = 2
+TARGET_BLOCKS = 8 if SIMULATOR else 528
+# Static shared memory per block stays under the 48 KB that needs no opt-in.
+SHARED_BYTES = 40 * 1024
+
+_NB = {np.dtype(np.float32): float32, np.dtype(np.float64): float64}
+
+
+def _device(fn):
+    """Compile a plain Python function as a CUDA device function inlined at the Numba IR level.
+
+    IR-level inlining (``inline="always"``) also lets ``compile_ptx`` build kernels without a GPU: a
+    separately compiled device function would ask the driver for the current device.
+    """
+    return cuda.jit(device=True, inline="always")(fn)
+
+
+pair_kl = _device(_pm.pair_kl)
+pair_logit = _device(_pm.pair_logit)
+lse_push = _device(_pm.lse_push)
+lse_merge = _device(_pm.lse_merge)
+row_abar = _device(_pm.row_abar)
+row_energy = _device(_pm.row_energy)
+pair_weight = _device(_pm.pair_weight)
+accumulate_row = _device(_pm.accumulate_row)
+AGG_CODES = {"expected": _pm.AGG_EXPECTED, "softmin": _pm.AGG_SOFTMIN}
+
+
+def feature_dim(K: int) -> int:
+    return K * (K + 1) // 2 + K + 1
+
+
+def as_device_view(a):
+    """A numba device view of a CuPy array (wrapped once, then reused: cheaper launches); NumPy as is."""
+    if SIMULATOR or isinstance(a, np.ndarray):
+        return a
+    return cuda.as_cuda_array(a)
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-agent linear algebra (device functions on small local matrices, K a compile-time int)
+# ------------------------------------------------------------------------------------------------
+
+# Taylor degree-12 coefficients 1/k! and the scaling threshold of vfesim.groups.expm_so3.
+_INV_FACT = tuple(1.0 / math.factorial(k) for k in range(13))
+_THETA = 0.25
+
+
+def _matmul(X, Y, Z, K):
+    """Z = X @ Y for (K, K) local arrays (Z distinct from X and Y)."""
+    for a in range(K):
+        for b in range(K):
+            acc = X[a, 0] * Y[0, b]
+            for k in range(1, K):
+                acc += X[a, k] * Y[k, b]
+            Z[a, b] = acc
+
+
+def _expm_phi(p0, p1, p2, G, lmax, K, X, X2, X3, X4, E, T):
+    """E = exp(phi . G) (SPEC §2.1), Taylor degree 12 (Paterson-Stockmeyer) + scaling and squaring.
+
+    s is the least integer with lmax |phi| / 2^s <= 1/4 (|phi . G|_2 = lmax |phi|), as in
+    vfesim.groups.expm_so3. X .. T are (K, K) scratch arrays.
+    """
+    t = math.sqrt(p0 * p0 + p1 * p1 + p2 * p2)
+    r = lmax * t / _THETA
+    s = 0
+    scale = 1.0
+    while r > 1.0:
+        r *= 0.5
+        scale *= 0.5
+        s += 1
+    for a in range(K):
+        for b in range(K):
+            X[a, b] = (p0 * G[0, a, b] + p1 * G[1, a, b] + p2 * G[2, a, b]) * scale
+    _matmul(X, X, X2, K)
+    _matmul(X2, X, X3, K)
+    _matmul(X2, X2, X4, K)
+    c = _INV_FACT
+    for a in range(K):
+        for b in range(K):
+            eye = 1.0 if a == b else 0.0
+            E[a, b] = c[8] * eye + c[9] * X[a, b] + c[10] * X2[a, b] + c[11] * X3[a, b] + c[12] * X4[a, b]
+    _matmul(X4, E, T, K)
+    for a in range(K):
+        for b in range(K):
+            eye = 1.0 if a == b else 0.0
+            E[a, b] = c[4] * eye + c[5] * X[a, b] + c[6] * X2[a, b] + c[7] * X3[a, b] + T[a, b]
+    _matmul(X4, E, T, K)
+    for a in range(K):
+        for b in range(K):
+            eye = 1.0 if a == b else 0.0
+            E[a, b] = eye + X[a, b] + c[2] * X2[a, b] + c[3] * X3[a, b] + T[a, b]
+    for _ in range(s):
+        _matmul(E, E, T, K)
+        for a in range(K):
+            for b in range(K):
+                E[a, b] = T[a, b]
+
+
+def _chol_inv(S, L, Linv, Sinv, K):
+    """Cholesky S = L L^T, Sinv = S^-1 (exactly symmetric); returns ln|S|. Not SPD -> NaN."""
+    ld = 0.0
+    for j in range(K):
+        d = S[j, j]
+        for k in range(j):
+            d -= L[j, k] * L[j, k]
+        d = math.sqrt(d)
+        L[j, j] = d
+        ld += 2.0 * math.log(d)
+        for a in range(j + 1, K):
+            v = S[a, j]
+            for k in range(j):
+                v -= L[a, k] * L[j, k]
+            L[a, j] = v / d
+    # Linv lower triangular by forward substitution; S^-1 = Linv^T Linv.
+    for j in range(K):
+        for a in range(K):
+            Linv[a, j] = 0.0
+        Linv[j, j] = 1.0 / L[j, j]
+        for a in range(j + 1, K):
+            v = 0.0 * ld
+            for k in range(j, a):
+                v -= L[a, k] * Linv[k, j]
+            Linv[a, j] = v / L[a, a]
+    for a in range(K):
+        for b in range(a, K):
+            acc = 0.0 * ld
+            for k in range(b, K):
+                acc += Linv[k, a] * Linv[k, b]
+            Sinv[a, b] = acc
+            Sinv[b, a] = acc
+    return ld
+
+
+# Rebind to the device versions: device functions call each other through module globals.
+_matmul = _device(_matmul)
+_expm_phi = _device(_expm_phi)
+_chol_inv = _device(_chol_inv)
+
+
+@functools.cache
+def make_agent_kernels(K: int, dtype: str):
+    """Per-agent kernels for latent dimension K and a float dtype (one compiled family per (K, dtype)).
+
+    Returns a dict of dispatchers: ``prep``, ``features``, ``self_kl``, ``adjoint`` (signatures in
+    :func:`kernel_signatures`). One thread per agent; launch with ``[ceil(N / BLOCK), nf], BLOCK``
+    (``self_kl`` with a 1-D grid).
+    """
+    dt = _NB[np.dtype(dtype)]
+    D = feature_dim(K)
+    T = K * (K + 1) // 2
+    matmul = _matmul
+    expm_phi = _expm_phi
+    chol_inv = _chol_inv
+
+    def prep(phi, G, lmax, mu, sigma, jitter, f0, R, lam, P, nu, ld):
+        """R_i = exp(phi_i . G); per term: lam = R^T (Sigma + jitter I) R (symmetrised), P = lam^-1,
+        ld = ln|lam|, nu = R^T mu (uncentred). Grid y = term (f0 + y)."""
+        i = cuda.grid(1)
+        f = f0 + cuda.blockIdx.y
+        if i >= phi.shape[0]:
+            return
+        X = cuda.local.array((K, K), dt)
+        X2 = cuda.local.array((K, K), dt)
+        X3 = cuda.local.array((K, K), dt)
+        X4 = cuda.local.array((K, K), dt)
+        E = cuda.local.array((K, K), dt)
+        Tm = cuda.local.array((K, K), dt)
+        expm_phi(phi[i, 0], phi[i, 1], phi[i, 2], G, lmax, K, X, X2, X3, X4, E, Tm)
+        if cuda.blockIdx.y == 0:
+            for a in range(K):
+                for b in range(K):
+                    R[i, a, b] = E[a, b]
+        # Tm = (Sigma + jitter I) R, X = R^T Tm
+        for a in range(K):
+            for b in range(K):
+                acc = jitter * E[a, b]
+                for k in range(K):
+                    acc += sigma[f, i, a, k] * E[k, b]
+                Tm[a, b] = acc
+        for a in range(K):
+            for b in range(K):
+                acc = E[0, a] * Tm[0, b]
+                for k in range(1, K):
+                    acc += E[k, a] * Tm[k, b]
+                X[a, b] = acc
+        for a in range(K):
+            for b in range(a, K):
+                v = 0.5 * (X[a, b] + X[b, a])
+                X2[a, b] = v
+                X2[b, a] = v
+                lam[f, i, a, b] = v
+                lam[f, i, b, a] = v
+        d = chol_inv(X2, X3, X4, X, K)
+        ld[f, i] = d
+        for a in range(K):
+            for b in range(K):
+                P[f, i, a, b] = X[a, b]
+        for a in range(K):
+            acc = E[0, a] * mu[f, i, 0]
+            for k in range(1, K):
+                acc += E[k, a] * mu[f, i, k]
+            nu[f, i, a] = acc
+
+    def features(lam, P, nu, nubar, ld, scale, f0, A, B, c, nuc, Pnu):
+        """Features (SPEC §2.3) from centred nu; A and c are multiplied by scale[f] = 1 / (2 kappa_f)."""
+        i = cuda.grid(1)
+        f = f0 + cuda.blockIdx.y
+        if i >= lam.shape[1]:
+            return
+        ik = scale[f]
+        v = cuda.local.array(K, dt)
+        for a in range(K):
+            v[a] = nu[f, i, a] - nubar[f, a]
+            nuc[f, i, a] = v[a]
+        s = 0.0 * ik
+        for a in range(K):
+            acc = P[f, i, a, 0] * v[0]
+            for b in range(1, K):
+                acc += P[f, i, a, b] * v[b]
+            Pnu[f, i, a] = acc
+            A[f, i, T + a] = v[a] * ik
+            B[f, i, T + a] = -2.0 * acc
+            s += v[a] * acc
+        p = 0
+        for a in range(K):
+            for b in range(a, K):
+                M = lam[f, i, a, b] + v[a] * v[b]
+                A[f, i, p] = (M if a == b else 2.0 * M) * ik
+                B[f, i, p] = P[f, i, a, b]
+                p += 1
+        A[f, i, D - 1] = ik
+        B[f, i, D - 1] = s + ld[f, i]
+        c[f, i] = (-ld[f, i] - K) * ik
+
+    def self_kl(mu, sigma, jitter, lam_self, e, g_mu, g_sigma):
+        """lam_self * KL(q_i || p_i) into e (N,); its gradient added to g_mu, g_sigma (terms 0 = q, 1 = p)."""
+        i = cuda.grid(1)
+        if i >= mu.shape[1]:
+            return
+        Sq = cuda.local.array((K, K), dt)
+        Sp = cuda.local.array((K, K), dt)
+        L = cuda.local.array((K, K), dt)
+        Li = cuda.local.array((K, K), dt)
+        Sqi = cuda.local.array((K, K), dt)
+        Spi = cuda.local.array((K, K), dt)
+        d = cuda.local.array(K, dt)
+        Spd = cuda.local.array(K, dt)
+        for a in range(K):
+            for b in range(K):
+                Sq[a, b] = sigma[0, i, a, b]
+                Sp[a, b] = sigma[1, i, a, b]
+            Sq[a, a] += jitter
+            Sp[a, a] += jitter
+            d[a] = mu[1, i, a] - mu[0, i, a]
+        ld_q = chol_inv(Sq, L, Li, Sqi, K)
+        ld_p = chol_inv(Sp, L, Li, Spi, K)
+        tr = 0.0 * jitter
+        quad = 0.0 * jitter
+        for a in range(K):
+            acc = Spi[a, 0] * d[0]
+            for b in range(1, K):
+                acc += Spi[a, b] * d[b]
+            Spd[a] = acc
+            quad += d[a] * acc
+            for b in range(K):
+                tr += Spi[a, b] * Sq[b, a]
+        e[i] = lam_self * 0.5 * (tr + quad - K + ld_p - ld_q)
+        h = 0.5 * lam_self
+        for a in range(K):
+            g_mu[0, i, a] -= lam_self * Spd[a]
+            g_mu[1, i, a] += lam_self * Spd[a]
+        # inner = Sp^-1 Sq Sp^-1 (symmetric) + Spd Spd^T; L and Li reused as scratch.
+        matmul(Spi, Sq, L, K)
+        matmul(L, Spi, Li, K)
+        for a in range(K):
+            for b in range(K):
+                g_sigma[0, i, a, b] += h * (Spi[a, b] - Sqi[a, b])
+                inner = 0.5 * (Li[a, b] + Li[b, a]) + Spd[a] * Spd[b]
+                g_sigma[1, i, a, b] += h * (Spi[a, b] - inner)
+
+    def adjoint(
+        phi, G, R, mu, sigma, jitter, nuc, P, Pnu, gAr, gBs, lam_w, kappa, f0, nf, g_mu, g_sigma, g_phi
+    ):
+        """Per-agent adjoint of the features and the frame (SPEC §2.3; vfesim.gaussian.features_vjp and
+        vfesim.groups.phi_grad_from_R), added into g_mu, g_sigma (2, N, ...) and g_phi (N, 3).
+
+        gAr (S_r, 2, N, D+1): receiver slices of sum_j W_ij B_j and (last column) sum_j W_ij;
+        gBs (S_s, 2, N, D): sender slices of sum_i W_ij A_i / (2 kappa) (pre-scaled A: factor 2 kappa).
+        lam_w (2,): the term weights lambda.
+        """
+        i = cuda.grid(1)
+        if i >= phi.shape[0]:
+            return
+        GM = cuda.local.array((K, K), dt)
+        GP = cuda.local.array((K, K), dt)
+        T1 = cuda.local.array((K, K), dt)
+        T2 = cuda.local.array((K, K), dt)
+        Rl = cuda.local.array((K, K), dt)
+        gR = cuda.local.array((K, K), dt)
+        gan = cuda.local.array(K, dt)
+        gv = cuda.local.array(K, dt)
+        gnu = cuda.local.array(K, dt)
+        for a in range(K):
+            for b in range(K):
+                Rl[a, b] = R[i, a, b]
+                gR[a, b] = 0.0
+        Sr = gAr.shape[0]
+        Ss = gBs.shape[0]
+        for f in range(f0, f0 + nf):
+            hr = 0.5 * lam_w[f]
+            hs = 2.0 * hr * kappa[f]
+            p = 0
+            for a in range(K):
+                for b in range(a, K):
+                    u = gAr[0, f, i, p]
+                    for s in range(1, Sr):
+                        u += gAr[s, f, i, p]
+                    w = gBs[0, f, i, p]
+                    for s in range(1, Ss):
+                        w += gBs[s, f, i, p]
+                    GM[a, b] = hr * u
+                    GM[b, a] = hr * u
+                    # B holds P[triu] once: the off-diagonal cotangent splits over (a, b) and (b, a).
+                    w = hs * w if a == b else 0.5 * hs * w
+                    GP[a, b] = w
+                    GP[b, a] = w
+                    p += 1
+            for a in range(K):
+                u = gAr[0, f, i, T + a]
+                w = gBs[0, f, i, T + a]
+                for s in range(1, Sr):
+                    u += gAr[s, f, i, T + a]
+                for s in range(1, Ss):
+                    w += gBs[s, f, i, T + a]
+                gan[a] = hr * u
+                gv[a] = hs * w
+            w = gBs[0, f, i, D - 1]
+            for s in range(1, Ss):
+                w += gBs[s, f, i, D - 1]
+            gs = hs * w
+            u = gAr[0, f, i, D]
+            for s in range(1, Sr):
+                u += gAr[s, f, i, D]
+            gc = hr * u
+            # g_nu = 2 GM nu + g_anu - 2 P gv + 2 gs P nu
+            for a in range(K):
+                acc = gan[a] + 2.0 * gs * Pnu[f, i, a]
+                for b in range(K):
+                    acc += 2.0 * (GM[a, b] * nuc[f, i, b] - P[f, i, a, b] * gv[b])
+                gnu[a] = acc
+            # GP <- GP - gv nu^T - nu gv^T + gs nu nu^T; G_lam = GM - P GP P + (gs - gc) P  (into GM)
+            for a in range(K):
+                for b in range(K):
+                    na = nuc[f, i, a]
+                    nb = nuc[f, i, b]
+                    GP[a, b] += gs * na * nb - gv[a] * nb - na * gv[b]
+            for a in range(K):
+                for b in range(K):
+                    acc = P[f, i, a, 0] * GP[0, b]
+                    for k in range(1, K):
+                        acc += P[f, i, a, k] * GP[k, b]
+                    T1[a, b] = acc
+            gld = gs - gc
+            for a in range(K):
+                for b in range(K):
+                    acc = T1[a, 0] * P[f, i, 0, b]
+                    for k in range(1, K):
+                        acc += T1[a, k] * P[f, i, k, b]
+                    GM[a, b] += gld * P[f, i, a, b] - acc
+            # g_mu += R g_nu; T1 = R G_lam; g_sigma += sym(T1 R^T); gR += 2 (Sigma + jitter I) T1 + mu g_nu^T
+            for a in range(K):
+                acc = Rl[a, 0] * gnu[0]
+                for k in range(1, K):
+                    acc += Rl[a, k] * gnu[k]
+                g_mu[f, i, a] += acc
+            matmul(Rl, GM, T1, K)
+            for a in range(K):
+                for b in range(K):
+                    acc = T1[a, 0] * Rl[b, 0]
+                    for k in range(1, K):
+                        acc += T1[a, k] * Rl[b, k]
+                    T2[a, b] = acc
+            for a in range(K):
+                for b in range(K):
+                    g_sigma[f, i, a, b] += 0.5 * (T2[a, b] + T2[b, a])
+            for a in range(K):
+                for b in range(K):
+                    acc = jitter * T1[a, b]
+                    for k in range(K):
+                        acc += sigma[f, i, a, k] * T1[k, b]
+                    gR[a, b] += 2.0 * acc + mu[f, i, a] * gnu[b]
+        # dF/dphi = Jr^T h, h_b = <R^T gR, G_b> (vfesim.groups.phi_grad_from_R)
+        p0 = phi[i, 0]
+        p1 = phi[i, 1]
+        p2 = phi[i, 2]
+        h0 = 0.0 * p0
+        h1 = 0.0 * p0
+        h2 = 0.0 * p0
+        for k in range(K):
+            for l in range(K):
+                acc = Rl[0, k] * gR[0, l]
+                for m in range(1, K):
+                    acc += Rl[m, k] * gR[m, l]
+                h0 += acc * G[0, k, l]
+                h1 += acc * G[1, k, l]
+                h2 += acc * G[2, k, l]
+        t2 = p0 * p0 + p1 * p1 + p2 * p2
+        t = math.sqrt(t2)
+        if t < 1e-3:
+            c1 = 0.5 - t2 / 24.0 + t2 * t2 / 720.0
+            c2 = 1.0 / 6.0 - t2 / 120.0 + t2 * t2 / 5040.0
+        else:
+            c1 = (1.0 - math.cos(t)) / t2
+            c2 = (t - math.sin(t)) / (t2 * t)
+        # Jr = I - c1 [phi]x + c2 [phi]x^2; (Jr^T h)_a = h_a + c1 (phi x h)_a + c2 ([phi]x^2 h)_a,
+        # using [phi]x^T = -[phi]x and ([phi]x^2)^T = [phi]x^2.
+        x0 = p1 * h2 - p2 * h1
+        x1 = p2 * h0 - p0 * h2
+        x2 = p0 * h1 - p1 * h0
+        y0 = p1 * x2 - p2 * x1
+        y1 = p2 * x0 - p0 * x2
+        y2 = p0 * x1 - p1 * x0
+        g_phi[i, 0] += h0 + c1 * x0 + c2 * y0
+        g_phi[i, 1] += h1 + c1 * x1 + c2 * y1
+        g_phi[i, 2] += h2 + c1 * x2 + c2 * y2
+
+    pyfuncs = {"prep": prep, "features": features, "self_kl": self_kl, "adjoint": adjoint}
+    return {name: cuda.jit(fn) for name, fn in pyfuncs.items()} | {"_py": pyfuncs}
+
+
+# ------------------------------------------------------------------------------------------------
+# Pairwise kernels
+# ------------------------------------------------------------------------------------------------
+
+
+def _tile_rows(D: int, itemsize: int, threads: int) -> int:
+    """Sender/receiver rows per shared tile: the feature rows plus four per-row scalars fit SHARED_BYTES."""
+    rows = SHARED_BYTES // ((D + 4) * itemsize)
+    return int(max(1, min(threads, rows)))
+
+
+def dense_splits(N: int, opt: int = PAIR_OPT, threads: int = PAIR_THREADS) -> tuple[int, int]:
+    """(S, chunk): the others axis is cut into S slices of ``chunk`` rows (a multiple of the thread count)
+    so that the grads launch has about TARGET_BLOCKS blocks even at moderate N."""
+    nb = -(-N // (threads * opt))
+    S = max(1, min(-(-TARGET_BLOCKS // (2 * nb)), 2 if SIMULATOR else N // (4 * threads)))
+    chunk = -(-N // S)
+    chunk = -(-chunk // threads) * threads
+    return S, chunk
+
+
+@functools.cache
+def make_dense_kernels(K: int, dtype: str, aggregator: str, threads: int = PAIR_THREADS, opt: int = PAIR_OPT):
+    """Dense streaming kernels ``stats``, ``merge``, ``grads`` for one (K, dtype, aggregator).
+
+    Launch (N agents, S slices of ``chunk`` others, nf terms, nb = ceil(N / (threads * opt))):
+      stats[(nb, S, nf), threads](A, B, c, f0, chunk, pm, ps, pt)          pm, ps, pt (S, 2, N)
+      merge[(ceil(N / BLOCK), nf), BLOCK](pm, ps, pt, kappa, f0, m, inv_s, abar, energy)   (2, N) each
+      grads[(nb, 2 S, nf), threads](A, B, c, m, inv_s, abar, f0, chunk, gAr, gBs)
+    With KL' = KL / kappa = A'_i . B_j + c'_i (A' = A / (2 kappa), c' likewise) and kappa' = 1:
+    W'_ij = W_ij, energy = kappa E', sum_i W_ij A'_i = (sum_i W_ij A_i) / (2 kappa).
+    """
+    dt = _NB[np.dtype(dtype)]
+    one = np.dtype(dtype).type(1.0)
+    ninf = np.dtype(dtype).type(-np.inf)
+    agg = AGG_CODES[aggregator]
+    D = feature_dim(K)
+    TS = _tile_rows(D, np.dtype(dtype).itemsize, threads)
+    OPT = opt
+    NT = threads
+
+    def stats(A, B, c, f0, chunk, pm, ps, pt):
+        """Partial row statistics (max, sum, weighted sum) of receivers over one slice of senders."""
+        tid = cuda.threadIdx.x
+        f = f0 + cuda.blockIdx.z
+        sl = cuda.blockIdx.y
+        N = A.shape[1]
+        i0 = cuda.blockIdx.x * (NT * OPT) + tid
+        j_begin = sl * chunk
+        j_end = min(N, j_begin + chunk)
+        own = cuda.local.array((OPT, D), dt)
+        oc = cuda.local.array(OPT, dt)
+        m = cuda.local.array(OPT, dt)
+        s = cuda.local.array(OPT, dt)
+        t = cuda.local.array(OPT, dt)
+        for o in range(OPT):
+            ii = min(i0 + o * NT, N - 1)
+            for d in range(D):
+                own[o, d] = A[f, ii, d]
+            oc[o] = c[f, ii]
+            m[o] = ninf
+            s[o] = 0.0
+            t[o] = 0.0
+        sX = cuda.shared.array((TS, D), dt)
+        for j0 in range(j_begin, j_end, TS):
+            cuda.syncthreads()
+            for r in range(tid, TS * D, NT):
+                row = r // D
+                if j0 + row < j_end:
+                    sX[row, r - row * D] = B[f, j0 + row, r - row * D]
+            cuda.syncthreads()
+            for jj in range(min(TS, j_end - j0)):
+                j = j0 + jj
+                for o in range(OPT):
+                    if j != i0 + o * NT:
+                        kl = pair_kl(own, o, sX, jj, oc)
+                        mm, ss, tt = lse_push(m[o], s[o], t[o], pair_logit(kl, one), kl)
+                        m[o] = mm
+                        s[o] = ss
+                        t[o] = tt
+        for o in range(OPT):
+            i = i0 + o * NT
+            if i < N:
+                pm[sl, f, i] = m[o]
+                ps[sl, f, i] = s[o]
+                pt[sl, f, i] = t[o]
+
+    def merge(pm, ps, pt, kappa, f0, m, inv_s, abar, energy):
+        """Merge the slices' statistics in slice order; per-receiver energy kappa * A_kappa'."""
+        i = cuda.grid(1)
+        f = f0 + cuda.blockIdx.y
+        if i >= pm.shape[2]:
+            return
+        mm = pm[0, f, i]
+        ss = ps[0, f, i]
+        tt = pt[0, f, i]
+        for sl in range(1, pm.shape[0]):
+            mm, ss, tt = lse_merge(mm, ss, tt, pm[sl, f, i], ps[sl, f, i], pt[sl, f, i])
+        m[f, i] = mm
+        inv_s[f, i] = one / ss if ss > 0.0 else 0.0 * ss
+        abar[f, i] = row_abar(ss, tt)
+        energy[f, i] = kappa[f] * row_energy(mm, ss, tt, one, agg)
+
+    def grads(A, B, c, m, inv_s, abar, f0, chunk, gAr, gBs):
+        """Blocks y < S: receiver sums over a slice of senders; y >= S: sender sums over receivers."""
+        tid = cuda.threadIdx.x
+        f = f0 + cuda.blockIdx.z
+        S = gAr.shape[0]
+        N = A.shape[1]
+        sender = cuda.blockIdx.y >= S
+        sl = cuda.blockIdx.y - S if sender else cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * (NT * OPT) + tid
+        k_begin = sl * chunk
+        k_end = min(N, k_begin + chunk)
+        own = cuda.local.array((OPT, D), dt)
+        oc = cuda.local.array(OPT, dt)
+        om = cuda.local.array(OPT, dt)
+        oi = cuda.local.array(OPT, dt)
+        oa = cuda.local.array(OPT, dt)
+        acc = cuda.local.array((OPT, D), dt)
+        accw = cuda.local.array(OPT, dt)
+        for o in range(OPT):
+            ii = min(i0 + o * NT, N - 1)
+            for d in range(D):
+                own[o, d] = B[f, ii, d] if sender else A[f, ii, d]
+                acc[o, d] = 0.0
+            oc[o] = c[f, ii]
+            om[o] = m[f, ii]
+            oi[o] = inv_s[f, ii]
+            oa[o] = abar[f, ii]
+            accw[o] = 0.0
+        sX = cuda.shared.array((TS, D), dt)
+        sc = cuda.shared.array(TS, dt)
+        sm = cuda.shared.array(TS, dt)
+        si = cuda.shared.array(TS, dt)
+        sa = cuda.shared.array(TS, dt)
+        for k0 in range(k_begin, k_end, TS):
+            cuda.syncthreads()
+            for r in range(tid, TS * D, NT):
+                row = r // D
+                if k0 + row < k_end:
+                    col = r - row * D
+                    sX[row, col] = A[f, k0 + row, col] if sender else B[f, k0 + row, col]
+            if sender:
+                for r in range(tid, TS, NT):
+                    if k0 + r < k_end:
+                        sc[r] = c[f, k0 + r]
+                        sm[r] = m[f, k0 + r]
+                        si[r] = inv_s[f, k0 + r]
+                        sa[r] = abar[f, k0 + r]
+            cuda.syncthreads()
+            nk = min(TS, k_end - k0)
+            if sender:
+                for kk in range(nk):
+                    k = k0 + kk
+                    for o in range(OPT):
+                        if k != i0 + o * NT and i0 + o * NT < N:
+                            kl = pair_kl(sX, kk, own, o, sc)
+                            w = pair_weight(kl, sm[kk], si[kk], sa[kk], one, agg)
+                            accumulate_row(acc, o, w, sX, kk)
+            else:
+                for kk in range(nk):
+                    k = k0 + kk
+                    for o in range(OPT):
+                        if k != i0 + o * NT and i0 + o * NT < N:
+                            kl = pair_kl(own, o, sX, kk, oc)
+                            w = pair_weight(kl, om[o], oi[o], oa[o], one, agg)
+                            accumulate_row(acc, o, w, sX, kk)
+                            accw[o] += w
+        for o in range(OPT):
+            i = i0 + o * NT
+            if i < N:
+                if sender:
+                    for d in range(D):
+                        gBs[sl, f, i, d] = acc[o, d]
+                else:
+                    for d in range(D):
+                        gAr[sl, f, i, d] = acc[o, d]
+                    gAr[sl, f, i, D] = accw[o]
+
+    pyfuncs = {"stats": stats, "merge": merge, "grads": grads}
+    out = {name: cuda.jit(fn) for name, fn in pyfuncs.items()}
+    return out | {"_py": pyfuncs, "tile": TS, "threads": NT, "opt": OPT}
+
+
+@functools.cache
+def make_sparse_kernels(K: int, dtype: str, aggregator: str):
+    """Sparse neighbour-list kernels for one (K, dtype, aggregator); one thread per agent, grid y = term.
+
+    rows[(ceil(N / BLOCK), nf), BLOCK](A, B, c, index, mask, kappa, f0, W, energy, gAr)
+        receiver i: statistics over its listed senders, W (2, N, k), energy (2, N),
+        gAr (1, 2, N, D+1) = [sum_j W_ij B_j, sum_j W_ij]
+    senders[(ceil(N / BLOCK), nf), BLOCK](A, W, ptr, src_row, src_slot, f0, gBs)
+        sender j: sum over its incoming edges e in ptr[j] .. ptr[j+1] (ordered by receiver, then
+        slot) of W[src_row[e], src_slot[e]] A_{src_row[e]} into gBs (1, 2, N, D)
+    """
+    dt = _NB[np.dtype(dtype)]
+    one = np.dtype(dtype).type(1.0)
+    ninf = np.dtype(dtype).type(-np.inf)
+    agg = AGG_CODES[aggregator]
+    D = feature_dim(K)
+
+    def rows(A, B, c, index, mask, kappa, f0, W, energy, gAr):
+        i = cuda.grid(1)
+        f = f0 + cuda.blockIdx.y
+        if i >= A.shape[1]:
+            return
+        Af = A[f]
+        Bf = B[f]
+        cf = c[f]
+        m = ninf
+        s = 0.0 * cf[i]
+        t = 0.0 * cf[i]
+        for k in range(index.shape[1]):
+            if mask[i, k]:
+                kl = pair_kl(Af, i, Bf, index[i, k], cf)
+                m, s, t = lse_push(m, s, t, pair_logit(kl, one), kl)
+        energy[f, i] = kappa[f] * row_energy(m, s, t, one, agg)
+        inv_s = one / s if s > 0.0 else 0.0 * s
+        ab = row_abar(s, t)
+        acc = cuda.local.array((1, D), dt)
+        for d in range(D):
+            acc[0, d] = 0.0
+        accw = 0.0 * s
+        for k in range(index.shape[1]):
+            w = 0.0 * s
+            if mask[i, k]:
+                j = index[i, k]
+                kl = pair_kl(Af, i, Bf, j, cf)
+                w = pair_weight(kl, m, inv_s, ab, one, agg)
+                accumulate_row(acc, 0, w, Bf, j)
+                accw += w
+            W[f, i, k] = w
+        for d in range(D):
+            gAr[0, f, i, d] = acc[0, d]
+        gAr[0, f, i, D] = accw
+
+    def senders(A, W, ptr, src_row, src_slot, f0, gBs):
+        j = cuda.grid(1)
+        f = f0 + cuda.blockIdx.y
+        if j >= A.shape[1]:
+            return
+        Af = A[f]
+        acc = cuda.local.array((1, D), dt)
+        for d in range(D):
+            acc[0, d] = 0.0
+        for e in range(ptr[j], ptr[j + 1]):
+            i = src_row[e]
+            accumulate_row(acc, 0, W[f, i, src_slot[e]], Af, i)
+        for d in range(D):
+            gBs[0, f, j, d] = acc[0, d]
+
+    pyfuncs = {"rows": rows, "senders": senders}
+    return {name: cuda.jit(fn) for name, fn in pyfuncs.items()} | {"_py": pyfuncs}
+
+
+def kernel_signatures(K: int, dtype: str) -> dict[str, str]:
+    """Numba signature strings of every kernel for (K, dtype), for ``cuda.compile_ptx`` (tests)."""
+    f = "float32" if np.dtype(dtype) == np.float32 else "float64"
+    a1, a2, a3, a4 = (f"{f}[{', '.join([':'] * (n - 1) + ['::1'])}]" for n in (1, 2, 3, 4))
+    i = "int64"
+    return {
+        "prep": f"void({a2}, {a3}, {i}, {a3}, {a4}, {f}, {i}, {a3}, {a4}, {a4}, {a3}, {a2})",
+        "features": f"void({a4}, {a4}, {a3}, {a2}, {a2}, {a1}, {i}, {a3}, {a3}, {a2}, {a3}, {a3})",
+        "self_kl": f"void({a3}, {a4}, {f}, {f}, {a1}, {a3}, {a4})",
+        "adjoint": (
+            f"void({a2}, {a3}, {a3}, {a3}, {a4}, {f}, {a3}, {a4}, {a3}, {a4}, {a4}, {a1}, {a1}, {i}, {i}, "
+            f"{a3}, {a4}, {a2})"
+        ),
+        "stats": f"void({a3}, {a3}, {a2}, {i}, {i}, {a3}, {a3}, {a3})",
+        "merge": f"void({a3}, {a3}, {a3}, {a1}, {i}, {a2}, {a2}, {a2}, {a2})",
+        "grads": f"void({a3}, {a3}, {a2}, {a2}, {a2}, {a2}, {i}, {i}, {a4}, {a4})",
+        "rows": f"void({a3}, {a3}, {a2}, {i}[:, ::1], boolean[:, ::1], {a1}, {i}, {a3}, {a2}, {a4})",
+        "senders": f"void({a3}, {a3}, {i}[::1], {i}[::1], {i}[::1], {i}, {a4})",
+    }

@@ -1,0 +1,493 @@
+"""CUDA backend: CuPy-resident arrays and numba.cuda kernels (SPEC §2.3–2.4, §4).
+
+Arrays in and out are CuPy arrays; under the Numba CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the same
+code path runs on NumPy arrays. One evaluation is about a dozen launches: input copies into cached
+device buffers, self KL, frames + features, three dense pairwise kernels (or two sparse ones), one
+adjoint kernel, and a single device-to-host transfer of the energy sums. Buffers are allocated once
+per (N, K, dtype, irreps, neighbours) and wrapped once as numba device views (cheaper launches).
+
+Kernels: :mod:`vfesim_kernels.cuda`. The observation term (rare, cheap) reuses the array-generic code of
+:mod:`vfesim.gaussian.terms` on CuPy arrays.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+from vfesim_kernels import cuda as kc
+
+from ..config import ModelConfig
+from ..gaussian.energy import TERMS
+from ..gaussian.features import agent_features, features_vjp
+from ..gaussian.terms import observation, observation_vjp, self_kl, self_kl_vjp
+from ..groups import TAYLOR_DEGREE, THETA, generators
+
+__all__ = ["SIMULATOR", "array_module", "to_device", "to_host", "energy_and_gradient", "clear_cache"]
+
+SIMULATOR = kc.SIMULATOR
+
+# Workspaces kept alive; one at N = 10^6, K = 3 in float64 is ~0.5 GB.
+MAX_WORKSPACES = 2
+# From this K on, per-agent work runs as batched CuPy/cuBLAS array code and dense pairs as row-blocked
+# cuBLAS GEMMs (_pairwise_gemm). Measured on the H200 at K = 21 (benchmarks/results/gpu_bench_*): the
+# one-thread-per-agent kernels keep 6 K x K matrices per thread in local memory, which thrashes L1, and
+# the streaming pairwise kernel re-reads its (2, D = 253) per-thread rows from local memory per pair.
+# float32, K = 21: kernels 74 ms (N = 1024) and 162 ms (N = 4096); this path 7.5 ms and 14 ms.
+# At K = 3 the kernels win (their per-thread arrays stay in registers).
+LARGE_K = 9
+# Elements of one (receiver block, N) slab of the GEMM path: 2^25 float64 = 256 MB per temporary.
+GEMM_BLOCK_ELEMENTS = 1 << 25
+
+
+def array_module():
+    """CuPy on a GPU; NumPy under the CUDA simulator (kernels then take host arrays)."""
+    if SIMULATOR:
+        return np
+    import cupy
+
+    return cupy
+
+
+def to_device(arrays: dict) -> dict:
+    """NumPy -> device arrays (CuPy; NumPy under the simulator)."""
+    xp = array_module()
+    return {k: xp.asarray(v) for k, v in arrays.items()}
+
+
+def to_host(arrays: dict) -> dict:
+    """Device arrays -> NumPy."""
+    return {k: v if isinstance(v, np.ndarray) else v.get() for k, v in arrays.items()}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Workspace:
+    """Device buffers of one problem shape, each held as an array and as a numba device view."""
+
+    def __init__(
+        self, N: int, K: int, dtype: np.dtype, irreps: tuple[int, ...], width: int | None, large: bool
+    ):
+        xp = array_module()
+        D = kc.feature_dim(K)
+        self.N, self.K, self.dtype, self.dense = N, K, dtype, width is None
+        self.S, self.chunk = kc.dense_splits(N, kc.PAIR_OPT, kc.PAIR_THREADS) if self.dense else (1, 0)
+        self.buf: dict[str, Any] = {}
+        self.dev: dict[str, Any] = {}
+        shapes = {
+            "mu": (2, N, K),
+            "sigma": (2, N, K, K),
+            "phi": (N, 3),
+            "G": (3, K, K),
+            "R": (N, K, K),
+            "lam": (2, N, K, K),
+            "P": (2, N, K, K),
+            "nu": (2, N, K),
+            "nuc": (2, N, K),
+            "Pnu": (2, N, K),
+            "nubar": (2, K),
+            "ld": (2, N),
+            "A": (2, N, D),
+            "B": (2, N, D),
+            "c": (2, N),
+            "e_self": (N,),
+            "m": (2, N),
+            "inv_s": (2, N),
+            "abar": (2, N),
+            "energy": (2, N),
+            "gAr": (self.S, 2, N, D + 1),
+            "gBs": (self.S, 2, N, D),
+            "g_mu": (2, N, K),
+            "g_sigma": (2, N, K, K),
+            "g_phi": (N, 3),
+            "kappa": (2,),
+            "feat_scale": (2,),
+            "lam_w": (2,),
+        }
+        if self.dense:
+            shapes |= {k: (self.S, 2, N) for k in ("pm", "ps", "pt")}
+        else:
+            shapes["W"] = (2, N, width)
+        if large:
+            # The large-K path uses only the generators, the parameters and the sparse-kernel buffers.
+            keep = {"G", "kappa", "feat_scale", "lam_w"} | (
+                set() if self.dense else {"A", "B", "c", "W", "energy"}
+            )
+            shapes = {k: v for k, v in shapes.items() if k in keep}
+            if not self.dense:
+                shapes |= {"gAr": (1, 2, N, D + 1), "gBs": (1, 2, N, D)}
+        for name, shape in shapes.items():
+            a = xp.zeros(shape, dtype)
+            self.buf[name] = a
+            self.dev[name] = kc.as_device_view(a)
+        self.buf["G"][...] = xp.asarray(generators(irreps), dtype=dtype)
+        self.params: tuple | None = None
+
+    def set_params(self, cfg: ModelConfig) -> None:
+        """Upload kappa, 1/(2 kappa) and lambda of both alignment terms when they changed."""
+        p = (cfg.kappa_beta, cfg.kappa_gamma, cfg.lambda_belief, cfg.lambda_prior)
+        if p == self.params:
+            return
+        xp = array_module()
+        self.buf["kappa"][...] = xp.asarray(p[:2], dtype=self.dtype)
+        self.buf["feat_scale"][...] = xp.asarray([0.5 / p[0], 0.5 / p[1]], dtype=self.dtype)
+        self.buf["lam_w"][...] = xp.asarray(p[2:], dtype=self.dtype)
+        self.params = p
+
+
+class _Neighbours:
+    """A sparse neighbour list on the device, with its transpose (incoming edges per sender)."""
+
+    def __init__(self, nb):
+        xp = array_module()
+        # Writable copies: the config holds read-only arrays.
+        index = np.array(nb.index, dtype=np.int64, order="C")
+        mask = np.array(nb.mask, dtype=bool, order="C")
+        N, k = index.shape
+        valid = mask.ravel()
+        senders = index.ravel()[valid]
+        rows = np.repeat(np.arange(N, dtype=np.int64), k)[valid]
+        slots = np.tile(np.arange(k, dtype=np.int64), N)[valid]
+        # Stable sort: each sender's incoming edges stay ordered by (receiver, slot), a fixed sum order.
+        order = np.argsort(senders, kind="stable")
+        ptr = np.zeros(N + 1, np.int64)
+        ptr[1:] = np.cumsum(np.bincount(senders, minlength=N))
+        # One padding entry keeps the edge arrays non-empty when no edge is listed.
+        pad = lambda a: np.concatenate([a, np.zeros(1, np.int64)])
+        host = {"index": index, "mask": mask, "ptr": ptr, "row": pad(rows[order]), "slot": pad(slots[order])}
+        self.buf = {k: xp.asarray(v) for k, v in host.items()}
+        self.dev = {k: kc.as_device_view(v) for k, v in self.buf.items()}
+        self.width = k
+
+
+_workspaces: OrderedDict = OrderedDict()
+_neighbours: OrderedDict = OrderedDict()
+
+
+def clear_cache() -> None:
+    """Drop the cached device buffers."""
+    _workspaces.clear()
+    _neighbours.clear()
+
+
+def _lru(cache: OrderedDict, key, make, limit: int = MAX_WORKSPACES):
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = make()
+    cache[key] = value
+    while len(cache) > limit:
+        cache.popitem(last=False)
+    return value
+
+
+def _neighbour_lists(nb) -> _Neighbours:
+    # Keyed by identity; the config object is kept in the entry so its id cannot be reused meanwhile.
+    return _lru(_neighbours, id(nb), lambda: (nb, _Neighbours(nb)))[1]
+
+
+def _check_arrays(arrays: dict, cfg: ModelConfig, xp) -> np.dtype:
+    mu = arrays["mu_q"]
+    dtype = np.dtype(mu.dtype)
+    if dtype not in (np.float32, np.float64):
+        raise TypeError(f"backend 'cuda': arrays must be float32 or float64, got {dtype}")
+    for k, v in arrays.items():
+        if xp is not np and not isinstance(v, xp.ndarray):
+            raise TypeError(
+                f"backend 'cuda': {k} must be a CuPy array (use to_device), got {type(v).__name__}"
+            )
+        if v.dtype != dtype:
+            raise TypeError(f"backend 'cuda': {k} has dtype {v.dtype}, expected {dtype} like mu_q")
+    if mu.shape[1] != cfg.K:
+        raise ValueError(f"backend 'cuda': mu_q has K={mu.shape[1]}, config has K={cfg.K}")
+    return dtype
+
+
+def _frames_xp(phi, G, lmax: int):
+    """R = exp(phi . G) for a batch on the device (same algorithm as vfesim.groups.expm_so3): (N, 3) ->
+    (N, K, K). Taylor degree 12 by Paterson-Stockmeyer, then per-agent squarings."""
+    xp = array_module()
+    X = xp.einsum("na,akl->nkl", phi, G)
+    t = xp.sqrt((phi * phi).sum(axis=1))
+    r = lmax * t.astype(np.float64) / THETA
+    s = xp.ceil(xp.log2(xp.maximum(r, 1.0))).astype(np.int64)
+    X = X * xp.ldexp(xp.ones_like(t), -s).astype(X.dtype)[:, None, None]
+    eye = xp.eye(G.shape[1], dtype=X.dtype)
+    X2 = X @ X
+    pw = (eye, X, X2, X2 @ X)
+    X4 = X2 @ X2
+    c = [1.0]
+    for k in range(1, TAYLOR_DEGREE + 1):
+        c.append(c[-1] / k)
+    block = lambda j0: sum(c[j0 + k] * pw[k] for k in range(4))
+    E = block(8) + c[12] * X4
+    E = block(4) + X4 @ E
+    E = block(0) + X4 @ E
+    smax = int(s.max()) if s.size else 0
+    for q in range(smax):
+        E = xp.where((s > q)[:, None, None], E @ E, E)
+    return E
+
+
+def _phi_grad_xp(gR, R, phi, G):
+    """dF/dphi = Jr(phi)^T h, h_b = <R^T gR, G_b> (vfesim.groups.phi_grad_from_R on the device)."""
+    xp = array_module()
+    h = xp.einsum("nkl,bkl->nb", xp.swapaxes(R, 1, 2) @ gR, G)
+    t2 = (phi * phi).sum(axis=1)
+    t = xp.sqrt(t2)
+    small = t < 1e-3
+    ts = xp.where(small, 1.0, t)
+    c1 = xp.where(small, 0.5 - t2 / 24 + t2 * t2 / 720, (1 - xp.cos(ts)) / ts**2)[:, None]
+    c2 = xp.where(small, 1 / 6 - t2 / 120 + t2 * t2 / 5040, (ts - xp.sin(ts)) / ts**3)[:, None]
+    # Jr^T h = h + c1 phi x h + c2 phi x (phi x h)  ([phi]x^T = -[phi]x, ([phi]x^2)^T = [phi]x^2)
+    x = xp.cross(phi, h)
+    return (h + c1 * x + c2 * xp.cross(phi, x)).astype(phi.dtype)
+
+
+def _pairwise_gemm(Ah, B, ch, aggregator: str):
+    """Dense pairs j != i by row blocks of cuBLAS GEMMs: KL_ij / kappa = Ah_i . B_j + ch_i.
+
+    Returns per-receiver energies / kappa (N,), sum_j W_ij B_j (N, D), sum_j W_ij (N,) and
+    sum_i W_ij Ah_i (N, D). Peak memory O(block * N); every sum in a fixed order (no atomics).
+    """
+    xp = array_module()
+    N = Ah.shape[0]
+    e_rows = xp.zeros(N, Ah.dtype)
+    wB = xp.zeros_like(B)
+    wsum = xp.zeros(N, Ah.dtype)
+    wA = xp.zeros_like(Ah)
+    if N < 2:
+        return e_rows, wB, wsum, wA
+    block = max(1, min(N, GEMM_BLOCK_ELEMENTS // N))
+    for r0 in range(0, N, block):
+        r1 = min(N, r0 + block)
+        rows = xp.arange(r1 - r0)
+        L = Ah[r0:r1] @ B.T
+        L += ch[r0:r1, None]
+        L[rows, rows + r0] = xp.inf  # the diagonal is excluded: exp(-inf) = 0
+        m = -L.min(axis=1)
+        e = xp.exp(-L - m[:, None])
+        L[rows, rows + r0] = 0.0
+        s = e.sum(axis=1)
+        W = e * (1.0 / s)[:, None]
+        if aggregator == "expected":
+            abar = (W * L).sum(axis=1)
+            W *= 1.0 - (L - abar[:, None])
+            e_rows[r0:r1] = abar
+        else:
+            e_rows[r0:r1] = -(m + xp.log(s))
+        wB[r0:r1] = W @ B
+        wsum[r0:r1] = W.sum(axis=1)
+        wA += W.T @ Ah[r0:r1]
+    return e_rows, wB, wsum, wA
+
+
+def _alignment_large_k(arrays, cfg, S, ws, grads, sums):
+    """Alignment terms for K >= LARGE_K: batched per-agent array code, GEMM or kernel (sparse) pairs."""
+    xp = array_module()
+    b, d = ws.buf, ws.dev
+    K = cfg.K
+    dtype = arrays["mu_q"].dtype
+    phi = arrays["phi"]
+    R = _frames_xp(phi, b["G"], max(cfg.irreps))
+    gR = xp.zeros_like(R)
+    for f, (name, lam, kappa, km, ks) in enumerate(
+        (
+            ("belief_align", cfg.lambda_belief, cfg.kappa_beta, "mu_q", "sigma_q"),
+            ("prior_align", cfg.lambda_prior, cfg.kappa_gamma, "mu_p", "sigma_p"),
+        )
+    ):
+        if lam <= 0:
+            continue
+        A, B, c, cache = agent_features(arrays[km], S[ks], R)
+        scale = dtype.type(0.5 / kappa)
+        if ws.dense:
+            e_rows, wB, wsum, wA = _pairwise_gemm(A * scale, B, c * scale, cfg.aggregator)
+            e_rows = kappa * e_rows
+        else:
+            b["A"][f] = A * scale
+            b["B"][f] = B
+            b["c"][f] = c * scale
+            k = kc.make_sparse_kernels(K, dtype.name, cfg.aggregator)
+            nbr = _neighbour_lists(cfg.neighbours).dev
+            nblk = _cdiv(ws.N, kc.BLOCK)
+            k["rows"][(nblk, 1), kc.BLOCK](
+                d["A"],
+                d["B"],
+                d["c"],
+                nbr["index"],
+                nbr["mask"],
+                d["kappa"],
+                f,
+                d["W"],
+                d["energy"],
+                d["gAr"],
+            )
+            k["senders"][(nblk, 1), kc.BLOCK](
+                d["A"], d["W"], nbr["ptr"], nbr["row"], nbr["slot"], f, d["gBs"]
+            )
+            e_rows, wB, wsum, wA = (
+                b["energy"][f],
+                b["gAr"][0, f, :, :-1],
+                b["gAr"][0, f, :, -1],
+                b["gBs"][0, f],
+            )
+        sums.append((name, lam * e_rows.sum(dtype=np.float64)))
+        # gA = 1/2 sum_j W B_j, gc = 1/2 sum_j W, gB = 1/2 sum_i W A_i = kappa sum_i W Ah_i (times lambda)
+        g_mu, g_sigma, g_R = features_vjp((0.5 * lam) * wB, (lam * kappa) * wA, (0.5 * lam) * wsum, cache)
+        grads[km] += g_mu
+        grads[ks] += g_sigma
+        gR += g_R
+    grads["phi"] += _phi_grad_xp(gR, R, phi, b["G"])
+
+
+def _energy_and_gradient_large_k(arrays, cfg, ws):
+    xp = array_module()
+    K = cfg.K
+    eye = xp.eye(K, dtype=arrays["mu_q"].dtype)
+    S = {k: arrays[k] + cfg.jitter * eye if cfg.jitter else arrays[k] for k in ("sigma_q", "sigma_p")}
+    grads = {k: xp.zeros_like(v) for k, v in arrays.items()}
+    sums: list[tuple[str, Any]] = []
+    if cfg.lambda_self > 0:
+        kl, cache = self_kl(arrays["mu_q"], S["sigma_q"], arrays["mu_p"], S["sigma_p"])
+        sums.append(("self", cfg.lambda_self * kl.sum(dtype=np.float64)))
+        g = self_kl_vjp(xp.full(kl.shape, cfg.lambda_self, kl.dtype), cache)
+        for k, gk in zip(("mu_q", "sigma_q", "mu_p", "sigma_p"), g, strict=True):
+            grads[k] += gk
+    if cfg.lambda_obs > 0:
+        dtype = arrays["mu_q"].dtype
+        e, cache = observation(
+            arrays["mu_q"], S["sigma_q"], arrays["obs"], xp.asarray(cfg.W, dtype), xp.asarray(cfg.R, dtype)
+        )
+        sums.append(("observation", cfg.lambda_obs * e.sum(dtype=np.float64)))
+        g_mu, g_sigma, g_obs = observation_vjp(xp.full(e.shape, cfg.lambda_obs, e.dtype), cache)
+        grads["mu_q"] += g_mu
+        grads["sigma_q"] += g_sigma
+        grads["obs"] += g_obs
+    if cfg.lambda_belief > 0 or cfg.lambda_prior > 0:
+        ws.set_params(cfg)
+        _alignment_large_k(arrays, cfg, S, ws, grads, sums)
+    return _collect(sums, xp), grads
+
+
+def _collect(sums, xp) -> dict[str, float]:
+    """Energy terms from device scalars with one device-to-host transfer (and synchronisation)."""
+    terms = dict.fromkeys(TERMS, 0.0)
+    if sums:
+        values = xp.stack([v for _, v in sums])
+        values = values if isinstance(values, np.ndarray) else values.get()
+        for (name, _), v in zip(sums, values.tolist(), strict=True):
+            terms[name] = float(v)
+    terms["total"] = sum(terms[k] for k in TERMS)
+    return terms
+
+
+def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float], dict]:
+    """Energy terms (floats) and the exact gradient (device arrays, fresh copies) of SPEC §2.2.
+
+    arrays: mu_q, mu_p (N, K); sigma_q, sigma_p (N, K, K); phi (N, 3); obs (N, D) if present.
+    """
+    xp = array_module()
+    dtype = _check_arrays(arrays, cfg, xp)
+    N, K = arrays["mu_q"].shape
+    width = None if cfg.dense else cfg.neighbours.width
+    large = K >= LARGE_K
+    key = (N, K, dtype.str, cfg.irreps, width, large)
+    ws = _lru(_workspaces, key, lambda: _Workspace(N, K, dtype, cfg.irreps, width, large))
+    if large:
+        return _energy_and_gradient_large_k(arrays, cfg, ws)
+    b, d = ws.buf, ws.dev
+    b["mu"][0] = arrays["mu_q"]
+    b["mu"][1] = arrays["mu_p"]
+    b["sigma"][0] = arrays["sigma_q"]
+    b["sigma"][1] = arrays["sigma_p"]
+    b["phi"][...] = arrays["phi"]
+    for g in ("g_mu", "g_sigma", "g_phi"):
+        b[g].fill(0)
+    ws.set_params(cfg)
+    jitter = dtype.type(cfg.jitter)
+    agent = kc.make_agent_kernels(K, dtype.name)
+    blk = kc.BLOCK
+    nblk = _cdiv(N, blk)
+    sums: list[tuple[str, Any]] = []
+    g_obs = None
+
+    if cfg.lambda_self > 0:
+        agent["self_kl"][nblk, blk](
+            d["mu"], d["sigma"], jitter, dtype.type(cfg.lambda_self), d["e_self"], d["g_mu"], d["g_sigma"]
+        )
+        sums.append(("self", b["e_self"].sum(dtype=np.float64)))
+
+    if cfg.lambda_obs > 0:
+        W = xp.asarray(cfg.W, dtype=dtype)
+        Rm = xp.asarray(cfg.R, dtype=dtype)
+        S_q = b["sigma"][0] + cfg.jitter * xp.eye(K, dtype=dtype) if cfg.jitter else b["sigma"][0]
+        e, cache = observation(b["mu"][0], S_q, arrays["obs"], W, Rm)
+        sums.append(("observation", cfg.lambda_obs * e.sum(dtype=np.float64)))
+        g_mu, g_sigma, g_obs = observation_vjp(xp.full(e.shape, cfg.lambda_obs, e.dtype), cache)
+        b["g_mu"][0] += g_mu
+        b["g_sigma"][0] += g_sigma
+
+    active = [f for f, lam in enumerate((cfg.lambda_belief, cfg.lambda_prior)) if lam > 0]
+    if active:
+        f0, nf = active[0], len(active)
+        agent["prep"][(nblk, nf), blk](
+            d["phi"], d["G"], max(cfg.irreps), d["mu"], d["sigma"], jitter, f0,
+            d["R"], d["lam"], d["P"], d["nu"], d["ld"],
+        )  # fmt: skip
+        # Centre the means on the population mean of nu (see vfesim.gaussian.features).
+        b["nubar"][f0 : f0 + nf] = b["nu"][f0 : f0 + nf].mean(axis=1)
+        agent["features"][(nblk, nf), blk](
+            d["lam"], d["P"], d["nu"], d["nubar"], d["ld"], d["feat_scale"], f0,
+            d["A"], d["B"], d["c"], d["nuc"], d["Pnu"],
+        )  # fmt: skip
+        if ws.dense:
+            k = kc.make_dense_kernels(K, dtype.name, cfg.aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+            nt = k["threads"]
+            nb = _cdiv(N, nt * k["opt"])
+            k["stats"][(nb, ws.S, nf), nt](d["A"], d["B"], d["c"], f0, ws.chunk, d["pm"], d["ps"], d["pt"])
+            k["merge"][(nblk, nf), blk](
+                d["pm"], d["ps"], d["pt"], d["kappa"], f0, d["m"], d["inv_s"], d["abar"], d["energy"]
+            )
+            k["grads"][(nb, 2 * ws.S, nf), nt](
+                d["A"], d["B"], d["c"], d["m"], d["inv_s"], d["abar"], f0, ws.chunk, d["gAr"], d["gBs"]
+            )
+        else:
+            k = kc.make_sparse_kernels(K, dtype.name, cfg.aggregator)
+            nbr = _neighbour_lists(cfg.neighbours).dev
+            k["rows"][(nblk, nf), blk](
+                d["A"],
+                d["B"],
+                d["c"],
+                nbr["index"],
+                nbr["mask"],
+                d["kappa"],
+                f0,
+                d["W"],
+                d["energy"],
+                d["gAr"],
+            )
+            k["senders"][(nblk, nf), blk](d["A"], d["W"], nbr["ptr"], nbr["row"], nbr["slot"], f0, d["gBs"])
+        agent["adjoint"][nblk, blk](
+            d["phi"], d["G"], d["R"], d["mu"], d["sigma"], jitter, d["nuc"], d["P"], d["Pnu"],
+            d["gAr"], d["gBs"], d["lam_w"], d["kappa"], f0, nf, d["g_mu"], d["g_sigma"], d["g_phi"],
+        )  # fmt: skip
+        names = ("belief_align", "prior_align")
+        lams = (cfg.lambda_belief, cfg.lambda_prior)
+        for f in active:
+            sums.append((names[f], lams[f] * b["energy"][f].sum(dtype=np.float64)))
+
+    terms = _collect(sums, xp)
+    grads = {
+        "mu_q": b["g_mu"][0].copy(),
+        "sigma_q": b["g_sigma"][0].copy(),
+        "mu_p": b["g_mu"][1].copy(),
+        "sigma_p": b["g_sigma"][1].copy(),
+        "phi": b["g_phi"].copy(),
+    }
+    if "obs" in arrays:
+        grads["obs"] = g_obs if g_obs is not None else xp.zeros_like(arrays["obs"])
+    return terms, grads
