@@ -121,3 +121,20 @@ def test_zarr_local_store_replaces_files_atomically(tmp_path, monkeypatch):
 def test_not_a_run(tmp_path):
     with pytest.raises(StoreError, match="not a vfesim run store"):
         open_run(tmp_path)
+
+
+def test_extend_killed_half_way_is_repaired_by_the_next_resume(tmp_path):
+    import zarr
+
+    from vfesim.simulate import resume
+
+    full = simulate(Scenario.from_dict(SCN), out=tmp_path / "full.zarr", progress=False)
+    out = tmp_path / "part.zarr"
+    simulate(Scenario.from_dict(SCN), out=out, steps=4, progress=False)
+    zarr.open_array(out / "mu_q", mode="r+").resize((7, 4, 3))  # as if killed inside extend()
+    with pytest.raises(ValueError):
+        xr.open_zarr(out, consolidated=False)
+    run = resume(out, steps=12, progress=False)
+    np.testing.assert_array_equal(run.state["mu_q"].values, full.state["mu_q"].values)
+    ds = open_run(out)
+    assert ds.sizes["time"] == 7 and ds["step"].values.tolist() == list(range(0, 13, 2))

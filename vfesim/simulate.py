@@ -314,8 +314,7 @@ def resume(
     if run["n_steps"] < ckpt.step:
         raise ScenarioError("run.n_steps", f"must be >= the checkpoint step {ckpt.step}")
     n_frames = run["n_steps"] // run["save_every"] + 1
-    if n_frames > store.n_frames():
-        store.extend(n_frames, run["save_every"], scn.integrator["dt"])
+    store.extend(n_frames, run["save_every"], scn.integrator["dt"])
     store.set_attrs(scenario=scn.to_json())
     integ = _make_integrator(scn, backend_name)
     carry = integ.restore(ckpt.state, ckpt.step, ckpt.aux, ckpt.rng_state)

@@ -197,13 +197,17 @@ class RunStore:
         return zarr.open_array(self.path / "saved", mode="r", zarr_format=3).chunks[0]
 
     def extend(self, n_frames: int, save_every: int, dt: float) -> None:
-        """Grow every time-indexed array to ``n_frames`` (idempotent; for resume with more steps)."""
+        """Give every time-indexed array the same length, at least ``n_frames`` (for resume with
+        more steps). Idempotent: rerun after a kill mid-way, it finishes the job."""
         g = zarr.open_group(self.path, mode="r+", zarr_format=3)
-        for _, arr in g.arrays():
-            names = arr.metadata.dimension_names or ()
-            if names and names[0] == "time" and arr.shape[0] != n_frames:
-                arr.resize((n_frames, *arr.shape[1:]))
-        steps = np.arange(n_frames, dtype=np.int64) * save_every
+        arrays = [a for _, a in g.arrays() if (a.metadata.dimension_names or ("",))[0] == "time"]
+        n = max(n_frames, *(a.shape[0] for a in arrays))
+        if all(a.shape[0] == n for a in arrays):
+            return
+        for a in arrays:
+            if a.shape[0] != n:
+                a.resize((n, *a.shape[1:]))
+        steps = np.arange(n, dtype=np.int64) * save_every
         g["step"][:] = steps
         g["time"][:] = steps * dt
 
