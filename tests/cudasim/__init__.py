@@ -1,0 +1,1 @@
+"""CUDA-simulator tests (see conftest.py)."""
