@@ -1,18 +1,27 @@
 """vfesim: populations of agents minimising a variational free energy, on CPU and GPU."""
 
+from . import integrators
 from ._version import __version__
 from .backends import energy_and_gradient
 from .config import ConfigError, ModelConfig, SparseNeighbours
+from .dynamics import run_dynamics
+from .io import open_run
+from .simulate import Run, simulate
 from .state import StateError, make_state, random_state, validate_state
 
 __all__ = [
     "__version__",
     "ConfigError",
     "ModelConfig",
+    "Run",
     "SparseNeighbours",
     "StateError",
     "energy_and_gradient",
     "make_state",
+    "open_run",
+    "integrators",
     "random_state",
+    "run_dynamics",
+    "simulate",
     "validate_state",
 ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,6 @@ import xarray as xr
 
 from .config import ConfigError, ModelConfig, SparseNeighbours
 from .state import StateError, make_state, random_state
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 __all__ = ["ScenarioError", "Scenario", "load_scenario", "read_toml", "BACKENDS"]
 

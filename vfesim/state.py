@@ -22,6 +22,7 @@ __all__ = [
     "random_state",
     "validate_state",
     "state_arrays",
+    "cholesky_named",
 ]
 
 STATE_DIMS = {
@@ -215,9 +216,20 @@ def check_spd_batch(S, name: str) -> None:
         raise StateError(name, "is not positive definite (Cholesky failed)", agent=int(xp.argmax(bad)))
 
 
-def _cholesky_or_raise(S: np.ndarray, name: str) -> None:
+def cholesky_named(S, name: str):
+    """Batched Cholesky factor of S (N, K, K); on failure a StateError naming the agent and ``name``.
+
+    NumPy raises on a non-SPD matrix; CuPy returns NaN instead, which the energy's finiteness checks
+    catch downstream.
+    """
+    if _xp(S) is not np:
+        return _xp(S).linalg.cholesky(S)
+    return _cholesky_or_raise(S, name)
+
+
+def _cholesky_or_raise(S: np.ndarray, name: str) -> np.ndarray:
     try:
-        np.linalg.cholesky(S)
+        return np.linalg.cholesky(S)
     except np.linalg.LinAlgError:
         for i in range(S.shape[0]):
             try:

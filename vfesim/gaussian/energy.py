@@ -86,7 +86,7 @@ def energy_and_gradient_arrays(
         if not cfg.dense and neighbours is None:
             neighbours = (cfg.neighbours.index, cfg.neighbours.mask)
         for name, lam, kappa, kmu, ksig in active:
-            A, B, c, cache = agent_features(arrays[kmu], S[ksig], R)
+            A, B, c, cache = agent_features(arrays[kmu], S[ksig], R, ksig)
             if cfg.dense:
                 E, gA, gB, gc = pairwise_dense(A, B, c, kappa, cfg.aggregator)
             else:

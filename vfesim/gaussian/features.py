@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..groups import expm_so3, generators
+from ..state import cholesky_named
 
 __all__ = ["feature_dim", "frames", "agent_features", "features_vjp", "FeatureCache"]
 
@@ -53,8 +54,11 @@ def _triu(K: int):
     return np.triu_indices(K)
 
 
-def agent_features(mu, sigma, R):
-    """(mu (N,K), sigma (N,K,K), R (N,K,K)) -> A (N,D), B (N,D), c (N,), cache."""
+def agent_features(mu, sigma, R, name: str = "sigma"):
+    """(mu (N,K), sigma (N,K,K), R (N,K,K)) -> A (N,D), B (N,D), c (N,), cache.
+
+    ``name`` labels sigma in the error raised when a transported covariance is not SPD.
+    """
     xp = _xp(mu)
     N, K = mu.shape
     Rt = xp.swapaxes(R, 1, 2)
@@ -62,7 +66,7 @@ def agent_features(mu, sigma, R):
     nu = nu - nu.mean(axis=0)
     lam = Rt @ sigma @ R
     lam = 0.5 * (lam + xp.swapaxes(lam, 1, 2))
-    L = xp.linalg.cholesky(lam)
+    L = cholesky_named(lam, name)
     ld = 2.0 * xp.log(xp.diagonal(L, axis1=1, axis2=2)).sum(axis=1)
     P = xp.linalg.inv(lam)
     P = 0.5 * (P + xp.swapaxes(P, 1, 2))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..state import cholesky_named
+
 __all__ = ["spd_inv_logdet", "self_kl", "self_kl_vjp", "observation", "observation_vjp"]
 
 LOG_2PI = float(np.log(2.0 * np.pi))
@@ -16,10 +18,10 @@ def _xp(a):
     return np if type(a).__module__.split(".")[0] == "numpy" else __import__("cupy")
 
 
-def spd_inv_logdet(S):
-    """(S^-1 symmetrised, ln|S|) for a batch of SPD matrices (N, K, K)."""
+def spd_inv_logdet(S, name: str = "sigma"):
+    """(S^-1 symmetrised, ln|S|) for a batch of SPD matrices (N, K, K); ``name`` labels errors."""
     xp = _xp(S)
-    L = xp.linalg.cholesky(S)
+    L = cholesky_named(S, name)
     ld = 2.0 * xp.log(xp.diagonal(L, axis1=1, axis2=2)).sum(axis=1)
     inv = xp.linalg.inv(S)
     return 0.5 * (inv + xp.swapaxes(inv, 1, 2)), ld
@@ -29,8 +31,8 @@ def self_kl(mu_q, sigma_q, mu_p, sigma_p):
     """KL(q_i || p_i) per agent (N,) and a cache for the adjoint."""
     xp = _xp(mu_q)
     K = mu_q.shape[1]
-    Sp_inv, ld_p = spd_inv_logdet(sigma_p)
-    Sq_inv, ld_q = spd_inv_logdet(sigma_q)
+    Sp_inv, ld_p = spd_inv_logdet(sigma_p, "sigma_p")
+    Sq_inv, ld_q = spd_inv_logdet(sigma_q, "sigma_q")
     d = mu_p - mu_q
     Spd = xp.einsum("nkl,nl->nk", Sp_inv, d)
     tr = xp.einsum("nkl,nlk->n", Sp_inv, sigma_q)
@@ -54,7 +56,7 @@ def observation(mu, sigma, obs, W, R):
     """E_q[-log N(o; W z, R)] per agent (N,) and a cache. W (D, K), R (D, D) SPD."""
     xp = _xp(mu)
     D = W.shape[0]
-    Rinv, ld_R = spd_inv_logdet(R[None])
+    Rinv, ld_R = spd_inv_logdet(R[None], "R")
     Rinv, ld_R = Rinv[0], ld_R[0]
     RiW = Rinv @ W  # (D, K)
     WtRiW = W.T @ RiW  # (K, K)
