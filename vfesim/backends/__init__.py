@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,9 @@ BACKENDS = {
 
 
 def cuda_available() -> bool:
-    """True when CuPy imports and sees a CUDA device."""
+    """True when CuPy imports and sees a CUDA device (or the Numba CUDA simulator is on)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return True  # the simulator stands in for the device, with NumPy arrays
     try:
         import cupy
 
