@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import platform
 import statistics
 import time
+
+import numba
 
 import vfesim
 from vfesim.backends import energy_and_gradient_arrays
@@ -53,7 +56,9 @@ def main():
     have_numba_energy = importlib.util.find_spec("vfesim.backends.numba_backend") is not None
     print(
         f"# N={args.n} K={args.K} float64, {platform.processor() or platform.machine()}, "
-        f"median of {args.repeats}; numba energy backend present: {have_numba_energy}"
+        f"median of {args.repeats}; numba energy backend present: {have_numba_energy}; "
+        f"{os.cpu_count()} CPUs, numba threads {numba.get_num_threads()}, "
+        f"load average {os.getloadavg()[0]:.1f} at start"
     )
     print(f"{'method':<22}{'backend':<8}{'evals':>6}{'step [ms]':>12}{'update [ms]':>13}")
     for method in available():
