@@ -27,6 +27,8 @@ Stable API (names and signatures; all arguments positional):
     row_energy(m, s, t, kappa, agg) -> float        the aggregator A_kappa of one row; 0 when s == 0
     pair_weight(kl, m, inv_s, abar, kappa, agg)     W_ij = dE/dKL_ij (expected: beta (1 - (kl - abar)/kappa);
                                                     softmin: beta), with inv_s = 1 / s_i
+    pair_weight_e(e, kl, inv_s, abar, kappa, agg)   the same from e = exp(-kl/kappa - m) computed by the
+                                                    caller (e.g. a vectorised exp over a tile row)
     accumulate_row(out, i, w, X, j) -> None         out[i, d] += w * X[j, d] for all d, d ascending
 
 Masked (absent) pairs are never pushed: no infinite logit enters the statistics, so drivers may use
@@ -51,6 +53,7 @@ __all__ = [
     "row_abar",
     "row_energy",
     "pair_weight",
+    "pair_weight_e",
     "accumulate_row",
 ]
 
@@ -129,6 +132,14 @@ def row_energy(m, s, t, kappa, agg):
 def pair_weight(kl, m, inv_s, abar, kappa, agg):
     """W_ij = dE/dKL_ij from the row statistics (m, 1/s, abar) of receiver i."""
     beta = math.exp(-kl / kappa - m) * inv_s
+    if agg == AGG_SOFTMIN:
+        return beta
+    return beta - beta * ((kl - abar) / kappa)
+
+
+def pair_weight_e(e, kl, inv_s, abar, kappa, agg):
+    """W_ij from e = exp(-kl / kappa - m_i) (pair_weight with the exponential supplied)."""
+    beta = e * inv_s
     if agg == AGG_SOFTMIN:
         return beta
     return beta - beta * ((kl - abar) / kappa)

@@ -191,6 +191,20 @@ def test_large_n_streams_under_memory_cap():
     assert "OK" in lines, proc.stdout
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_vector_exp_matches_numpy(dtype, rng):
+    x = np.concatenate([-rng.uniform(0, 750, 4000), [0.0, -1e-300, -708.0, -745.0, 1e-3]]).astype(dtype)
+    out = np.empty_like(x)
+    pairwise_cpu._exp_row(x, x.size, out, np.empty(x.size), np.empty(x.size, np.int64))
+    ref = np.exp(np.minimum(x.astype(np.float64), 0.0))
+    if dtype == "float64":
+        kept = x >= -708.0
+        np.testing.assert_allclose(out[kept], ref[kept], rtol=1e-15)
+        np.testing.assert_allclose(out[~kept], np.exp(-708.0), rtol=1e-15)  # clamped tail: tiny, positive
+    else:
+        np.testing.assert_allclose(out, ref.astype(dtype), rtol=1e-7, atol=1e-44)
+
+
 def test_unknown_backend_is_an_error():
     cfg = vfesim.ModelConfig(K=3)
     st = vfesim.random_state(cfg, 4, seed=0)

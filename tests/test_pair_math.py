@@ -41,6 +41,8 @@ def test_row_matches_numpy(compiled, aggregator, rng):
     np.testing.assert_allclose(abar, (beta * L).sum(), rtol=1e-13)
     Wk = [f("pair_weight")(kl, m, 1.0 / s, abar, kappa, agg) for kl in L]
     np.testing.assert_allclose(Wk, W[0], rtol=1e-12, atol=1e-15)
+    We = [f("pair_weight_e")(math.exp(-kl / kappa - m), kl, 1.0 / s, abar, kappa, agg) for kl in L]
+    assert We == Wk
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -91,6 +93,7 @@ def test_compiled_float32_stays_float32():
         "row_abar": (x, x),
         "row_energy": (x, x, x, x, pm.AGG_SOFTMIN),
         "pair_weight": (x, x, x, x, x, pm.AGG_EXPECTED),
+        "pair_weight_e": (x, x, x, x, x, pm.AGG_EXPECTED),
     }
     for name, a in args.items():
         fn = numba.njit(getattr(pm, name))
