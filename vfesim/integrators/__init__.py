@@ -53,7 +53,9 @@ def make_integrator(
 
         backend = resolve(backend)  # unknown names raise here; "auto" picks a device (logged)
         if backend not in ("numpy", "numba"):
-            raise ValueError(f"integrators: backend {backend!r} is not supported yet (use 'numpy' or 'numba')")
+            raise ValueError(
+                f"integrators: backend {backend!r} is not supported yet (use 'numpy' or 'numba')"
+            )
     dt = float(dt)
     if not (dt > 0 and dt < float("inf")):
         raise ValueError(f"dt must be finite and > 0, got {dt}")
