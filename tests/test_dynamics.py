@@ -32,7 +32,7 @@ def test_history_layout_every_method(method, backend):
     final, hist = run_dynamics(
         state, cfg, method, 0.01, 7, record_every=3, backend=backend, seed=1, **_backend_options(backend, cfg)
     )
-    np.testing.assert_array_equal(hist.step.values, [0, 3, 6])
+    np.testing.assert_array_equal(hist.step.values, [0, 3, 6, 7])  # the last step is always kept
     names = {"system_free_energy", *(f"system_{t}" for t in TERMS)}
     if is_hamiltonian(method):
         names |= {"system_kinetic", "system_hamiltonian"}
@@ -80,3 +80,13 @@ def test_blow_up_is_reported_with_step_agent_variable():
     with pytest.raises(DynamicsError, match=r"step \d+: \w+(\[agent=\d\])?: ") as e:
         run_dynamics(state, cfg, "symplectic_euler", 50.0, 50)
     assert e.value.step >= 1
+
+
+def test_blow_up_inside_the_energy_names_step_agent_and_variable():
+    """A step so large that a transported covariance fails Cholesky stops with a DynamicsError."""
+    from vfesim.integrators import DynamicsError
+
+    cfg = make_config(K=3, kappa_beta=0.1)
+    state = vfesim.random_state(cfg, n_agents=6, seed=0, mu_scale=3.0)
+    with pytest.raises(DynamicsError, match=r"step 1: sigma_q\[agent=\d+\]: is not positive definite"):
+        run_dynamics(state, cfg, "verlet", 5.0, 20)

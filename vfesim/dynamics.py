@@ -31,7 +31,7 @@ def run_dynamics(
 ) -> tuple[xr.Dataset, xr.Dataset]:
     """Integrate ``n_steps`` steps of ``method`` and record energies every ``record_every`` steps.
 
-    history: Dataset over dim ``step`` (coordinate: step numbers 0, r, 2r, ... <= n_steps) with
+    history: Dataset over dim ``step`` (coordinate: step numbers 0, r, 2r, ..., and the last step) with
     ``system_free_energy``, ``system_<term>`` per energy term and, for Hamiltonian methods,
     ``system_kinetic`` and ``system_hamiltonian``. Raises DynamicsError (naming step, agent, variable) if
     a step leaves the state non-finite or a covariance non-SPD.
@@ -49,9 +49,9 @@ def run_dynamics(
         rows.append([c.terms.get(k, np.nan) for k in names])
 
     record(carry)
-    for _ in range(n_steps):
+    for i in range(n_steps):
         carry = integ.step(carry)
-        if carry.step % record_every == 0:
+        if carry.step % record_every == 0 or i == n_steps - 1:
             record(carry)
             log.debug("step %d F=%.10g", carry.step, carry.terms["total"])
     table = np.asarray(rows, np.float64).reshape(len(rows), len(names))

@@ -8,6 +8,7 @@ symplectic schemes "symplectic_euler" (order 1), "verlet" (2), "ruth3" (3), "pef
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..state import StateError
 from .base import Carry, DynamicsError, Integrator
 from .gradient_flow import make_gradient_flow
 from .hamiltonian import SCHEMES, make_hamiltonian
@@ -60,5 +61,21 @@ def make_integrator(
     if not (dt > 0 and dt < float("inf")):
         raise ValueError(f"dt must be finite and > 0, got {dt}")
     if method == "gradient_flow":
-        return make_gradient_flow(cfg, dt, backend=backend, friction=friction, seed=seed, **options)
-    return make_hamiltonian(method, cfg, dt, backend=backend, friction=friction, seed=seed, **options)
+        integ = make_gradient_flow(cfg, dt, backend=backend, friction=friction, seed=seed, **options)
+    else:
+        integ = make_hamiltonian(method, cfg, dt, backend=backend, friction=friction, seed=seed, **options)
+    return integ._replace(step=_reporting_step(integ.step))
+
+
+def _reporting_step(step):
+    """Wrap a step so that a StateError raised inside the energy (e.g. a transported covariance that
+    fails Cholesky) surfaces as a DynamicsError naming the step, agent and variable."""
+
+    def guarded(carry: Carry) -> Carry:
+        try:
+            return step(carry)
+        except StateError as e:
+            msg = str(e).split(": ", 1)[-1]
+            raise DynamicsError(carry.step + 1, e.variable, msg, agent=e.agent) from e
+
+    return guarded
