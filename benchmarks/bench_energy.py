@@ -1,7 +1,7 @@
 """Energy + gradient time and peak memory: numpy vs numba backends vs the per-pair loop oracle (SPEC §6).
 
 Each case (backend, dtype, K, N) runs in a fresh subprocess: the state is built, one untimed call warms
-the JIT (loaded from Numba's cache) and the page cache, then ``--repeat`` timed calls of the whole
+the JIT (loaded from Numba's cache) on a 64-agent state, then ``--repeat`` timed calls of the whole
 ``vfesim.energy_and_gradient`` (default config, lambda_prior = 0) give the median. Peak memory is the
 growth of the process's resident high-water mark during the timed calls: VmHWM is reset through
 /proc/self/clear_refs right before them and compared with VmRSS at that moment (Linux), else the
@@ -45,7 +45,8 @@ _CASE = textwrap.dedent(
         call = lambda: reference_energy(state, cfg)
     else:
         call = lambda: vfesim.energy_and_gradient(state, cfg, backend=backend)
-        call()  # warm-up: JIT (from cache), first-touch of buffers
+        small = vfesim.random_state(cfg, min(N, 64), seed=0, dtype=dtype)
+        vfesim.energy_and_gradient(small, cfg, backend=backend)  # warm-up: JIT (from Numba's cache)
 
     def status(key):
         for line in open("/proc/self/status"):

@@ -57,7 +57,7 @@ _serial = numba.njit(nogil=True, cache=True)
 # (truncation < 2e-17) and 2^n assembled from its bits. Unlike math.exp (one libm call per element) the
 # loops vectorise: 7.0 -> 1.9 ns per element, and the K = 3 sweeps drop from 12.4 / 10.6 to 9.0 / 7.0 ns
 # per pair (one thread, N = 2048, on the 2-core machine of benchmarks/results/bench_energy_cpu.txt).
-# Relative error vs np.exp < 1e-15 (tests/test_numba_backend.py). x is clamped to [-708, 0]:
+# Relative error vs np.exp < 5e-14 (tests/test_numba_backend.py). x is clamped to [-708, 0]:
 # exp(-708) ~ 3e-308 stays a normal number, and it only ever adds to sums whose largest term is 1.
 _LOG2E = 1.4426950408889634
 _LN2_HI = 6.93147180369123816490e-01  # trailing zeros: n * _LN2_HI is exact
@@ -65,7 +65,9 @@ _LN2_LO = 1.90821492927058770002e-10
 _TWO52 = 4503599627370496  # 2^52: shifts a biased exponent into place
 
 
-@numba.njit(nogil=True, cache=True, fastmath={"contract"})
+# No fastmath here: without contraction the vector body and the scalar remainder of the loop round
+# identically, so exp(x) does not depend on the element's position in a tile.
+@numba.njit(nogil=True, cache=True)
 def _exp_row(x, n, out, nf, bits):
     """out[:n] = exp(x[:n]) for x <= 0 (out in x's dtype; nf float64 and bits int64 scratch)."""
     for k in range(n):
@@ -265,9 +267,9 @@ SERIAL_WORK = 1 << 21
 
 
 def _sender_block(N: int) -> int:
-    """Senders per block of sweep 3: enough blocks to feed every thread, at most one sender tile."""
-    per = -(-N // (4 * numba.get_num_threads()))
-    return int(min(SENDER_TILE, max(8, per)))
+    """Senders per block of sweep 3: N / 16 in [8, SENDER_TILE] (work for 16 threads). A function of N
+    only: the thread count must not change the tiling, and so not a single rounding."""
+    return int(min(SENDER_TILE, max(8, -(-N // 16))))
 
 
 def _prepare(A, B, c, kappa):
