@@ -8,7 +8,7 @@ are shared, array-module generic code.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -18,9 +18,27 @@ from . import pairwise as _np_pairwise
 from .features import agent_features, features_vjp, frames
 from .terms import observation, observation_vjp, self_kl, self_kl_vjp
 
-__all__ = ["TERMS", "energy_and_gradient_arrays", "attention"]
+__all__ = ["TERMS", "AgentOps", "NUMPY_AGENT_OPS", "energy_and_gradient_arrays", "attention"]
 
 TERMS = ("self", "belief_align", "prior_align", "observation")
+
+
+class AgentOps(NamedTuple):
+    """The per-agent stages of the alignment terms; a backend may replace them with kernels.
+
+    frames(phi (N,3), irreps) -> R (N,K,K)
+    features(mu (N,K), sigma (N,K,K), R, name) -> (A (N,D), B (N,D), c (N,), cache)
+    features_vjp(gA, gB, gc, cache) -> (g_mu, g_sigma, g_R)
+    phi_grad(g_R, R, phi, G (3,K,K)) -> g_phi (N,3)
+    """
+
+    frames: Callable
+    features: Callable
+    features_vjp: Callable
+    phi_grad: Callable
+
+
+NUMPY_AGENT_OPS = AgentOps(frames, agent_features, features_vjp, phi_grad_from_R)
 
 
 def _xp(a):
@@ -49,11 +67,13 @@ def energy_and_gradient_arrays(
     pairwise_dense: Callable = _np_pairwise.pairwise_dense,
     pairwise_sparse: Callable = _np_pairwise.pairwise_sparse,
     neighbours: tuple | None = None,
+    agent_ops: AgentOps = NUMPY_AGENT_OPS,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Energy terms and the gradient of ``terms["total"]`` for raw arrays (no validation).
 
     arrays: mu_q, mu_p (N, K); sigma_q, sigma_p (N, K, K); phi (N, 3); obs (N, D) if needed.
     neighbours: (index, mask) already on the arrays' device for sparse configs (default: from cfg).
+    agent_ops: the per-agent stages (default: the array-generic NumPy/CuPy code).
     """
     xp = _xp(arrays["mu_q"])
     S = {k: _with_jitter(arrays[k], cfg.jitter) for k in ("sigma_q", "sigma_p")}
@@ -81,22 +101,22 @@ def energy_and_gradient_arrays(
     active = [p for p in _alignment_pairs(cfg) if p[1] > 0]
     if active:
         phi = arrays["phi"]
-        R = frames(phi, cfg.irreps)
+        R = agent_ops.frames(phi, cfg.irreps)
         g_R = xp.zeros_like(R)
         if not cfg.dense and neighbours is None:
             neighbours = (cfg.neighbours.index, cfg.neighbours.mask)
         for name, lam, kappa, kmu, ksig in active:
-            A, B, c, cache = agent_features(arrays[kmu], S[ksig], R, ksig)
+            A, B, c, cache = agent_ops.features(arrays[kmu], S[ksig], R, ksig)
             if cfg.dense:
                 E, gA, gB, gc = pairwise_dense(A, B, c, kappa, cfg.aggregator)
             else:
                 E, gA, gB, gc = pairwise_sparse(A, B, c, *neighbours, kappa, cfg.aggregator)
             terms[name] = lam * E
-            g_mu, g_sigma, g_Rk = features_vjp(lam * gA, lam * gB, lam * gc, cache)
+            g_mu, g_sigma, g_Rk = agent_ops.features_vjp(lam * gA, lam * gB, lam * gc, cache)
             grads[kmu] += g_mu
             grads[ksig] += g_sigma
             g_R += g_Rk
-        grads["phi"] += phi_grad_from_R(g_R, R, phi, generators(cfg.irreps))
+        grads["phi"] += agent_ops.phi_grad(g_R, R, phi, generators(cfg.irreps))
 
     terms["total"] = sum(terms[k] for k in TERMS)
     return terms, grads
