@@ -36,7 +36,7 @@ def test_defaults_resolve_and_round_trip():
     [
         ("integrator", {"dt": 0.0}, "integrator.dt: must be > 0"),
         ("integrator", {"dt": -1}, "integrator.dt: must be > 0"),
-        ("integrator", {"dt": "fast"}, "integrator.dt: must be a number"),
+        ("integrator", {"dt": "fast"}, "integrator.dt: must be a real number"),
         ("integrator", {"method": "rk4"}, "integrator.method: must be one of"),
         ("integrator", {"friction": -0.1}, "integrator.friction: must be >= 0"),
         ("integrator", {"stepsize": 1}, "integrator.stepsize: unknown key"),

@@ -113,16 +113,19 @@ class SparseNeighbours:
         return {"index": self.index.tolist(), "mask": self.mask.tolist()}
 
 
-def _check_real(key: str, value: Any, *, positive: bool = False, nonneg: bool = False) -> float:
+def _check_real(
+    key: str, value: Any, *, positive: bool = False, nonneg: bool = False, error: type = ConfigError
+) -> float:
+    """A finite real number (optionally > 0 or >= 0); otherwise ``error(key, message)``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ConfigError(key, f"must be a real number, got {type(value).__name__} {value!r}")
+        raise error(key, f"must be a real number, got {type(value).__name__} {value!r}")
     v = float(value)
     if not math.isfinite(v):
-        raise ConfigError(key, f"must be finite, got {v}")
+        raise error(key, f"must be finite, got {v}")
     if positive and v <= 0:
-        raise ConfigError(key, f"must be > 0, got {v}")
+        raise error(key, f"must be > 0, got {v}")
     if nonneg and v < 0:
-        raise ConfigError(key, f"must be >= 0, got {v}")
+        raise error(key, f"must be >= 0, got {v}")
     return v
 
 

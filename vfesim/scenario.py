@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from .config import ConfigError, ModelConfig, SparseNeighbours
+from .config import ConfigError, ModelConfig, SparseNeighbours, _check_real
 from .state import StateError, make_state, random_state
 
 __all__ = ["ScenarioError", "Scenario", "load_scenario", "read_toml", "BACKENDS"]
@@ -56,16 +56,7 @@ def _int(key: str, v: Any, lo: int | None = None) -> int:
 
 
 def _real(key: str, v: Any, *, positive: bool = False, nonneg: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise ScenarioError(key, f"must be a number, got {type(v).__name__} {v!r}")
-    v = float(v)
-    if not math.isfinite(v):
-        raise ScenarioError(key, f"must be finite, got {v}")
-    if positive and v <= 0:
-        raise ScenarioError(key, f"must be > 0, got {v}")
-    if nonneg and v < 0:
-        raise ScenarioError(key, f"must be >= 0, got {v}")
-    return v
+    return _check_real(key, v, positive=positive, nonneg=nonneg, error=ScenarioError)
 
 
 def _str(key: str, v: Any, choices: tuple[str, ...] | None = None) -> str:
