@@ -64,9 +64,20 @@ def plot_energy(ds, path: Path) -> Path:
         a1.legend(loc="best")
     for a in (a0, a1):
         a.grid(alpha=0.3)
+        _log_if_it_helps(a)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _log_if_it_helps(ax) -> None:
+    """Log y-axis when every plotted curve is positive and they span more than a factor of 20."""
+    ys = [np.asarray(line.get_ydata(), float) for line in ax.lines]
+    ys = [y[np.isfinite(y)] for y in ys]
+    if ys and all(y.size and y.min() > 0 for y in ys):
+        lo, hi = min(y.min() for y in ys), max(y.max() for y in ys)
+        if hi / lo > 20:
+            ax.set_yscale("log")
 
 
 def _pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
