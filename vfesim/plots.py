@@ -120,9 +120,16 @@ def plot_attention(ds, cfg: ModelConfig, path: Path) -> Path:
     from matplotlib.colors import PowerNorm
 
     off = b[b > 0]
-    # A few near-one weights would flatten the colour scale: clip at the 99th percentile.
+    # A few near-one weights would flatten the colour scale: clip at the 99th percentile. Pairs that
+    # are not neighbours (the diagonal, sparse gaps) are drawn grey rather than as weight 0.
     vmax = float(np.quantile(off, 0.99)) if off.size else 1.0
-    im = ax.imshow(b, cmap="magma", interpolation="nearest", norm=PowerNorm(0.5, vmin=0, vmax=vmax))
+    vmin = float(np.quantile(off, 0.01)) if off.size else 0.0
+    vmin = 0.0 if vmin < 0.5 * vmax else vmin
+    shown_b = np.where(b > 0, b, np.nan)
+    cmap = plt.get_cmap("magma").copy()
+    cmap.set_bad("0.75")
+    norm = PowerNorm(0.5, vmin=vmin, vmax=vmax)
+    im = ax.imshow(shown_b, cmap=cmap, interpolation="nearest", norm=norm)
     extend = "max" if off.size and off.max() > vmax else "neither"
     fig.colorbar(im, ax=ax, extend=extend, label="beta_ij (row i attends to column j)")
     shown = f"{len(order)} of {n}" if len(order) < n else f"{n}"
