@@ -76,7 +76,7 @@ def test_bad_scenario_exits_2_naming_the_key(tmp_path):
     [
         (("[run]", "[run]\nsteps = 3"), "run.steps: unknown key"),
         (('method = "verlet"', 'method = "rk45"'), "integrator.method: must be one of"),
-        (("friction = 0.1", 'friction = "high"'), "integrator.friction: must be a number"),
+        (("friction = 0.1", 'friction = "high"'), "integrator.friction: must be a real number"),
         (("n_agents = 6", "n_agents = 6\nmu_scale = -1"), "population.mu_scale: must be >= 0"),
     ],
 )

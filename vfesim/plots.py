@@ -126,8 +126,7 @@ def plot_attention(ds, cfg: ModelConfig, path: Path) -> Path:
     vmin = float(np.quantile(off, 0.01)) if off.size else 0.0
     vmin = 0.0 if vmin < 0.5 * vmax else vmin
     shown_b = np.where(b > 0, b, np.nan)
-    cmap = plt.get_cmap("magma").copy()
-    cmap.set_bad("0.75")
+    cmap = plt.get_cmap("magma").with_extremes(bad="0.75")
     norm = PowerNorm(0.5, vmin=vmin, vmax=vmax)
     im = ax.imshow(shown_b, cmap=cmap, interpolation="nearest", norm=norm)
     extend = "max" if off.size and off.max() > vmax else "neither"
