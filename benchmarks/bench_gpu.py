@@ -6,8 +6,10 @@ device-to-device copy); and the ratio to benchmarks/torch_baseline.py, which mat
 (N, N, K, K) transports, at every size until it runs out of memory.
 
     python benchmarks/bench_gpu.py [--quick] [--tune] [--out DIR]
+    python benchmarks/bench_gpu.py --steps [--step-sizes N ...] [--dtypes ...] [--out DIR]
 
 Writes DIR/gpu_bench.jsonl (one record per measurement) and DIR/gpu_bench.txt (the table, also printed).
+``--steps`` instead times full integrator steps (``step_sweep``): DIR/gpu_steps.jsonl and gpu_steps.txt.
 """
 
 from __future__ import annotations
@@ -174,9 +176,13 @@ def main(argv=None):
     ap.add_argument("--ks", type=int, nargs="*", default=KS)
     ap.add_argument("--dtypes", nargs="*", default=DTYPES)
     ap.add_argument("--min-n", type=int, default=0, help="measure only sizes >= this")
+    ap.add_argument("--steps", action="store_true", help="only the full-step sweep (step_sweep below)")
+    ap.add_argument("--step-sizes", type=int, nargs="*", default=STEP_SIZES)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.steps:
+        return step_sweep(out, args.step_sizes, args.dtypes)
     sys.path.insert(0, str(Path(__file__).parent))
     rows: list[dict] = []
     dev = cp.cuda.runtime.getDeviceProperties(0)
@@ -268,6 +274,83 @@ def format_table(rows) -> str:
             lines.append(f"{r['K']:3d} {r['dtype']:>7} {'':>6} {r['N']:8d}  skipped (predicted {pred:.0f} s)")
         elif r["kind"] == "tune":
             lines.append(f"tune {r['dtype']} threads={r['threads']} opt={r['opt']}: {r['t_s'] * 1e3:.2f} ms")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Full integrator steps (--steps): integrators.make_integrator(..., backend="cuda") with the state on
+# the device; one step = the fused update kernels + the energy evaluations of the scheme + the guard.
+# ------------------------------------------------------------------------------------------------
+STEP_SIZES = [4096, 65536, 262144]
+STEP_METHODS = {"gradient_flow": 0.01, "verlet": 0.005, "pefrl": 0.005}  # method -> dt
+
+
+def bench_step(N: int, K: int, dtype: str, method: str) -> dict:
+    """Median wall time of one integrator step (ends with the energy terms on the host), the energy
+    evaluation alone at the same state, and the rest (update kernels, guard, allocations)."""
+    from vfesim.integrators import make_integrator
+
+    pool = cp.get_default_memory_pool()
+    cb.clear_cache()
+    pool.free_all_blocks()
+    cfg = config(K, "belief")
+    state = vfesim.random_state(cfg, n_agents=N, seed=0, dtype=dtype)
+    calls = [0]
+
+    def energy(arrays):  # the model energy (what backend="cuda" uses), counted
+        calls[0] += 1
+        return cb.energy_and_gradient(arrays, cfg)
+
+    integ = make_integrator(method, cfg, STEP_METHODS[method], backend="cuda", seed=1, energy=energy)
+    carry = [integ.init(state)]
+
+    def step():
+        carry[0] = integ.step(carry[0])
+
+    t, reps = timeit(step, min_reps=3, max_reps=20, target_s=1.0)
+    c = carry[0]
+    assert all(isinstance(c.state[k].data, cp.ndarray) for k in c.state.data_vars)
+    x = {k: c.state[k].data for k in c.state.data_vars}
+    t_e, _ = timeit(lambda: cb.energy_and_gradient(x, cfg), min_reps=3, max_reps=20, target_s=0.5)
+    ev = (calls[0] - 1) // c.step  # energy evaluations per step (init made one)
+    return dict(kind="step", N=N, K=K, dtype=dtype, method=method, dt=STEP_METHODS[method], t_s=t,
+                reps=reps, steps_done=c.step, energy_t_s=t_e, evals=ev, other_t_s=t - ev * t_e,
+                F=c.terms["total"], peak_bytes=pool.total_bytes())  # fmt: skip
+
+
+def step_sweep(out: Path, sizes, dtypes, K: int = 3) -> None:
+    """Step time per scheme at each N, dtype; writes out/gpu_steps.jsonl and out/gpu_steps.txt."""
+    dev = cp.cuda.runtime.getDeviceProperties(0)
+    rows = [dict(kind="device", name=dev["name"].decode(), sms=dev["multiProcessorCount"])]
+    log(rows[0])
+    for dtype in dtypes:
+        for N in sizes:
+            for method in STEP_METHODS:
+                row = bench_step(N, K, dtype, method)
+                rows.append(row)
+                log(json.dumps(row))
+    with open(out / "gpu_steps.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    table = format_steps(rows)
+    (out / "gpu_steps.txt").write_text(table)
+    print(table)
+
+
+def format_steps(rows) -> str:
+    lines = [
+        f"# {rows[0]['name']}: one integrator step, backend cuda, K = 3, state on the device; 'energy' is",
+        "# one energy+gradient evaluation at the same state, 'other' = step - evals x energy (update",
+        "# kernels, guard, allocations, launches). Median wall times.",
+        f"{'dtype':>7} {'method':>13} {'N':>7} {'step ms':>10} {'evals':>5} {'energy ms':>10} "
+        f"{'other ms':>9}",
+    ]
+    for r in rows:
+        if r["kind"] == "step":
+            lines.append(
+                f"{r['dtype']:>7} {r['method']:>13} {r['N']:7d} {r['t_s'] * 1e3:10.2f} {r['evals']:5d} "
+                f"{r['energy_t_s'] * 1e3:10.2f} {r['other_t_s'] * 1e3:9.2f}"
+            )
     return "\n".join(lines) + "\n"
 
 

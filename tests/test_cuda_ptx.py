@@ -54,3 +54,33 @@ def test_every_kernel_has_a_signature():
     sigs = kc.kernel_signatures(3, "float64")
     for _, ks in _families(3, "float64"):
         assert set(ks["_py"]) <= set(sigs)
+
+
+# --- integrator update kernels (vfesim_kernels.update_cuda) --------------------------------------
+UPDATE_CASES = [(3, "float64"), (3, "float32")]
+
+
+def _update_kernels():
+    from vfesim_kernels import update_cuda as uc
+
+    for K, dtype in UPDATE_CASES:
+        for name in uc.make_update_kernels(K)["_py"]:
+            yield pytest.param(K, dtype, name, id=f"update-K{K}-{dtype}-{name}")
+
+
+@pytest.mark.parametrize("K, dtype, name", list(_update_kernels()))
+def test_update_kernel_compiles_for_sm90(K, dtype, name):
+    from vfesim_kernels import update_cuda as uc
+
+    fn = uc.make_update_kernels(K)["_py"][name]
+    ptx, _ = uc.cuda.compile_ptx(fn, uc.kernel_signatures(dtype)[name], cc=(9, 0))
+    assert ".target sm_90" in ptx
+    assert re.search(r"\.entry\s", ptx), "no kernel entry point"
+    if name in ("gradient_flow", "kick_drift"):
+        assert "atom.global" in ptx or "red.global" in ptx, "the guard flag is never raised"
+
+
+def test_every_update_kernel_has_a_signature():
+    from vfesim_kernels import update_cuda as uc
+
+    assert set(uc.make_update_kernels(3)["_py"]) == set(uc.kernel_signatures("float64"))

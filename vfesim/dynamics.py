@@ -35,12 +35,16 @@ def run_dynamics(
     ``system_free_energy``, ``system_<term>`` per energy term and, for Hamiltonian methods,
     ``system_kinetic`` and ``system_hamiltonian``. Raises DynamicsError (naming step, agent, variable) if
     a step leaves the state non-finite or a covariance non-SPD.
+
+    backend "cuda": the state lives on the device for the whole run; the final state is returned on the
+    host when ``state`` was given there (NumPy), else as device (CuPy) arrays.
     """
     for key, v in (("n_steps", n_steps), ("record_every", record_every)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (0 if key == "n_steps" else 1):
             raise ValueError(f"{key} must be an integer >= {0 if key == 'n_steps' else 1}, got {v!r}")
     integ = make_integrator(method, cfg, dt, backend=backend, friction=friction, seed=seed, **options)
     names = ["total", *TERMS] + (["kinetic", "hamiltonian"] if is_hamiltonian(method) else [])
+    on_host = all(isinstance(state[k].data, np.ndarray) for k in state.data_vars)
     carry = integ.init(state)
     steps, rows = [], []
 
@@ -62,4 +66,7 @@ def run_dynamics(
     hist = xr.Dataset(
         out, coords={"step": np.asarray(steps, np.int64)}, attrs={"method": method, "dt": float(dt)}
     )
-    return carry.state, hist
+    final = carry.state
+    if on_host and not all(isinstance(final[k].data, np.ndarray) for k in final.data_vars):
+        final = final.as_numpy()
+    return final, hist

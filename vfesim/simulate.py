@@ -2,6 +2,10 @@
 
 ``simulate(scenario, out=...)`` and ``resume(out)`` return a :class:`Run` (path, scenario, final step,
 final state and energy terms); ``Run.open()`` gives the trajectory as a lazy xarray Dataset.
+
+Backend "cuda": the integrator keeps state and integrator arrays on the device for the whole run; the
+host sees energy terms (floats) per step, and copies of the state only at save and checkpoint steps.
+A resumed run loads its checkpoint back onto the device. ``Run.state`` is on the host.
 """
 
 from __future__ import annotations
@@ -48,6 +52,13 @@ class Run:
 
 def _host(a: Any) -> np.ndarray:
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def _host_state(state: xr.Dataset) -> xr.Dataset:
+    """``state`` with NumPy data (device runs keep it on the device until the end)."""
+    if all(isinstance(state[k].data, np.ndarray) for k in state.data_vars):
+        return state
+    return state.as_numpy()
 
 
 def _frame(carry) -> dict[str, np.ndarray]:
@@ -241,7 +252,7 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
     bar.close()
     store.set_attrs(status="complete")
     log.info("done: step %d, F = %.10g", carry.step, carry.terms.get("total", float("nan")))
-    return Run(store.path, scn, carry.step, carry.state, dict(carry.terms))
+    return Run(store.path, scn, carry.step, _host_state(carry.state), dict(carry.terms))
 
 
 def _mark(store: RunStore, status: str) -> None:

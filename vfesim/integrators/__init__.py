@@ -3,6 +3,9 @@
 Methods: "gradient_flow" (natural-gradient flow; Euclidean and Adam rules as options), the constant-mass
 symplectic schemes "symplectic_euler" (order 1), "verlet" (2), "ruth3" (3), "pefrl" (4), and
 "riemannian_leapfrog" (Fisher mass, generalized implicit leapfrog, order 2).
+
+Backends: "numpy", "numba" (fused CPU update kernels) and "cuda" (device-resident state, fused CUDA update
+kernels; every method except "riemannian_leapfrog").
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ def make_integrator(
         from ..backends import resolve
 
         backend = resolve(backend)  # unknown names raise here; "auto" picks a device (logged)
-        if backend not in ("numpy", "numba"):
+        if backend not in ("numpy", "numba", "cuda"):
             raise ValueError(
-                f"integrators: backend {backend!r} is not supported yet (use 'numpy' or 'numba')"
+                f"integrators: backend {backend!r} is not supported (use 'numpy', 'numba' or 'cuda')"
             )
     dt = float(dt)
     if not (dt > 0 and dt < float("inf")):

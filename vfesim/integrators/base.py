@@ -110,12 +110,13 @@ def energy_fn(cfg: ModelConfig, backend: str, override: EnergyFn | None = None) 
         if not callable(override):
             raise ValueError(f"option 'energy' must be callable (arrays) -> (terms, grads), got {override!r}")
         return override
-    from ..backends import energy_and_gradient_arrays, resolve
+    from ..backends import get
 
-    name = resolve(backend)
+    # Look the backend up once: a per-call lookup re-checks device availability on every evaluation.
+    mod = get(backend)
 
     def fn(arrays):
-        return energy_and_gradient_arrays(arrays, cfg, name)
+        return mod.energy_and_gradient(arrays, cfg)
 
     return fn
 

@@ -25,6 +25,10 @@ Options (unknown ones raise ValueError):
   energy: a callable (arrays) -> (terms, grads) replacing the model energy (custom potentials, tests).
   fixed_point_tol (1e-12), fixed_point_max_iter (100): riemannian_leapfrog only; the iteration stops when
       max|change| <= tol * (1 + max|value|) and raises DynamicsError if it has not after max_iter.
+
+Backend "cuda" (constant-mass schemes): positions, log-Cholesky coordinates and momenta stay on the device;
+each (kick, drift) pair is one fused kernel per block (``vfesim_kernels.update_cuda``); the initial
+momenta are drawn on the host (the same draws as on the CPU backends) and uploaded once.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from .base import (
     state_arrays,
     with_arrays,
 )
+from .device import Device, host_array
 
 __all__ = [
     "SCHEMES",
@@ -243,6 +248,11 @@ def make_hamiltonian(
     """Build a Hamiltonian integrator (a scheme of :data:`SCHEMES` or ``"riemannian_leapfrog"``)."""
     riemann = method == "riemannian_leapfrog"
     opt = check_options(method, options, RIEMANN_DEFAULTS if riemann else DEFAULTS)
+    if riemann and backend == "cuda":
+        raise ValueError(
+            "method 'riemannian_leapfrog' runs on the 'numpy' and 'numba' backends only, not 'cuda' "
+            "(use a constant-mass scheme: symplectic_euler, verlet, ruth3, pefrl)"
+        )
     friction = float(friction)
     if not (math.isfinite(friction) and friction >= 0):
         raise ValueError(f"method {method!r}: friction must be finite and >= 0, got {friction}")
@@ -260,6 +270,7 @@ def make_hamiltonian(
     K = cfg.K
     efn = energy_fn(cfg, backend, opt["energy"])
     numba = backend == "numba"
+    dev = Device(K) if backend == "cuda" else None
     damp = math.exp(-0.5 * friction * dt)
     theta_names = tuple(f"theta_{s}" for _, s in blocks)
     p_names = _momentum_names(blocks, frames)
@@ -272,6 +283,8 @@ def make_hamiltonian(
         table = SCHEMES[method][1]
 
     def to_sigma(theta):
+        if dev is not None:
+            return dev.theta_to_sigma(dev.put(theta))
         if numba:
             from vfesim_kernels.update_cpu import theta_to_sigma_cpu
 
@@ -281,6 +294,9 @@ def make_hamiltonian(
         return theta_to_sigma(theta, K)
 
     def kinetic(aux) -> float:
+        if dev is not None and not dev.sim:  # one transfer for all momenta
+            names = [k for k in aux if k.startswith("p_")]
+            return dev.sum_squares([aux[k] for k in names], [0.5 * inv_m[k[2:]] for k in names])
         if not riemann:
             return _kinetic_const(aux, inv_m)
         return _kinetic_riemann(aux)
@@ -312,6 +328,8 @@ def make_hamiltonian(
         validate_state(state, cfg)
         if set(aux) != set(aux_names):
             raise ValueError(f"{method} restore: aux keys {sorted(aux)} != expected {sorted(aux_names)}")
+        if dev is not None:  # checkpoints and initial states may arrive on the host
+            state, aux = dev.put_state(state), dev.put_aux(aux)
         eterms, grads = efn(state_arrays(state))
         return _carry(state, int(step), dict(aux), eterms, grads, rng_state)
 
@@ -321,7 +339,7 @@ def make_hamiltonian(
         aux, new = {}, {}
         dtype = state["mu_q"].dtype
         for _, s in blocks:
-            th = sigma_to_theta(np.asarray(state[s].data))
+            th = sigma_to_theta(host_array(state[s].data))
             aux[f"theta_{s}"] = th
             new[s] = to_sigma(th)
         for name in p_names:
@@ -341,6 +359,11 @@ def make_hamiltonian(
         return restore(with_arrays(state, new), 0, aux, rng.bit_generator.state)
 
     def _eval(n, arrays, aux):
+        if dev is not None:
+            dev.prefetch()
+            eterms, grads = efn(arrays)
+            dev.check(n, arrays, cfg, aux, eterms)
+            return eterms, grads
         guard_state(n, arrays, cfg, aux)
         eterms, grads = efn(arrays)
         guard_terms(n, eterms)
@@ -358,6 +381,8 @@ def make_hamiltonian(
         if damp != 1.0:
             for k in p_names:
                 aux[k] *= damp
+        if dev is not None:
+            dev.reset()
         valid = True
         for kick, drift in table:
             if kick != 0.0 and not valid:
@@ -374,7 +399,11 @@ def make_hamiltonian(
                     if do_phi
                     else (None, None, None, 1.0, False)
                 )
-                if numba:
+                if dev is not None:
+                    S = dev.xp.empty_like(arrays[s]) if drift != 0.0 else arrays[s]
+                    ph = phi_args if do_phi else dev.no_phi(x[m])
+                    dev.kick_drift(*args, S, *ph)
+                elif numba:
                     from vfesim_kernels.update_cpu import kick_drift_cpu
 
                     S = np.empty_like(arrays[s]) if drift != 0.0 else arrays[s]
@@ -397,8 +426,12 @@ def make_hamiltonian(
         if damp != 1.0:
             for k in p_names:
                 aux[k] *= damp
-        guard_state(n, arrays, cfg, aux)
-        return _carry(with_arrays(carry.state, arrays), n, aux, eterms, grads, carry.rng_state)
+        if dev is None:
+            guard_state(n, arrays, cfg, aux)
+        out = _carry(with_arrays(carry.state, arrays), n, aux, eterms, grads, carry.rng_state)
+        if dev is not None:  # the last kick came after the last check: non-finite momenta show here
+            dev.check(n, arrays, cfg, aux, out.terms)
+        return out
 
     def step_riemann(carry: Carry) -> Carry:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # the guard reports instead
