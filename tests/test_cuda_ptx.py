@@ -56,6 +56,50 @@ def test_every_kernel_has_a_signature():
         assert set(ks["_py"]) <= set(sigs)
 
 
+# ------------------------------------------------------------------------------------------------
+# Large-K block-per-agent kernels (make_block_kernels): compile for sm_90, matrices kept out of local
+# memory (a per-agent K x K array in local memory is what made one thread per agent slow at K = 21).
+# ------------------------------------------------------------------------------------------------
+
+BLOCK_CASES = [(9, "float64"), (21, "float32"), (21, "float64")]
+
+
+@pytest.mark.parametrize("name", ["prep", "self_kl", "adjoint"])
+@pytest.mark.parametrize("K, dtype", BLOCK_CASES, ids=[f"K{k}-{d}" for k, d in BLOCK_CASES])
+def test_block_kernel_compiles_for_sm90(K, dtype, name):
+    import numpy as np
+
+    assert kc.block_kernels_fit(K, dtype)
+    ks = kc.make_block_kernels(K, dtype)
+    ptx, _ = kc.cuda.compile_ptx(ks["_py"][name], kc.block_kernel_signatures(K, dtype)[name], cc=(9, 0))
+    assert ".target sm_90" in ptx
+    assert re.search(r"\.entry\s", ptx), "no kernel entry point"
+    assert "bar.sync" in ptx, "block kernel without barriers"
+    depot = sum(int(n) for n in re.findall(r"__local_depot\d+\[(\d+)\]", ptx))
+    assert depot < K * K * np.dtype(dtype).itemsize, f"{depot} bytes of local memory: a matrix spilled"
+    if dtype == "float32" and name != "adjoint":
+        # float64 only in the scalar set-up (scaling count, logs); never in the K x K element phases.
+        assert len(re.findall(r"fma\.rn\.f64", ptx)) < len(re.findall(r"fma\.rn\.f32", ptx))
+
+
+def test_block_kernels_fit_shared_memory():
+    assert kc.block_kernels_fit(27, "float64") and not kc.block_kernels_fit(28, "float64")
+    assert kc.block_kernels_fit(38, "float32") and not kc.block_kernels_fit(39, "float32")
+    sigs = set(kc.block_kernel_signatures(9, "float64"))
+    assert sigs == set(kc.make_block_kernels(9, "float64")["_py"]) | {"rows"}
+
+
+@pytest.mark.parametrize("aggregator", ["expected", "softmin"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gemm_row_kernel_compiles_for_sm90(dtype, aggregator):
+    k = kc.make_gemm_row_kernel(dtype, aggregator)
+    ptx, _ = kc.cuda.compile_ptx(k["_py"]["rows"], kc.block_kernel_signatures(3, dtype)["rows"], cc=(9, 0))
+    assert ".target sm_90" in ptx and "bar.sync" in ptx
+    assert ".local" not in ptx
+    if dtype == "float32":
+        assert not re.search(r"\.f64\b", ptx), "float64 arithmetic in the float32 row kernel"
+
+
 # --- integrator update kernels (vfesim_kernels.update_cuda) --------------------------------------
 UPDATE_CASES = [(3, "float64"), (3, "float32")]
 

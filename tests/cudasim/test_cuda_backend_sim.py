@@ -170,13 +170,18 @@ def test_to_device_and_back_are_numpy_under_simulator():
     assert isinstance(cb.to_device(a)["x"], np.ndarray)
 
 
+@pytest.mark.parametrize("mode", ["block", "batched"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("aggregator", ["expected", "softmin"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_large_k_path(monkeypatch, sparse, aggregator, dtype):
-    """The K >= LARGE_K path (batched array code + GEMM pairs), forced at small K."""
+def test_large_k_path(monkeypatch, mode, sparse, aggregator, dtype):
+    """The K >= LARGE_K paths, forced at small K: block-per-agent kernels (8 threads for 9 elements:
+    strided element loops) or, where their shared matrices do not fit, batched array code; GEMM pairs."""
     monkeypatch.setattr(cb, "LARGE_K", 3)
     monkeypatch.setattr(cb, "GEMM_BLOCK_ELEMENTS", 24)  # several receiver blocks at N = 9
+    if mode == "batched":
+        monkeypatch.setattr(kc, "BLOCK_SHARED_BYTES", 0)
+    assert cb._mode(3, np.dtype(dtype)) == mode
     nbrs = vfesim.SparseNeighbours.from_lists([[1, 2], [], [0, 4], [0, 1, 4], [3], [0, 2, 3], [5], [8], [6]])
     cfg = vfesim.ModelConfig(
         K=3, aggregator=aggregator, neighbours=nbrs if sparse else "dense", jitter=0.01, **BASE
@@ -184,7 +189,41 @@ def test_large_k_path(monkeypatch, sparse, aggregator, dtype):
     _assert_parity(cfg, _arrays(cfg, 9, dtype, phi_radius=3.0))
 
 
-def test_large_k_path_observation(monkeypatch):
+@pytest.mark.parametrize("mode", ["block", "batched"])
+def test_large_k_path_observation(monkeypatch, mode):
     monkeypatch.setattr(cb, "LARGE_K", 3)
+    if mode == "batched":
+        monkeypatch.setattr(kc, "BLOCK_SHARED_BYTES", 0)
     cfg = make_obs_config(K=3, obs_dim=2, lambda_prior=0.5, lambda_obs=0.7)
     _assert_parity(cfg, _arrays(cfg, 5))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(K=5, phi_radius=3.1),  # several squarings; 25 elements over 8 threads
+        dict(irreps=[0, 1], jitter=0.05),  # block-diagonal generators, even K
+        dict(lambda_belief=0.0),  # prior term alone (f0 = 1)
+        dict(lambda_prior=0.0, lambda_self=0.0),
+    ],
+    ids=["K5", "irreps01_jitter", "prior_only", "belief_only_no_self"],
+)
+def test_block_kernels_terms_and_shapes(monkeypatch, kw):
+    """Block-per-agent kernels with the term switches and other shapes (dense GEMM pairs)."""
+    monkeypatch.setattr(cb, "LARGE_K", 3)
+    kw = BASE | kw
+    radius = kw.pop("phi_radius", None)
+    cfg = vfesim.ModelConfig(**(kw if "irreps" in kw or "K" in kw else {"K": 3} | kw))
+    assert cb._mode(cfg.K, np.dtype("float64")) == "block"
+    _assert_parity(cfg, _arrays(cfg, 5, **({"phi_radius": radius} if radius else {})))
+
+
+def test_block_kernels_deterministic(monkeypatch):
+    monkeypatch.setattr(cb, "LARGE_K", 3)
+    cfg = vfesim.ModelConfig(K=3, **BASE)
+    a = _arrays(cfg, 6, seed=5)
+    t1, g1 = cb.energy_and_gradient(a, cfg)
+    t2, g2 = cb.energy_and_gradient(a, cfg)
+    assert t1 == t2
+    for k in g1:
+        assert np.array_equal(g1[k], g2[k]), k

@@ -6,6 +6,9 @@ device buffers, self KL, frames + features, three dense pairwise kernels (or two
 adjoint kernel, and a single device-to-host transfer of the energy sums. Buffers are allocated once
 per (N, K, dtype, irreps, neighbours) and wrapped once as numba device views (cheaper launches).
 
+For K >= LARGE_K the per-agent kernels run one thread block per agent and dense pairs run as cuBLAS
+GEMMs plus one row kernel (about the same number of launches).
+
 Kernels: :mod:`vfesim_kernels.cuda`. The observation term (rare, cheap) reuses the array-generic code of
 :mod:`vfesim.gaussian.terms` on CuPy arrays.
 """
@@ -30,13 +33,17 @@ SIMULATOR = kc.SIMULATOR
 
 # Workspaces kept alive; one at N = 10^6, K = 3 in float64 is ~0.5 GB.
 MAX_WORKSPACES = 2
-# From this K on, per-agent work runs as batched CuPy/cuBLAS array code and dense pairs as row-blocked
-# cuBLAS GEMMs (_pairwise_gemm). Measured on the H200 at K = 21 (benchmarks/results/gpu_bench_*): the
-# one-thread-per-agent kernels keep 6 K x K matrices per thread in local memory, which thrashes L1, and
-# the streaming pairwise kernel re-reads its (2, D = 253) per-thread rows from local memory per pair.
-# float32, K = 21: kernels 74 ms (N = 1024) and 162 ms (N = 4096); this path 7.5 ms and 14 ms.
-# At K = 3 the kernels win (their per-thread arrays stay in registers).
+# From this K on, per-agent work runs in block-per-agent kernels (kc.make_block_kernels; the batched
+# CuPy array code where their shared matrices do not fit) and dense pairs as row-blocked cuBLAS GEMMs
+# with one row kernel (_pairwise_gemm). Measured on the H200 at K = 21 (benchmarks/results/gpu_bench_*):
+# the one-thread-per-agent kernels keep 6 K x K matrices per thread in local memory, which thrashes L1,
+# and the streaming pairwise kernel re-reads its (2, D = 253) per-thread rows from local memory per pair.
+# float32, K = 21: kernels 74 ms (N = 1024) and 162 ms (N = 4096); batched CuPy path 7.5 ms and 14 ms;
+# block kernels + GEMMs 1.15 ms (N = 1024). At K = 3 the thread-per-agent kernels win (their per-thread
+# arrays stay in registers).
 LARGE_K = 9
+# Register cap of the block-per-agent kernels (None: the compiler's choice).
+BLOCK_MAX_REGISTERS = None
 # Elements of one (receiver block, N) slab of the GEMM path: 2^25 float64 = 256 MB per temporary.
 GEMM_BLOCK_ELEMENTS = 1 << 25
 
@@ -69,12 +76,14 @@ class _Workspace:
     """Device buffers of one problem shape, each held as an array and as a numba device view."""
 
     def __init__(
-        self, N: int, K: int, dtype: np.dtype, irreps: tuple[int, ...], width: int | None, large: bool
+        self, N: int, K: int, dtype: np.dtype, irreps: tuple[int, ...], width: int | None, mode: str
     ):
         xp = array_module()
         D = kc.feature_dim(K)
         self.N, self.K, self.dtype, self.dense = N, K, dtype, width is None
-        self.S, self.chunk = kc.dense_splits(N, kc.PAIR_OPT, kc.PAIR_THREADS) if self.dense else (1, 0)
+        # Dense pairs: sender slices of the streaming kernels; the GEMM path (large K) has one slice.
+        streaming = self.dense and mode == "kernels"
+        self.S, self.chunk = kc.dense_splits(N, kc.PAIR_OPT, kc.PAIR_THREADS) if streaming else (1, 0)
         self.buf: dict[str, Any] = {}
         self.dev: dict[str, Any] = {}
         shapes = {
@@ -107,12 +116,12 @@ class _Workspace:
             "feat_scale": (2,),
             "lam_w": (2,),
         }
-        if self.dense:
+        if streaming:
             shapes |= {k: (self.S, 2, N) for k in ("pm", "ps", "pt")}
-        else:
+        elif not self.dense:
             shapes["W"] = (2, N, width)
-        if large:
-            # The large-K path uses only the generators, the parameters and the sparse-kernel buffers.
+        if mode == "batched":
+            # The batched path uses only the generators, the parameters and the sparse-kernel buffers.
             keep = {"G", "kappa", "feat_scale", "lam_w"} | (
                 set() if self.dense else {"A", "B", "c", "W", "energy"}
             )
@@ -247,46 +256,44 @@ def _phi_grad_xp(gR, R, phi, G):
     return (h + c1 * x + c2 * xp.cross(phi, x)).astype(phi.dtype)
 
 
-def _pairwise_gemm(Ah, B, ch, aggregator: str):
+def _pairwise_gemm(Ah, B, ch, aggregator: str, out=None):
     """Dense pairs j != i by row blocks of cuBLAS GEMMs: KL_ij / kappa = Ah_i . B_j + ch_i.
 
-    Returns per-receiver energies / kappa (N,), sum_j W_ij B_j (N, D), sum_j W_ij (N,) and
-    sum_i W_ij Ah_i (N, D). Peak memory O(block * N); every sum in a fixed order (no atomics).
+    Ah, B (N, D), ch (N,). Returns (written into ``out`` when given) per-receiver energies / kappa (N,),
+    sum_j W_ij B_j (N, D), sum_j W_ij (N,) and sum_i W_ij Ah_i (N, D). Peak memory O(block * N); every
+    sum in a fixed order (no atomics).
     """
     xp = array_module()
     N = Ah.shape[0]
-    e_rows = xp.zeros(N, Ah.dtype)
-    wB = xp.zeros_like(B)
-    wsum = xp.zeros(N, Ah.dtype)
-    wA = xp.zeros_like(Ah)
+    if out is None:
+        out = (xp.empty(N, Ah.dtype), xp.empty_like(B), xp.empty(N, Ah.dtype), xp.empty_like(Ah))
+    e_rows, wB, wsum, wA = out
     if N < 2:
-        return e_rows, wB, wsum, wA
+        for a in out:
+            a.fill(0)
+        return out
     block = max(1, min(N, GEMM_BLOCK_ELEMENTS // N))
+    rows = kc.make_gemm_row_kernel(Ah.dtype.name, aggregator)["rows"]
+    # The kernel takes contiguous vectors (the simulator transfers nothing else).
+    wsum_c = wsum if wsum.flags.c_contiguous else xp.empty(N, Ah.dtype)
     for r0 in range(0, N, block):
         r1 = min(N, r0 + block)
-        rows = xp.arange(r1 - r0)
         L = Ah[r0:r1] @ B.T
-        L += ch[r0:r1, None]
-        L[rows, rows + r0] = xp.inf  # the diagonal is excluded: exp(-inf) = 0
-        m = -L.min(axis=1)
-        e = xp.exp(-L - m[:, None])
-        L[rows, rows + r0] = 0.0
-        s = e.sum(axis=1)
-        W = e * (1.0 / s)[:, None]
-        if aggregator == "expected":
-            abar = (W * L).sum(axis=1)
-            W *= 1.0 - (L - abar[:, None])
-            e_rows[r0:r1] = abar
+        # Logits, max shift, weights, energies and row sums in one kernel: W overwrites L.
+        rows[r1 - r0, kc.ROW_THREADS](L, ch, r0, e_rows, wsum_c)
+        wB[r0:r1] = L @ B  # (wB may be a strided view of a kernel buffer)
+        if r0 == 0:
+            wA[...] = L.T @ Ah[r0:r1]
         else:
-            e_rows[r0:r1] = -(m + xp.log(s))
-        wB[r0:r1] = W @ B
-        wsum[r0:r1] = W.sum(axis=1)
-        wA += W.T @ Ah[r0:r1]
-    return e_rows, wB, wsum, wA
+            wA += L.T @ Ah[r0:r1]
+    if wsum_c is not wsum:
+        wsum[...] = wsum_c
+    return out
 
 
-def _alignment_large_k(arrays, cfg, S, ws, grads, sums):
-    """Alignment terms for K >= LARGE_K: batched per-agent array code, GEMM or kernel (sparse) pairs."""
+def _alignment_batched(arrays, cfg, S, ws, grads, sums):
+    """Alignment terms of the batched path (K >= LARGE_K whose block kernels do not fit in shared memory):
+    batched per-agent array code, GEMM or kernel (sparse) pairs."""
     xp = array_module()
     b, d = ws.buf, ws.dev
     K = cfg.K
@@ -344,7 +351,7 @@ def _alignment_large_k(arrays, cfg, S, ws, grads, sums):
     grads["phi"] += _phi_grad_xp(gR, R, phi, b["G"])
 
 
-def _energy_and_gradient_large_k(arrays, cfg, ws):
+def _energy_and_gradient_batched(arrays, cfg, ws):
     xp = array_module()
     K = cfg.K
     eye = xp.eye(K, dtype=arrays["mu_q"].dtype)
@@ -369,8 +376,17 @@ def _energy_and_gradient_large_k(arrays, cfg, ws):
         grads["obs"] += g_obs
     if cfg.lambda_belief > 0 or cfg.lambda_prior > 0:
         ws.set_params(cfg)
-        _alignment_large_k(arrays, cfg, S, ws, grads, sums)
+        _alignment_batched(arrays, cfg, S, ws, grads, sums)
     return _collect(sums, xp), grads
+
+
+def _mode(K: int, dtype: np.dtype) -> str:
+    """Per-agent code path: "kernels" (one thread per agent, K < LARGE_K), "block" (one thread block
+    per agent, dense pairs by GEMMs) or "batched" (CuPy array code, where the block kernels' shared
+    matrices do not fit)."""
+    if K < LARGE_K:
+        return "kernels"
+    return "block" if kc.block_kernels_fit(K, dtype) else "batched"
 
 
 def _collect(sums, xp) -> dict[str, float]:
@@ -394,11 +410,12 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
     dtype = _check_arrays(arrays, cfg, xp)
     N, K = arrays["mu_q"].shape
     width = None if cfg.dense else cfg.neighbours.width
-    large = K >= LARGE_K
-    key = (N, K, dtype.str, cfg.irreps, width, large)
-    ws = _lru(_workspaces, key, lambda: _Workspace(N, K, dtype, cfg.irreps, width, large))
-    if large:
-        return _energy_and_gradient_large_k(arrays, cfg, ws)
+    mode = _mode(K, dtype)
+    key = (N, K, dtype.str, cfg.irreps, width, mode)
+    ws = _lru(_workspaces, key, lambda: _Workspace(N, K, dtype, cfg.irreps, width, mode))
+    if mode == "batched":
+        return _energy_and_gradient_batched(arrays, cfg, ws)
+    block = mode == "block"
     b, d = ws.buf, ws.dev
     b["mu"][0] = arrays["mu_q"]
     b["mu"][1] = arrays["mu_p"]
@@ -415,8 +432,15 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
     sums: list[tuple[str, Any]] = []
     g_obs = None
 
+    if block:
+        bk = kc.make_block_kernels(K, dtype.name, BLOCK_MAX_REGISTERS)
+        bt = kc.block_threads(K)
+        self_launch, agent_launch = bk["self_kl"][N, bt], bk["adjoint"][N, bt]
+    else:
+        self_launch, agent_launch = agent["self_kl"][nblk, blk], agent["adjoint"][nblk, blk]
+
     if cfg.lambda_self > 0:
-        agent["self_kl"][nblk, blk](
+        self_launch(
             d["mu"], d["sigma"], jitter, dtype.type(cfg.lambda_self), d["e_self"], d["g_mu"], d["g_sigma"]
         )
         sums.append(("self", b["e_self"].sum(dtype=np.float64)))
@@ -434,17 +458,32 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
     active = [f for f, lam in enumerate((cfg.lambda_belief, cfg.lambda_prior)) if lam > 0]
     if active:
         f0, nf = active[0], len(active)
-        agent["prep"][(nblk, nf), blk](
-            d["phi"], d["G"], max(cfg.irreps), d["mu"], d["sigma"], jitter, f0,
-            d["R"], d["lam"], d["P"], d["nu"], d["ld"],
-        )  # fmt: skip
+        if block:
+            bk["prep"][N, bt](
+                d["phi"], d["G"], max(cfg.irreps), d["mu"], d["sigma"], jitter, f0, nf,
+                d["R"], d["lam"], d["P"], d["nu"], d["ld"],
+            )  # fmt: skip
+        else:
+            agent["prep"][(nblk, nf), blk](
+                d["phi"], d["G"], max(cfg.irreps), d["mu"], d["sigma"], jitter, f0,
+                d["R"], d["lam"], d["P"], d["nu"], d["ld"],
+            )  # fmt: skip
         # Centre the means on the population mean of nu (see vfesim.gaussian.features).
         b["nubar"][f0 : f0 + nf] = b["nu"][f0 : f0 + nf].mean(axis=1)
-        agent["features"][(nblk, nf), blk](
+        features = bk["features"][(N, nf), bt] if block else agent["features"][(nblk, nf), blk]
+        features(
             d["lam"], d["P"], d["nu"], d["nubar"], d["ld"], d["feat_scale"], f0,
             d["A"], d["B"], d["c"], d["nuc"], d["Pnu"],
         )  # fmt: skip
-        if ws.dense:
+        if ws.dense and block:
+            for f in active:
+                # Features hold A / (2 kappa) and c / (2 kappa): logits -KL / kappa, energies / kappa.
+                _pairwise_gemm(
+                    b["A"][f], b["B"][f], b["c"][f], cfg.aggregator,
+                    out=(b["energy"][f], b["gAr"][0, f, :, :-1], b["gAr"][0, f, :, -1], b["gBs"][0, f]),
+                )  # fmt: skip
+                b["energy"][f] *= b["kappa"][f]
+        elif ws.dense:
             k = kc.make_dense_kernels(K, dtype.name, cfg.aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
             nt = k["threads"]
             nb = _cdiv(N, nt * k["opt"])
@@ -471,7 +510,7 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
                 d["gAr"],
             )
             k["senders"][(nblk, nf), blk](d["A"], d["W"], nbr["ptr"], nbr["row"], nbr["slot"], f0, d["gBs"])
-        agent["adjoint"][nblk, blk](
+        agent_launch(
             d["phi"], d["G"], d["R"], d["mu"], d["sigma"], jitter, d["nuc"], d["P"], d["Pnu"],
             d["gAr"], d["gBs"], d["lam_w"], d["kappa"], f0, nf, d["g_mu"], d["g_sigma"], d["g_phi"],
         )  # fmt: skip
