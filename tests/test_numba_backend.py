@@ -7,6 +7,7 @@ array would break.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -68,6 +69,21 @@ def test_backend_matches_numpy(irreps, aggregator, neighbours, dtype):
     _compare(st, cfg)
 
 
+@pytest.mark.parametrize("with_obs", [False, True])
+def test_backend_matches_numpy_large_k(with_obs, dtype):
+    """K = 21 (the BLAS pairwise path, BLAS products in the agent kernels), jitter, and the self term
+    computed by agent_cpu.self_kl next to the shared observation term."""
+    n, K = 45, 21
+    kw = {}
+    if with_obs:
+        rng = np.random.default_rng(0)
+        kw = {"lambda_obs": 0.7, "W": rng.standard_normal((2, K)), "R": np.diag([1.5, 0.7])}
+    cfg = vfesim.ModelConfig(K=K, lambda_self=0.8, lambda_prior=0.4, jitter=1e-3, **kw)
+    st = vfesim.random_state(cfg, n, seed=2, dtype=dtype, mu_scale=1.5, phi_radius=3.0)
+    terms, _ = _compare(st, cfg)
+    assert terms["self"] > 0 and terms["belief_align"] > 0 and (terms["observation"] > 0) == with_obs
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_one_and_two_agents(n, dtype):
     cfg = vfesim.ModelConfig(K=3, lambda_prior=0.5)
@@ -87,7 +103,9 @@ def _features(rng, n, D, dtype, spread=3.0):
 
 # 300 receivers span 10 receiver tiles and two sender tiles (the second one partial); N^2 D decides
 # between the serial (300, 10) and the threaded kernels (300, 253) and (600, 10).
-@pytest.mark.parametrize("n, D", [(300, 10), (300, 253), (600, 10)])
+# D >= DOT_MIN_D takes the BLAS slab path: (70, 253) runs on one thread in slabs of 14 receivers,
+# (300, 253) in one threaded slab; (300, 32) is the first D on that path.
+@pytest.mark.parametrize("n, D", [(300, 10), (300, 253), (600, 10), (70, 253), (300, 32)])
 @pytest.mark.parametrize("aggregator", ["expected", "softmin"])
 def test_pairwise_dense_matches_numpy(n, D, aggregator, dtype, rng):
     A, B, c = _features(rng, n, D, dtype)
@@ -129,10 +147,11 @@ def test_serial_and_threaded_builds_agree(rng, monkeypatch):
         np.testing.assert_array_equal(b, b2)
 
 
+@pytest.mark.parametrize("K", [3, 21])
 @pytest.mark.parametrize("neighbours", ["dense", "ring"])
-def test_bitwise_deterministic(neighbours):
+def test_bitwise_deterministic(neighbours, K):
     n = 700
-    cfg = vfesim.ModelConfig(K=3, lambda_prior=0.5, neighbours=NEIGHBOURS[neighbours](n))
+    cfg = vfesim.ModelConfig(K=K, lambda_prior=0.5, neighbours=NEIGHBOURS[neighbours](n))
     st = vfesim.random_state(cfg, n, seed=5)
     t1, g1 = vfesim.energy_and_gradient(st, cfg, backend="numba")
     t2, g2 = vfesim.energy_and_gradient(st, cfg, backend="numba")
@@ -218,3 +237,34 @@ def test_bad_feature_dtype_is_an_error():
     A = np.ones((3, 10), np.int64)
     with pytest.raises(TypeError, match="float32 or float64"):
         pairwise_cpu.pairwise_dense(A, A, np.ones(3, np.int64), 1.0, "expected")
+
+
+_BLAS_THREADS_SCRIPT = textwrap.dedent(
+    """
+    import hashlib
+    import numpy as np
+    from vfesim_kernels import pairwise_cpu
+
+    rng = np.random.default_rng(0)
+    A, B = rng.standard_normal((2, 600, 253)) * 0.4
+    c = rng.standard_normal(600) * 3.0
+    out = pairwise_cpu.pairwise_dense(A, B, c, 0.8, "expected")
+    h = hashlib.sha256(np.float64(out[0]).tobytes())
+    for a in out[1:]:
+        h.update(a.tobytes())
+    print("HASH", h.hexdigest())
+    """
+)
+
+
+def test_blas_path_independent_of_blas_threads():
+    """The BLAS slab path gives bitwise the same results with 1 or 2 OpenBLAS threads."""
+    hashes = []
+    for threads in ("1", "2"):
+        env = dict(os.environ, OPENBLAS_NUM_THREADS=threads)
+        proc = subprocess.run(
+            [sys.executable, "-c", _BLAS_THREADS_SCRIPT], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        hashes.append(proc.stdout.split("HASH")[-1].strip())
+    assert hashes[0] == hashes[1]
