@@ -33,6 +33,7 @@ import numpy as np
 from numba import cuda, float32, float64
 from numba.core import config as _numba_config
 
+from . import agent_math as _am
 from . import pair_math as _pm
 
 __all__ = [
@@ -88,6 +89,8 @@ row_abar = _device(_pm.row_abar)
 row_energy = _device(_pm.row_energy)
 pair_weight = _device(_pm.pair_weight)
 accumulate_row = _device(_pm.accumulate_row)
+jr_coeffs = _device(_am.jr_coeffs)
+jr_transpose_apply = _device(_am.jr_transpose_apply)
 AGG_CODES = {"expected": _pm.AGG_EXPECTED, "softmin": _pm.AGG_SOFTMIN}
 
 
@@ -471,25 +474,12 @@ def make_agent_kernels(K: int, dtype: str):
                 h0 += acc * G[0, k, l]
                 h1 += acc * G[1, k, l]
                 h2 += acc * G[2, k, l]
-        t2 = p0 * p0 + p1 * p1 + p2 * p2
-        t = math.sqrt(t2)
-        if t < 1e-3:
-            c1 = 0.5 - t2 / 24.0 + t2 * t2 / 720.0
-            c2 = 1.0 / 6.0 - t2 / 120.0 + t2 * t2 / 5040.0
-        else:
-            c1 = (1.0 - math.cos(t)) / t2
-            c2 = (t - math.sin(t)) / (t2 * t)
-        # Jr = I - c1 [phi]x + c2 [phi]x^2; (Jr^T h)_a = h_a + c1 (phi x h)_a + c2 ([phi]x^2 h)_a,
-        # using [phi]x^T = -[phi]x and ([phi]x^2)^T = [phi]x^2.
-        x0 = p1 * h2 - p2 * h1
-        x1 = p2 * h0 - p0 * h2
-        x2 = p0 * h1 - p1 * h0
-        y0 = p1 * x2 - p2 * x1
-        y1 = p2 * x0 - p0 * x2
-        y2 = p0 * x1 - p1 * x0
-        g_phi[i, 0] += h0 + c1 * x0 + c2 * y0
-        g_phi[i, 1] += h1 + c1 * x1 + c2 * y1
-        g_phi[i, 2] += h2 + c1 * x2 + c2 * y2
+        # float64 coefficients even for float32 states: (1 - cos t)/t^2 cancels in float32.
+        c1, c2 = jr_coeffs(1.0 * p0 * p0 + 1.0 * p1 * p1 + 1.0 * p2 * p2)
+        g0, g1, g2 = jr_transpose_apply(p0, p1, p2, h0, h1, h2, c1, c2)
+        g_phi[i, 0] += g0
+        g_phi[i, 1] += g1
+        g_phi[i, 2] += g2
 
     pyfuncs = {"prep": prep, "features": features, "self_kl": self_kl, "adjoint": adjoint}
     return {name: cuda.jit(fn) for name, fn in pyfuncs.items()} | {"_py": pyfuncs}
@@ -1001,23 +991,12 @@ def make_block_kernels(K: int, dtype: str, max_registers: int | None = None):
             p0 = phi[i, 0]
             p1 = phi[i, 1]
             p2 = phi[i, 2]
-            t2 = p0 * p0 + p1 * p1 + p2 * p2
-            th = math.sqrt(t2)
-            if th < 1e-3:
-                c1 = 0.5 - t2 / 24.0 + t2 * t2 / 720.0
-                c2 = 1.0 / 6.0 - t2 / 120.0 + t2 * t2 / 5040.0
-            else:
-                c1 = (1.0 - math.cos(th)) / t2
-                c2 = (th - math.sin(th)) / (t2 * th)
-            x0 = p1 * h2 - p2 * h1
-            x1 = p2 * h0 - p0 * h2
-            x2 = p0 * h1 - p1 * h0
-            y0 = p1 * x2 - p2 * x1
-            y1 = p2 * x0 - p0 * x2
-            y2 = p0 * x1 - p1 * x0
-            g_phi[i, 0] += h0 + c1 * x0 + c2 * y0
-            g_phi[i, 1] += h1 + c1 * x1 + c2 * y1
-            g_phi[i, 2] += h2 + c1 * x2 + c2 * y2
+            # float64 coefficients even for float32 states: (1 - cos t)/t^2 cancels in float32.
+            c1, c2 = jr_coeffs(1.0 * p0 * p0 + 1.0 * p1 * p1 + 1.0 * p2 * p2)
+            g0, g1, g2 = jr_transpose_apply(p0, p1, p2, h0, h1, h2, c1, c2)
+            g_phi[i, 0] += g0
+            g_phi[i, 1] += g1
+            g_phi[i, 2] += g2
 
     pyfuncs = {"prep": prep, "self_kl": self_kl, "features": features, "adjoint": adjoint}
     opts = {} if max_registers is None or SIMULATOR else {"max_registers": max_registers}
