@@ -9,10 +9,15 @@ one tile per thread (peak memory O(N D + threads * tile^2), no N x N array):
   1. per receiver block (parallel): online log-sum-exp statistics (m, s, t) over sender tiles;
   2. the same receiver block, right after: recompute the tiles, W_ij, and accumulate gA_i, gc_i;
   3. per sender block (parallel): recompute the tiles and accumulate gB_j over receivers.
+Long features (D >= DOT_MIN_D, e.g. D = 253 at K = 21) take the BLAS path instead (:func:`_dense_blas`):
+the KL tiles and the gA / gB products are (T, T) gemm calls small enough that OpenBLAS runs each on the
+calling thread; sweep 1 keeps whole KL rows of a receiver block (T x N per thread, so no online
+log-sum-exp and no second KL pass) and sweep 2 recomputes tiles per sender block for gB.
 Every per-receiver and per-sender sum runs in ascending index order within fixed-size tiles; no thread
 shares an output row and there are no atomics, so results are bitwise identical run to run and do not
-depend on the thread count. Sparse: per receiver over its (N, k) list; senders through a CSC reverse index
-built by a stable counting sort, parallel over senders, each summing its receivers in ascending order.
+depend on Numba's or OpenBLAS's thread count. Sparse: per receiver over its (N, k) list; senders
+through a CSC reverse index built by a stable counting sort, parallel over senders, each summing its
+receivers in ascending order.
 
 The scalar per-pair math (online LSE, weights) is :mod:`vfesim_kernels.pair_math`, compiled here with
 ``numba.njit(inline="always")``; only the tile loops are CPU-specific.
@@ -34,7 +39,8 @@ __all__ = ["pairwise_dense", "pairwise_sparse", "SENDER_TILE", "RECEIVER_TILE"]
 SENDER_TILE = 256
 # Receiver rows per tile (sweeps 1-3); it does not change any summation order.
 RECEIVER_TILE = 32
-# Feature length from which a KL tile is computed as one vectorised dot product per pair.
+# Feature length from which pairwise_dense takes the BLAS path (below it the tiled kernels' contiguous
+# sender loops are faster; the tiled kernels still handle any D, as one dot product per pair).
 DOT_MIN_D = 32
 
 _inline = numba.njit(inline="always", cache=True, nogil=True)
