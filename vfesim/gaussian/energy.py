@@ -30,15 +30,24 @@ class AgentOps(NamedTuple):
     features(mu (N,K), sigma (N,K,K), R, name) -> (A (N,D), B (N,D), c (N,), cache)
     features_vjp(gA, gB, gc, cache) -> (g_mu, g_sigma, g_R)
     phi_grad(g_R, R, phi, G (3,K,K)) -> g_phi (N,3)
+    self_kl(mu_q, sigma_q, mu_p, sigma_p, lam) -> (kl (N,), g_mu_q, g_sigma_q, g_mu_p, g_sigma_p),
+        the gradients of lam * sum_i KL(q_i || p_i)
     """
 
     frames: Callable
     features: Callable
     features_vjp: Callable
     phi_grad: Callable
+    self_kl: Callable
 
 
-NUMPY_AGENT_OPS = AgentOps(frames, agent_features, features_vjp, phi_grad_from_R)
+def _self_kl_and_grad(mu_q, sigma_q, mu_p, sigma_p, lam: float):
+    kl, cache = self_kl(mu_q, sigma_q, mu_p, sigma_p)
+    xp = _xp(kl)
+    return (kl, *self_kl_vjp(xp.full(kl.shape, lam, kl.dtype), cache))
+
+
+NUMPY_AGENT_OPS = AgentOps(frames, agent_features, features_vjp, phi_grad_from_R, _self_kl_and_grad)
 
 
 def _xp(a):
@@ -82,9 +91,10 @@ def energy_and_gradient_arrays(
     total64 = lambda e: float(e.sum(dtype=np.float64))
 
     if cfg.lambda_self > 0:
-        kl, cache = self_kl(arrays["mu_q"], S["sigma_q"], arrays["mu_p"], S["sigma_p"])
+        kl, *g = agent_ops.self_kl(
+            arrays["mu_q"], S["sigma_q"], arrays["mu_p"], S["sigma_p"], cfg.lambda_self
+        )
         terms["self"] = cfg.lambda_self * total64(kl)
-        g = self_kl_vjp(xp.full(kl.shape, cfg.lambda_self, kl.dtype), cache)
         for k, gk in zip(("mu_q", "sigma_q", "mu_p", "sigma_p"), g, strict=True):
             grads[k] += gk
 
