@@ -155,3 +155,20 @@ def guard_terms(step: int, terms: Mapping[str, float]) -> None:
 
 
 __all__ += ["MOVABLE", "check_fields", "state_arrays"]
+
+
+def make_restore(name: str, cfg: ModelConfig, aux_names, dev, efn: EnergyFn, make_carry: Callable):
+    """``restore(state, step, aux, rng_state)`` for an integrator: validates, moves host checkpoints onto
+    the device (``dev`` is None on the CPU) and recomputes the cached force at ``state``, so a restored
+    carry steps bitwise like the original. ``make_carry(state, step, aux, terms, grads, rng_state)``."""
+
+    def restore(state: xr.Dataset, step: int, aux: dict, rng_state: dict | None = None) -> Carry:
+        validate_state(state, cfg)
+        if set(aux) != set(aux_names):
+            raise ValueError(f"{name} restore: aux keys {sorted(aux)} != expected {sorted(aux_names)}")
+        if dev is not None:  # checkpoints and initial states may arrive on the host
+            state, aux = dev.put_state(state), dev.put_aux(aux)
+        terms, grads = efn(state_arrays(state))
+        return make_carry(state, int(step), dict(aux), terms, grads, rng_state)
+
+    return restore

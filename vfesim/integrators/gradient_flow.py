@@ -25,7 +25,6 @@ import numpy as np
 import xarray as xr
 
 from ..config import ModelConfig
-from ..state import validate_state
 from .base import (
     MOVABLE,
     Carry,
@@ -35,6 +34,7 @@ from .base import (
     energy_fn,
     guard_state,
     guard_terms,
+    make_restore,
     state_arrays,
     with_arrays,
 )
@@ -164,14 +164,7 @@ def make_gradient_flow(
         object.__setattr__(c, _CACHE, grads)  # force at `state`, recomputable from it (not checkpointed)
         return c
 
-    def restore(state: xr.Dataset, step: int, aux: dict, rng_state: dict | None = None) -> Carry:
-        validate_state(state, cfg)
-        if set(aux) != set(aux_names):
-            raise ValueError(f"gradient_flow restore: aux keys {sorted(aux)} != expected {sorted(aux_names)}")
-        if dev is not None:  # checkpoints and initial states may arrive on the host
-            state, aux = dev.put_state(state), dev.put_aux(aux)
-        terms, grads = efn(state_arrays(state))
-        return _carry(state, int(step), dict(aux), terms, grads, rng_state)
+    restore = make_restore("gradient_flow", cfg, aux_names, dev, efn, _carry)
 
     def init(state: xr.Dataset) -> Carry:
         aux = {}

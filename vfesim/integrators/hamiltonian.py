@@ -49,6 +49,7 @@ from .base import (
     energy_fn,
     guard_state,
     guard_terms,
+    make_restore,
     state_arrays,
     with_arrays,
 )
@@ -324,14 +325,7 @@ def make_hamiltonian(
         object.__setattr__(c, _CACHE, (eterms, grads))  # force at `state`, recomputed by restore
         return c
 
-    def restore(state: xr.Dataset, step: int, aux: dict, rng_state: dict | None = None) -> Carry:
-        validate_state(state, cfg)
-        if set(aux) != set(aux_names):
-            raise ValueError(f"{method} restore: aux keys {sorted(aux)} != expected {sorted(aux_names)}")
-        if dev is not None:  # checkpoints and initial states may arrive on the host
-            state, aux = dev.put_state(state), dev.put_aux(aux)
-        eterms, grads = efn(state_arrays(state))
-        return _carry(state, int(step), dict(aux), eterms, grads, rng_state)
+    restore = make_restore(method, cfg, aux_names, dev, efn, _carry)
 
     def init(state: xr.Dataset) -> Carry:
         validate_state(state, cfg)
