@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+LOOP_REFERENCE = ROOT / "tests" / "reference" / "loop.py"
 
 _CASE = textwrap.dedent(
     """
@@ -40,8 +41,11 @@ _CASE = textwrap.dedent(
     cfg = vfesim.ModelConfig(K=K)
     state = vfesim.random_state(cfg, N, seed=0, dtype=dtype)
     if backend == "loop":
-        sys.path.insert(0, sys.argv[6])
-        from reference.loop import reference_energy
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("vfesim_loop_reference", sys.argv[6])
+        loop = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loop)
+        reference_energy = loop.reference_energy
         call = lambda: reference_energy(state, cfg)
     else:
         call = lambda: vfesim.energy_and_gradient(state, cfg, backend=backend)
@@ -76,7 +80,7 @@ _CASE = textwrap.dedent(
 
 def run_case(backend: str, dtype: str, K: int, N: int, repeat: int, timeout: float) -> dict | None:
     """Median seconds and peak MiB of one case in a fresh interpreter; None on timeout or failure."""
-    cmd = [sys.executable, "-c", _CASE, backend, dtype, str(K), str(N), str(repeat), str(ROOT / "tests")]
+    cmd = [sys.executable, "-c", _CASE, backend, dtype, str(K), str(N), str(repeat), str(LOOP_REFERENCE)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -89,12 +93,7 @@ def run_case(backend: str, dtype: str, K: int, N: int, repeat: int, timeout: flo
 
 
 def loop_available() -> bool:
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        from reference.loop import reference_energy  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return LOOP_REFERENCE.is_file()
 
 
 def main(argv=None) -> int:

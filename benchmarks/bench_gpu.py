@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -183,7 +182,6 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     if args.steps:
         return step_sweep(out, args.step_sizes, args.dtypes)
-    sys.path.insert(0, str(Path(__file__).parent))
     rows: list[dict] = []
     dev = cp.cuda.runtime.getDeviceProperties(0)
     info = dict(kind="device", name=dev["name"].decode(), sms=dev["multiProcessorCount"],

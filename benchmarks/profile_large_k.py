@@ -11,16 +11,12 @@ substitute for the plain median).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import cupy as cp
-from cupyx.profiler import benchmark
-
-sys.path.insert(0, str(Path(__file__).parent))
 from bench_gpu import config, device_state  # noqa: E402
+from cupyx.profiler import benchmark
 from vfesim_kernels import cuda as kc  # noqa: E402
 
 from vfesim.backends import cuda_backend as cb  # noqa: E402
