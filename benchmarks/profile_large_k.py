@@ -23,7 +23,7 @@ from vfesim.backends import cuda_backend as cb  # noqa: E402
 
 # Backend functions timed as stages when present (old path: batched CuPy; new path: block kernels).
 STAGES = [
-    "self_kl", "self_kl_vjp", "_frames_xp", "agent_features", "_pairwise_gemm", "features_vjp",
+    "self_kl", "self_kl_vjp", "_frames_xp", "agent_features", "pairwise_gemm", "features_vjp",
     "_phi_grad_xp", "_large_k_agents", "_large_k_pairs", "_large_k_adjoint", "_collect",
 ]  # fmt: skip
 

@@ -1,6 +1,6 @@
 """Numba CPU kernels of the pairwise alignment energy and its adjoint, tiled and streaming (SPEC §2.3–2.4).
 
-Same contract as ``vfesim.gaussian.pairwise.pairwise_dense`` / ``pairwise_sparse`` (without
+Same contract as ``vfesim.pairwise.reference.pairwise_dense`` / ``pairwise_sparse`` (without
 ``return_beta``): features A, B (N, D), c (N,) with KL_ij = 1/2 (A_i . B_j + c_i) ->
 (E: Python float, gA (N, D), gB (N, D), gc (N,)), computed in the input dtype (float32 or float64).
 

@@ -127,9 +127,9 @@ def test_block_kernels_parity(K, dtype, aggregator):
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_block_kernels_row_blocks_and_sparse(monkeypatch, dtype):
-    from vfesim.backends import cuda_backend as cb
+    from vfesim.pairwise import gemm
 
-    monkeypatch.setattr(cb, "GEMM_BLOCK_ELEMENTS", 500 * 97)  # 6 receiver blocks at N = 500
+    monkeypatch.setattr(gemm, "GEMM_BLOCK_ELEMENTS", 500 * 97)  # 6 receiver blocks at N = 500
     cfg = vfesim.ModelConfig(K=21, **BASE)
     _parity(cfg, _arrays(cfg, 500, dtype, seed=1))
     rng = np.random.default_rng(2)

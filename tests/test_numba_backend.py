@@ -19,7 +19,7 @@ from conftest import tol
 from vfesim_kernels import pairwise_cpu
 
 import vfesim
-from vfesim.gaussian import pairwise as np_pairwise
+from vfesim import pairwise as np_pairwise
 
 VARS = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
 

@@ -1,5 +1,5 @@
 """The per-pair math of kernels/pair_math.py, as plain Python and as compiled by Numba, against the NumPy
-row softmax of vfesim.gaussian.pairwise.row_weights."""
+row softmax of vfesim.pairwise.row_weights."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from vfesim_kernels import pair_math as pm
 
-from vfesim.gaussian.pairwise import row_weights
+from vfesim.pairwise import row_weights
 
 NAMES = [n for n in pm.__all__ if n not in ("AGG_EXPECTED", "AGG_SOFTMIN", "aggregator_code")]
 COMPILED = {n: numba.njit(getattr(pm, n)) for n in NAMES}

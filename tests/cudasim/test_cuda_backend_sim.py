@@ -13,6 +13,7 @@ from vfesim_kernels import cuda as kc
 import vfesim
 from vfesim.backends import cuda_backend as cb
 from vfesim.backends import numpy_backend as nb
+from vfesim.pairwise import gemm
 
 pytestmark = pytest.mark.cudasim
 
@@ -178,7 +179,7 @@ def test_large_k_path(monkeypatch, mode, sparse, aggregator, dtype):
     """The K >= LARGE_K paths, forced at small K: block-per-agent kernels (8 threads for 9 elements:
     strided element loops) or, where their shared matrices do not fit, batched array code; GEMM pairs."""
     monkeypatch.setattr(cb, "LARGE_K", 3)
-    monkeypatch.setattr(cb, "GEMM_BLOCK_ELEMENTS", 24)  # several receiver blocks at N = 9
+    monkeypatch.setattr(gemm, "GEMM_BLOCK_ELEMENTS", 24)  # several receiver blocks at N = 9
     if mode == "batched":
         monkeypatch.setattr(kc, "BLOCK_SHARED_BYTES", 0)
     assert cb._mode(3, np.dtype(dtype)) == mode

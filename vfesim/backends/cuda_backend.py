@@ -26,6 +26,7 @@ from ..gaussian.energy import TERMS
 from ..gaussian.features import agent_features, features_vjp
 from ..gaussian.terms import observation, observation_vjp, self_kl, self_kl_vjp
 from ..groups import TAYLOR_DEGREE, THETA, generators
+from ..pairwise.gemm import pairwise_gemm
 
 __all__ = ["SIMULATOR", "array_module", "to_device", "to_host", "energy_and_gradient", "clear_cache"]
 
@@ -35,7 +36,7 @@ SIMULATOR = kc.SIMULATOR
 MAX_WORKSPACES = 2
 # From this K on, per-agent work runs in block-per-agent kernels (kc.make_block_kernels; the batched
 # CuPy array code where their shared matrices do not fit) and dense pairs as row-blocked cuBLAS GEMMs
-# with one row kernel (_pairwise_gemm). Measured on the H200 at K = 21 (benchmarks/results/gpu_bench_*):
+# with one row kernel (vfesim.pairwise.gemm). Measured on the H200 at K = 21 (benchmarks/results/gpu_bench_*):
 # the one-thread-per-agent kernels keep 6 K x K matrices per thread in local memory, which thrashes L1,
 # and the streaming pairwise kernel re-reads its (2, D = 253) per-thread rows from local memory per pair.
 # float32, K = 21: kernels 74 ms (N = 1024) and 162 ms (N = 4096); batched CuPy path 7.5 ms and 14 ms;
@@ -44,8 +45,6 @@ MAX_WORKSPACES = 2
 LARGE_K = 9
 # Register cap of the block-per-agent kernels (None: the compiler's choice).
 BLOCK_MAX_REGISTERS = None
-# Elements of one (receiver block, N) slab of the GEMM path: 2^25 float64 = 256 MB per temporary.
-GEMM_BLOCK_ELEMENTS = 1 << 25
 
 
 def array_module():
@@ -256,41 +255,6 @@ def _phi_grad_xp(gR, R, phi, G):
     return (h + c1 * x + c2 * xp.cross(phi, x)).astype(phi.dtype)
 
 
-def _pairwise_gemm(Ah, B, ch, aggregator: str, out=None):
-    """Dense pairs j != i by row blocks of cuBLAS GEMMs: KL_ij / kappa = Ah_i . B_j + ch_i.
-
-    Ah, B (N, D), ch (N,). Returns (written into ``out`` when given) per-receiver energies / kappa (N,),
-    sum_j W_ij B_j (N, D), sum_j W_ij (N,) and sum_i W_ij Ah_i (N, D). Peak memory O(block * N); every
-    sum in a fixed order (no atomics).
-    """
-    xp = array_module()
-    N = Ah.shape[0]
-    if out is None:
-        out = (xp.empty(N, Ah.dtype), xp.empty_like(B), xp.empty(N, Ah.dtype), xp.empty_like(Ah))
-    e_rows, wB, wsum, wA = out
-    if N < 2:
-        for a in out:
-            a.fill(0)
-        return out
-    block = max(1, min(N, GEMM_BLOCK_ELEMENTS // N))
-    rows = kc.make_gemm_row_kernel(Ah.dtype.name, aggregator)["rows"]
-    # The kernel takes contiguous vectors (the simulator transfers nothing else).
-    wsum_c = wsum if wsum.flags.c_contiguous else xp.empty(N, Ah.dtype)
-    for r0 in range(0, N, block):
-        r1 = min(N, r0 + block)
-        L = Ah[r0:r1] @ B.T
-        # Logits, max shift, weights, energies and row sums in one kernel: W overwrites L.
-        rows[r1 - r0, kc.ROW_THREADS](L, ch, r0, e_rows, wsum_c)
-        wB[r0:r1] = L @ B  # (wB may be a strided view of a kernel buffer)
-        if r0 == 0:
-            wA[...] = L.T @ Ah[r0:r1]
-        else:
-            wA += L.T @ Ah[r0:r1]
-    if wsum_c is not wsum:
-        wsum[...] = wsum_c
-    return out
-
-
 def _alignment_batched(arrays, cfg, S, ws, grads, sums):
     """Alignment terms of the batched path (K >= LARGE_K whose block kernels do not fit in shared memory):
     batched per-agent array code, GEMM or kernel (sparse) pairs."""
@@ -312,7 +276,7 @@ def _alignment_batched(arrays, cfg, S, ws, grads, sums):
         A, B, c, cache = agent_features(arrays[km], S[ks], R)
         scale = dtype.type(0.5 / kappa)
         if ws.dense:
-            e_rows, wB, wsum, wA = _pairwise_gemm(A * scale, B, c * scale, cfg.aggregator)
+            e_rows, wB, wsum, wA = pairwise_gemm(A * scale, B, c * scale, cfg.aggregator)
             e_rows = kappa * e_rows
         else:
             b["A"][f] = A * scale
@@ -478,7 +442,7 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
         if ws.dense and block:
             for f in active:
                 # Features hold A / (2 kappa) and c / (2 kappa): logits -KL / kappa, energies / kappa.
-                _pairwise_gemm(
+                pairwise_gemm(
                     b["A"][f], b["B"][f], b["c"][f], cfg.aggregator,
                     out=(b["energy"][f], b["gAr"][0, f, :, :-1], b["gAr"][0, f, :, -1], b["gBs"][0, f]),
                 )  # fmt: skip

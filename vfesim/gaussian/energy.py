@@ -1,7 +1,7 @@
 """The Gaussian free energy (SPEC §2.2) and its exact gradient, assembled from the term modules.
 
 A backend supplies the pairwise part (``pairwise_dense`` / ``pairwise_sparse`` with the signatures of
-:mod:`vfesim.gaussian.pairwise`); the per-agent parts (frames, features, self and observation terms)
+:mod:`vfesim.pairwise`); the per-agent parts (frames, features, self and observation terms)
 are shared, array-module generic code.
 """
 
@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..config import ModelConfig
+from .. import pairwise as _np_pairwise
 from ..groups import generators, phi_grad_from_R
-from . import pairwise as _np_pairwise
 from .features import agent_features, features_vjp, frames
 from .terms import observation, observation_vjp, self_kl, self_kl_vjp
 

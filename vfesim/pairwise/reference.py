@@ -1,4 +1,4 @@
-"""Pairwise alignment energy in feature form and its adjoint, NumPy reference (SPEC §2.2–2.4).
+"""Pairwise energy in feature form and its adjoint, the NumPy reference (SPEC §2.2–2.4).
 
 Given per-agent features (A, B, c) with KL_ij = 1/2 (A_i . B_j + c_i), compute
 
@@ -18,10 +18,18 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["row_weights", "pairwise_dense", "pairwise_sparse", "ROW_BLOCK_ELEMENTS"]
+__all__ = ["aggregator_check", "row_weights", "pairwise_dense", "pairwise_sparse", "ROW_BLOCK_ELEMENTS"]
+
+AGGREGATORS = ("expected", "softmin")
 
 # Elements of one (block, N) row slab; 4M float64 = 32 MB per temporary.
 ROW_BLOCK_ELEMENTS = 1 << 22
+
+
+def aggregator_check(aggregator: str) -> None:
+    """Raise ValueError naming an unknown aggregator."""
+    if aggregator not in AGGREGATORS:
+        raise ValueError(f"aggregator: unknown {aggregator!r}; choose one of {AGGREGATORS}")
 
 
 def row_weights(L, valid, kappa: float, aggregator: str):

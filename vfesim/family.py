@@ -1,0 +1,97 @@
+"""Agent families: the one interface between the model of a kind of agent and the layers that run it.
+
+A family (Gaussian point agents today; density-matrix agents and fields next) is an :class:`AgentFamily`
+record: its config type, its state schema, its energy terms, the variables integrators move, and the
+functions that build, validate and differentiate its states. Everything outside the family's own
+package (state dispatch, backends, integrators, io, dynamics, plots) asks the family instead of naming
+its variables. One registry maps a config type to its family; :func:`family_of` looks a config up.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["AgentFamily", "register", "family_of", "family_named", "families"]
+
+# Modules that define the built-in families (imported on first lookup; each calls register()).
+BUILTIN = ("vfesim.gaussian.family",)
+
+
+@dataclass(frozen=True)
+class AgentFamily:
+    """What the rest of vfesim knows about one kind of agent.
+
+    name: short identifier stored with states and runs ("gaussian").
+    config_type: the frozen config class whose instances select this family.
+    variables: the state schema, variable -> dims (optional variables included).
+    required: variables every state has.
+    terms: energy term names in order; ``terms["total"]`` is their sum.
+    trajectory: variables that change during a run (saved per frame; the rest are saved once).
+    make_state(cfg, *arrays, validate=True) -> Dataset; random_state(cfg, n_agents, seed, dtype, **kw);
+    validate_state(state_or_mapping, cfg, check_spd=True) -> None (raises StateError).
+    energy_and_gradient(arrays, cfg, backend) -> (terms, grads): the one assembly of the family's free
+        energy over raw arrays, executed with the capabilities of ``backend`` (a :class:`Backend`).
+    attention(arrays, cfg, which) -> weights (NumPy).
+    geometry: integrator coordinates of the family (fields grouped as the integrators move them).
+    """
+
+    name: str
+    config_type: type
+    variables: Mapping[str, tuple[str, ...]]
+    required: tuple[str, ...]
+    terms: tuple[str, ...]
+    trajectory: tuple[str, ...]
+    make_state: Callable[..., Any]
+    random_state: Callable[..., Any]
+    validate_state: Callable[..., None]
+    energy_and_gradient: Callable[..., tuple[dict[str, float], dict[str, Any]]]
+    attention: Callable[..., Any]
+    geometry: Any = field(default=None)
+
+
+_REGISTRY: dict[type, AgentFamily] = {}
+_loaded = False
+
+
+def register(family: AgentFamily) -> AgentFamily:
+    """Add a family (its config type must be new)."""
+    other = _REGISTRY.get(family.config_type)
+    if other is not None and other is not family:
+        raise ValueError(f"config type {family.config_type.__name__} already has family {other.name!r}")
+    _REGISTRY[family.config_type] = family
+    return family
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        for mod in BUILTIN:
+            importlib.import_module(mod)
+        _loaded = True
+
+
+def families() -> tuple[AgentFamily, ...]:
+    """Every registered family."""
+    _load()
+    return tuple(_REGISTRY.values())
+
+
+def family_of(cfg: Any) -> AgentFamily:
+    """The family of a config instance; a TypeError names the type when no family takes it."""
+    _load()
+    for t in type(cfg).__mro__:
+        if t in _REGISTRY:
+            return _REGISTRY[t]
+    known = ", ".join(f.config_type.__name__ for f in _REGISTRY.values())
+    raise TypeError(f"config: no agent family takes a {type(cfg).__name__} (known: {known})")
+
+
+def family_named(name: str) -> AgentFamily:
+    """The family with a given name (as stored in state and run attrs)."""
+    for fam in families():
+        if fam.name == name:
+            return fam
+    raise ValueError(f"family: unknown {name!r}; known: {[f.name for f in families()]}")

@@ -1,0 +1,20 @@
+"""The pairwise layer, free of any agent family (SPEC §2.3–2.4).
+
+A family reduces its pairwise divergence to per-agent feature rows: ``D_ij = 1/2 (A_i . B_j + c_i)``
+(the Gaussian KL after transport, SPEC §2.3; the quantum relative entropy likewise). Everything here
+works on those rows, whatever produced them: the attention softmax over ``-D_ij / kappa``, the
+aggregators ("expected", "softmin"), dense and sparse neighbours, and the cotangents
+``gA = 1/2 W B``, ``gB = 1/2 W^T A``, ``gc = 1/2 sum_j W`` with ``W_ij = dE/dD_ij``.
+
+- :mod:`.reference`: the NumPy reference (row-blocked GEMMs; gathered sparse lists);
+- :mod:`.blocks`: a receiver block against a sender block (statistics, merge, gradient pass), the
+  unit of work of a distributed scheduler;
+- :mod:`.gemm`: dense pairs by device GEMMs plus one row kernel (CUDA, long features).
+The streaming CPU and CUDA kernels are :mod:`vfesim_kernels.pairwise_cpu` and
+:mod:`vfesim_kernels.cuda.pairwise`, keyed by the feature width D.
+"""
+
+from . import blocks
+from .reference import aggregator_check, pairwise_dense, pairwise_sparse, row_weights
+
+__all__ = ["aggregator_check", "blocks", "pairwise_dense", "pairwise_sparse", "row_weights"]

@@ -1,0 +1,52 @@
+"""Dense pairs by row blocks of device GEMMs (the CUDA path for long features, e.g. D = 253 at K = 21).
+
+``KL_ij / kappa = Ah_i . B_j + ch_i`` with receiver features pre-scaled by ``1 / (2 kappa)``. Each block of
+receiver rows is one GEMM (logits), one row kernel (max shift, weights W_ij, row energies and sums,
+:func:`vfesim_kernels.cuda.make_gemm_row_kernel`) and two GEMMs (``W B`` and ``W^T Ah``). Peak memory
+O(block * N); every sum in a fixed order (no atomics).
+"""
+
+from __future__ import annotations
+
+from ..arrays import array_module
+
+__all__ = ["pairwise_gemm", "GEMM_BLOCK_ELEMENTS"]
+
+# Elements of one (receiver block, N) slab: 2^25 float64 = 256 MB per temporary.
+GEMM_BLOCK_ELEMENTS = 1 << 25
+
+
+def pairwise_gemm(Ah, B, ch, aggregator: str, out=None):
+    """Dense pairs j != i: Ah, B (N, D), ch (N,) on the device.
+
+    Returns (written into ``out`` when given) per-receiver energies / kappa (N,), sum_j W_ij B_j (N, D),
+    sum_j W_ij (N,) and sum_i W_ij Ah_i (N, D).
+    """
+    from vfesim_kernels import cuda as kc
+
+    xp = array_module(Ah)
+    N = Ah.shape[0]
+    if out is None:
+        out = (xp.empty(N, Ah.dtype), xp.empty_like(B), xp.empty(N, Ah.dtype), xp.empty_like(Ah))
+    e_rows, wB, wsum, wA = out
+    if N < 2:
+        for a in out:
+            a.fill(0)
+        return out
+    block = max(1, min(N, GEMM_BLOCK_ELEMENTS // N))
+    rows = kc.make_gemm_row_kernel(Ah.dtype.name, aggregator)["rows"]
+    # The kernel takes contiguous vectors (the simulator transfers nothing else).
+    wsum_c = wsum if wsum.flags.c_contiguous else xp.empty(N, Ah.dtype)
+    for r0 in range(0, N, block):
+        r1 = min(N, r0 + block)
+        L = Ah[r0:r1] @ B.T
+        # Logits, max shift, weights, energies and row sums in one kernel: W overwrites L.
+        rows[r1 - r0, kc.ROW_THREADS](L, ch, r0, e_rows, wsum_c)
+        wB[r0:r1] = L @ B  # (wB may be a strided view of a kernel buffer)
+        if r0 == 0:
+            wA[...] = L.T @ Ah[r0:r1]
+        else:
+            wA += L.T @ Ah[r0:r1]
+    if wsum_c is not wsum:
+        wsum[...] = wsum_c
+    return out
