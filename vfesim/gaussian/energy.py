@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..config import ModelConfig
 from .. import pairwise as _np_pairwise
+from ..config import ModelConfig
 from ..groups import generators, phi_grad_from_R
 from .features import agent_features, features_vjp, frames
 from .terms import observation, observation_vjp, self_kl, self_kl_vjp
