@@ -5,6 +5,7 @@ from ._version import __version__
 from .backends import energy_and_gradient
 from .config import ConfigError, ModelConfig, SparseNeighbours
 from .dynamics import run_dynamics
+from .family import family_of
 from .io import open_run
 from .simulate import Run, simulate
 from .state import StateError, make_state, random_state, validate_state
@@ -17,6 +18,7 @@ __all__ = [
     "SparseNeighbours",
     "StateError",
     "energy_and_gradient",
+    "family_of",
     "make_state",
     "open_run",
     "integrators",

@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("scenario", help="scenario TOML file")
     p.add_argument("--out", help="output Zarr store (default: [output] path)")
     p.add_argument("--steps", type=int, help="total number of steps (overrides run.n_steps)")
-    p.add_argument("--backend", help="numpy | numba | cuda | dask | auto (overrides run.backend)")
+    p.add_argument("--backend", help="numpy | numba | cuda | auto (overrides run.backend)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run store")
     _common(p)
     p = sub.add_parser("resume", help="continue a run from its last checkpoint")

@@ -8,13 +8,12 @@ import numpy as np
 import xarray as xr
 
 from .config import ModelConfig
+from .family import family_of
 from .integrators import is_hamiltonian, make_integrator
 
 __all__ = ["run_dynamics"]
 
 log = logging.getLogger("vfesim")
-
-TERMS = ("self", "belief_align", "prior_align", "observation")
 
 
 def run_dynamics(
@@ -43,7 +42,7 @@ def run_dynamics(
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (0 if key == "n_steps" else 1):
             raise ValueError(f"{key} must be an integer >= {0 if key == 'n_steps' else 1}, got {v!r}")
     integ = make_integrator(method, cfg, dt, backend=backend, friction=friction, seed=seed, **options)
-    names = ["total", *TERMS] + (["kinetic", "hamiltonian"] if is_hamiltonian(method) else [])
+    names = ["total", *family_of(cfg).terms] + (["kinetic", "hamiltonian"] if is_hamiltonian(method) else [])
     on_host = all(isinstance(state[k].data, np.ndarray) for k in state.data_vars)
     carry = integ.init(state)
     steps, rows = [], []

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
+from .family import family_of
 from .io.reader import open_run
 from .io.store import StoreError
 
@@ -25,7 +26,6 @@ def _plt():
     return plt
 
 
-TERMS = ("self", "belief_align", "prior_align", "observation")
 TOP = (
     ("system_free_energy", "F (free energy)"),
     ("system_energy_hamiltonian", "H = F + kinetic"),
@@ -45,10 +45,11 @@ def plot_energy(ds, path: Path) -> Path:
     a0.set_title("free energy" + (" and Hamiltonian" if "system_energy_hamiltonian" in ds else ""))
     a0.legend(loc="best")
     zero = []
-    for term in TERMS:
-        k = f"system_energy_{term}"
-        if k not in ds:
+    top = {k for k, _ in TOP}
+    for k in ds.data_vars:  # the family's terms, in the order the store has them
+        if not k.startswith("system_energy_") or k in top:
             continue
+        term = k.removeprefix("system_energy_")
         v = ds[k].values
         if np.all(v == 0):
             zero.append(term)
@@ -91,19 +92,14 @@ def _pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _final_arrays(ds) -> dict[str, np.ndarray]:
     last = ds.isel(time=-1)
-    arrays = {k: last[k].values for k in ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")}
-    if "obs" in ds:
-        arrays["obs"] = ds["obs"].values
-    return arrays
+    return {k: last[k].values for k in ds.data_vars if "agent" in last[k].dims}
 
 
 def plot_attention(ds, cfg: ModelConfig, path: Path) -> Path:
     """Final belief attention beta_ij, agents ordered by their final belief's first PC."""
-    from .gaussian.energy import attention
-
     plt = _plt()
     arrays = _final_arrays(ds)
-    beta = np.asarray(attention(arrays, cfg, "belief"))
+    beta = np.asarray(family_of(cfg).attention(arrays, cfg, "belief"))
     n = arrays["mu_q"].shape[0]
     if not cfg.dense:
         nb = cfg.neighbours

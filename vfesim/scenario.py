@@ -26,12 +26,13 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from .backends import names as backend_names
 from .config import ConfigError, ModelConfig, SparseNeighbours, _check_real
 from .state import StateError, make_state, random_state
 
 __all__ = ["ScenarioError", "Scenario", "load_scenario", "read_toml", "BACKENDS"]
 
-BACKENDS = ("numpy", "numba", "cuda", "dask", "auto")
+BACKENDS = (*backend_names(), "auto")
 
 
 def _methods() -> list[str]:

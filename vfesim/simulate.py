@@ -21,8 +21,9 @@ import xarray as xr
 
 from ._version import __version__
 from .config import ModelConfig
+from .family import family_of
 from .io.reader import open_run
-from .io.store import TRAJ_STATE, RunStore, StoreError, term_var
+from .io.store import RunStore, StoreError, term_var
 from .progress import Progress, log
 from .scenario import Scenario, ScenarioError, load_scenario, read_toml
 
@@ -61,14 +62,14 @@ def _host_state(state: xr.Dataset) -> xr.Dataset:
     return state.as_numpy()
 
 
-def _frame(carry) -> dict[str, np.ndarray]:
-    f = {k: _host(carry.state[k].data) for k in TRAJ_STATE}
+def _frame(carry, names) -> dict[str, np.ndarray]:
+    f = {k: _host(carry.state[k].data) for k in names}
     f.update({term_var(k): float(v) for k, v in carry.terms.items()})
     return f
 
 
-def frame_bytes(state: xr.Dataset) -> int:
-    return sum(state[k].nbytes for k in TRAJ_STATE)
+def frame_bytes(state: xr.Dataset, names) -> int:
+    return sum(state[k].nbytes for k in names)
 
 
 def _make_integrator(scn: Scenario, backend: str):
@@ -151,11 +152,13 @@ def simulate(
     run = scn.run
     n_frames = run["n_steps"] // run["save_every"] + 1
     fpc = max(1, run["checkpoint_every"] // run["save_every"])
-    by_size = max(1, TARGET_CHUNK_BYTES // max(1, frame_bytes(state0)))
+    trajectory = family_of(scn.model).trajectory
+    by_size = max(1, TARGET_CHUNK_BYTES // max(1, frame_bytes(state0, trajectory)))
     chunk = scn.output["time_chunk"] or min(fpc, by_size, n_frames)
     attrs = {
         "scenario": scn.to_json(),
         "model_config": scn.model.to_json(),
+        "agent_family": family_of(scn.model).name,
         "vfesim_version": __version__,
         "dtype": run["dtype"],
         "backend": backend_name,
@@ -165,6 +168,7 @@ def simulate(
         path,
         state0,
         list(carry.terms),
+        trajectory=trajectory,
         n_frames=n_frames,
         save_every=run["save_every"],
         dt=scn.integrator["dt"],
@@ -173,7 +177,7 @@ def simulate(
         overwrite=overwrite,
     )
     log.info("run %s: %d agents, %d steps -> %s", scn.name, state0.sizes["agent"], run["n_steps"], path)
-    buf = [_frame(carry)]
+    buf = [_frame(carry, trajectory)]
     try:
         _checkpoint(store, scn, carry, buf, 0, backend_name)
     except StoreError:
@@ -219,6 +223,7 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
     run = scn.run
     n_steps, every, ck = run["n_steps"], run["save_every"], run["checkpoint_every"]
     chunk = store.time_chunk()
+    names = tuple(store.trajectory())
     if len(buf) == chunk:  # a full chunk already written by the caller's checkpoint
         buf_start, buf = buf_start + chunk, []
     bar = Progress(n_steps, carry.step, enabled=progress)
@@ -227,7 +232,7 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
         while carry.step < n_steps:
             carry = integ.step(carry)
             if carry.step % every == 0:
-                buf.append(_frame(carry))
+                buf.append(_frame(carry, names))
                 if len(buf) == chunk:
                     store.write_frames(buf_start, buf)
                     buf_start, buf = buf_start + chunk, []

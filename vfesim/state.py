@@ -1,40 +1,30 @@
-"""The Gaussian state Dataset (SPEC §1.1): schema, constructors and validation.
+"""States of every agent family: the error type, checks shared by families, and dispatch on the config.
 
-Dims: ``agent``, ``latent``, ``latent_b``, ``gauge`` (= 3), ``obs_dim``.
-Variables: ``mu_q, mu_p`` (agent, latent); ``sigma_q, sigma_p`` (agent, latent, latent_b);
-``phi`` (agent, gauge); optional ``obs`` (agent, obs_dim).
+``make_state``, ``random_state`` and ``validate_state`` take any model config and hand over to its agent
+family (:func:`vfesim.family.family_of`); the schemas live with the families (Gaussian agents:
+:mod:`vfesim.gaussian.state`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import xarray as xr
 
-from ._version import __version__
-from .config import ModelConfig
+from .arrays import array_module
 
 __all__ = [
     "StateError",
-    "STATE_DIMS",
     "make_state",
     "random_state",
     "validate_state",
     "state_arrays",
+    "state_dims",
+    "check_spd_batch",
     "cholesky_named",
 ]
-
-STATE_DIMS = {
-    "mu_q": ("agent", "latent"),
-    "sigma_q": ("agent", "latent", "latent_b"),
-    "mu_p": ("agent", "latent"),
-    "sigma_p": ("agent", "latent", "latent_b"),
-    "phi": ("agent", "gauge"),
-    "obs": ("agent", "obs_dim"),
-}
-REQUIRED = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
-COVARIANCES = ("sigma_q", "sigma_p")
 
 
 class StateError(ValueError):
@@ -47,158 +37,43 @@ class StateError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
-def make_state(
-    cfg: ModelConfig,
-    mu_q,
-    sigma_q,
-    mu_p,
-    sigma_p,
-    phi,
-    obs=None,
-    *,
-    validate: bool = True,
-) -> xr.Dataset:
-    """Wrap arrays (NumPy or CuPy) into the state Dataset; attrs carry config JSON, version, dtype."""
-    data = {"mu_q": mu_q, "sigma_q": sigma_q, "mu_p": mu_p, "sigma_p": sigma_p, "phi": phi}
-    if obs is not None:
-        data["obs"] = obs
-    ds = xr.Dataset(
-        {k: (STATE_DIMS[k], v) for k, v in data.items()},
-        attrs={
-            "model_config": cfg.to_json(),
-            "vfesim_version": __version__,
-            "dtype": str(np.dtype(mu_q.dtype)),
-        },
-    )
-    if validate:
-        validate_state(ds, cfg)
-    return ds
+def _family(cfg):
+    from .family import family_of
+
+    return family_of(cfg)
 
 
-def _random_spd(rng: np.random.Generator, n: int, K: int, eig_range: tuple[float, float]) -> np.ndarray:
-    lo, hi = eig_range
-    eig = np.exp(rng.uniform(np.log(lo), np.log(hi), size=(n, K)))
-    Q, Rr = np.linalg.qr(rng.standard_normal((n, K, K)))
-    Q = Q * np.sign(np.diagonal(Rr, axis1=1, axis2=2))[:, None, :]
-    S = (Q * eig[:, None, :]) @ np.swapaxes(Q, 1, 2)
-    return 0.5 * (S + np.swapaxes(S, 1, 2))
+def make_state(cfg, *arrays, validate: bool = True, **named) -> xr.Dataset:
+    """Wrap arrays (NumPy or CuPy) into the state Dataset of ``cfg``'s agent family; attrs carry the
+    family, config JSON, version and dtype (Gaussian: ``make_state(cfg, mu_q, sigma_q, mu_p, sigma_p,
+    phi, obs=None)``)."""
+    return _family(cfg).make_state(cfg, *arrays, validate=validate, **named)
 
 
-def random_state(
-    cfg: ModelConfig,
-    n_agents: int,
-    seed: int = 0,
-    dtype: str | None = None,
-    *,
-    mu_scale: float = 1.0,
-    prior_mu_scale: float | None = None,
-    eig_range: tuple[float, float] = (0.5, 2.0),
-    prior_eig_range: tuple[float, float] | None = None,
-    phi_radius: float = 1.0,
-    obs_scale: float = 1.0,
-) -> xr.Dataset:
-    """A reproducible random population.
-
-    Means ~ N(0, mu_scale^2); covariances Q diag(e) Q^T with eigenvalues log-uniform in ``eig_range``
-    and Haar-random Q; frames uniform in the ball |phi| <= phi_radius (< pi: the principal ball);
-    observations ~ N(0, obs_scale^2) when the config has an observation model.
-    """
-    dtype = cfg.dtype if dtype is None else dtype
-    if dtype not in ("float32", "float64"):
-        raise StateError("dtype", f"must be 'float32' or 'float64', got {dtype!r}")
-    if isinstance(n_agents, bool) or not isinstance(n_agents, (int, np.integer)) or n_agents < 1:
-        raise StateError("n_agents", f"must be a positive integer, got {n_agents!r}")
-    if not 0 <= phi_radius < np.pi:
-        raise StateError("phi", f"phi_radius must be in [0, pi), got {phi_radius}")
-    for name, er in (("eig_range", eig_range), ("prior_eig_range", prior_eig_range)):
-        if er is not None and not (0 < er[0] <= er[1] < np.inf):
-            raise StateError("sigma_q", f"{name} must satisfy 0 < lo <= hi, got {er}")
-    if nbrs := (None if cfg.dense else cfg.neighbours):
-        if nbrs.n_agents != n_agents:
-            raise StateError(
-                "agent", f"config has sparse neighbours for {nbrs.n_agents} agents, not {n_agents}"
-            )
-    K = cfg.K
-    rng = np.random.default_rng(seed)
-    pms = mu_scale if prior_mu_scale is None else prior_mu_scale
-    mu_q = mu_scale * rng.standard_normal((n_agents, K))
-    mu_p = pms * rng.standard_normal((n_agents, K))
-    sigma_q = _random_spd(rng, n_agents, K, eig_range)
-    sigma_p = _random_spd(rng, n_agents, K, prior_eig_range or eig_range)
-    direction = rng.standard_normal((n_agents, 3))
-    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
-    radius = phi_radius * rng.uniform(size=(n_agents, 1)) ** (1 / 3)
-    phi = direction * radius
-    obs = obs_scale * rng.standard_normal((n_agents, cfg.obs_dim)) if cfg.obs_dim else None
-    cast = lambda a: None if a is None else np.ascontiguousarray(a, dtype=dtype)
-    return make_state(cfg, cast(mu_q), cast(sigma_q), cast(mu_p), cast(sigma_p), cast(phi), cast(obs))
+def random_state(cfg, n_agents: int, seed: int = 0, dtype: str | None = None, **options) -> xr.Dataset:
+    """A reproducible random population of ``cfg``'s agent family (options: see the family's
+    ``random_state``, e.g. :func:`vfesim.gaussian.state.random_state`)."""
+    return _family(cfg).random_state(cfg, n_agents, seed, dtype, **options)
 
 
-def _xp(a):
-    """The array module of ``a`` (numpy or cupy); the one place state code asks."""
-    mod = type(a).__module__.split(".")[0]
-    if mod == "cupy":
-        import cupy
-
-        return cupy
-    return np
+def validate_state(state: xr.Dataset | Mapping, cfg, *, check_spd: bool = True) -> None:
+    """Raise :class:`StateError` naming the variable and agent for the first problem found."""
+    _family(cfg).validate_state(state, cfg, check_spd=check_spd)
 
 
-def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: bool = True) -> None:
-    """Raise :class:`StateError` naming the variable and agent for the first problem found.
+def state_dims(cfg) -> Mapping[str, tuple[str, ...]]:
+    """Variable -> dims of ``cfg``'s family (optional variables included)."""
+    return _family(cfg).variables
 
-    Checks presence, dims and shapes, one float dtype, finiteness, symmetry and SPD (Cholesky).
-    """
-    get = (lambda k: state[k].data) if isinstance(state, xr.Dataset) else (lambda k: state[k])
-    names = set(state.data_vars) if isinstance(state, xr.Dataset) else set(state)
-    for k in REQUIRED:
-        if k not in names:
-            raise StateError(k, "missing from the state")
-    unknown = names - set(STATE_DIMS)
-    if unknown:
-        raise StateError(sorted(unknown)[0], f"unknown state variable (known: {list(STATE_DIMS)})")
-    if cfg.obs_dim and "obs" not in names:
-        raise StateError("obs", "the config has an observation model but the state has no obs")
-    n = get("mu_q").shape[0] if get("mu_q").ndim else 0
-    if n == 0:
-        raise StateError("agent", "the state has no agents")
-    K = cfg.K
-    expect = {
-        "mu_q": (n, K),
-        "mu_p": (n, K),
-        "sigma_q": (n, K, K),
-        "sigma_p": (n, K, K),
-        "phi": (n, 3),
-        "obs": (n, cfg.obs_dim),
-    }
-    dtype = np.dtype(get("mu_q").dtype)
-    if dtype not in (np.float32, np.float64):
-        raise StateError("mu_q", f"dtype must be float32 or float64, got {dtype}")
-    for k in sorted(names, key=list(STATE_DIMS).index):
-        a = get(k)
-        if isinstance(state, xr.Dataset) and state[k].dims != STATE_DIMS[k]:
-            raise StateError(k, f"dims must be {STATE_DIMS[k]}, got {state[k].dims}")
-        if tuple(a.shape) != expect[k]:
-            raise StateError(k, f"shape must be {expect[k]} (agents={n}, K={K}), got {tuple(a.shape)}")
-        if np.dtype(a.dtype) != dtype:
-            raise StateError(k, f"dtype {a.dtype} differs from mu_q's {dtype}")
-        xp = _xp(a)
-        bad = ~xp.isfinite(a).reshape(n, -1).all(axis=1)
-        if bool(bad.any()):
-            raise StateError(k, "contains NaN or Inf", agent=int(xp.argmax(bad)))
-    if not cfg.dense and cfg.neighbours.n_agents != n:
-        raise StateError(
-            "agent",
-            f"config has sparse neighbours for {cfg.neighbours.n_agents} agents but the state has {n}",
-        )
-    if check_spd:
-        for k in COVARIANCES:
-            check_spd_batch(get(k), k)
+
+def state_arrays(state: xr.Dataset) -> dict[str, Any]:
+    """The raw arrays (NumPy or CuPy) of a state Dataset, keyed by variable name."""
+    return {k: state[k].data for k in state.data_vars}
 
 
 def check_spd_batch(S, name: str) -> None:
     """Symmetric to rounding and Cholesky-factorisable, per agent; raise naming the first failure."""
-    xp = _xp(S)
+    xp = array_module(S)
     scale = xp.abs(S).reshape(S.shape[0], -1).max(axis=1)
     asym = xp.abs(S - xp.swapaxes(S, 1, 2)).reshape(S.shape[0], -1).max(axis=1)
     tol = 64 * np.finfo(S.dtype).eps
@@ -222,8 +97,8 @@ def cholesky_named(S, name: str):
     NumPy raises on a non-SPD matrix; CuPy returns NaN instead, which the energy's finiteness checks
     catch downstream.
     """
-    if _xp(S) is not np:
-        return _xp(S).linalg.cholesky(S)
+    if array_module(S) is not np:
+        return array_module(S).linalg.cholesky(S)
     return _cholesky_or_raise(S, name)
 
 
@@ -240,8 +115,3 @@ def _cholesky_or_raise(S: np.ndarray, name: str) -> np.ndarray:
                     name, f"is not positive definite (smallest eigenvalue {w[0]:.3g})", agent=i
                 ) from None
         raise
-
-
-def state_arrays(state: xr.Dataset) -> dict:
-    """The raw arrays (NumPy or CuPy) of a state Dataset, keyed by variable name."""
-    return {k: state[k].data for k in state.data_vars}

@@ -1,7 +1,10 @@
-"""Backend registry: one place that maps a backend name to its implementation and detects devices.
+"""Backend registry: one place that maps a backend name to its capabilities and detects devices.
 
-A backend module provides ``energy_and_gradient(arrays, cfg) -> (terms, grads)`` over raw arrays
-(NumPy for "numpy"/"numba", CuPy for "cuda") and ``to_device(arrays)`` / ``to_host(arrays)``.
+A backend is a :class:`Backend` record (each backend module defines ``BACKEND``): where arrays live
+(array module, transfers), the family-free pairwise kernels, per-agent kernels per agent family, and the
+integrator update operations. A family's energy assembly (:attr:`vfesim.family.AgentFamily.
+energy_and_gradient`) executes with these capabilities; integrators and the run loop ask the record,
+never the name.
 """
 
 from __future__ import annotations
@@ -9,15 +12,26 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import xarray as xr
 
-from ..config import ModelConfig
-from ..state import STATE_DIMS, validate_state
+from ..family import family_of
+from ..state import validate_state
 
-__all__ = ["BACKENDS", "resolve", "get", "energy_and_gradient_arrays", "energy_and_gradient"]
+__all__ = [
+    "Backend",
+    "BACKENDS",
+    "names",
+    "cuda_available",
+    "resolve",
+    "get",
+    "energy_and_gradient_arrays",
+    "energy_and_gradient",
+]
 
 log = logging.getLogger("vfesim")
 
@@ -26,6 +40,43 @@ BACKENDS = {
     "numba": "vfesim.backends.numba_backend",
     "cuda": "vfesim.backends.cuda_backend",
 }
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What a backend offers the model and the integrators.
+
+    array_module(): the array module of its arrays (NumPy, or CuPy on a GPU).
+    to_device(arrays) / to_host(arrays): dicts of arrays onto the backend's device and back to NumPy.
+    pairwise_dense(A, B, c, kappa, aggregator) -> (E, gA, gB, gc); pairwise_sparse(A, B, c, index, mask,
+        kappa, aggregator) -> the same (the contract of :mod:`vfesim.pairwise.reference`).
+    agent_ops: family name -> that family's per-agent stages in this backend's kernels (a family uses
+        its array-generic stages where none is given).
+    fused_energy: family name -> (arrays, cfg) -> (terms, grads) for backends that run a family's whole
+        evaluation in fused device kernels instead of the staged assembly.
+    updates(K) -> the integrator update operations (gradient-flow step, kick/drift, chart maps).
+    on_device: state and integrator arrays live on an accelerator (integrators then keep them there).
+    """
+
+    name: str
+    array_module: Callable[[], Any]
+    to_device: Callable[[dict], dict]
+    to_host: Callable[[dict], dict]
+    pairwise_dense: Callable
+    pairwise_sparse: Callable
+    updates: Callable[[int], Any]
+    agent_ops: Mapping[str, Any] = field(default_factory=dict)
+    fused_energy: Mapping[str, Callable] = field(default_factory=dict)
+    on_device: bool = False
+
+    def energy_and_gradient(self, arrays: dict[str, Any], cfg) -> tuple[dict[str, float], dict[str, Any]]:
+        """Terms and exact gradient of ``cfg``'s family for raw arrays on this backend's device."""
+        return family_of(cfg).energy_and_gradient(arrays, cfg, self)
+
+
+def names() -> tuple[str, ...]:
+    """Registered backend names ("auto" resolves to one of them)."""
+    return tuple(BACKENDS)
 
 
 def cuda_available() -> bool:
@@ -56,31 +107,34 @@ def resolve(name: str) -> str:
     return name
 
 
-def get(name: str):
-    """The backend module for a (resolved) name."""
-    return importlib.import_module(BACKENDS[resolve(name)])
+def get(name: str | Backend) -> Backend:
+    """The :class:`Backend` of a name ("auto" resolved; a Backend is returned as it is)."""
+    if isinstance(name, Backend):
+        return name
+    return importlib.import_module(BACKENDS[resolve(name)]).BACKEND
 
 
 def energy_and_gradient_arrays(
-    arrays: dict[str, Any], cfg: ModelConfig, backend: str = "numpy"
+    arrays: dict[str, Any], cfg, backend: str = "numpy"
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Energy terms and exact gradient for raw arrays already on the backend's device."""
     return get(backend).energy_and_gradient(arrays, cfg)
 
 
 def energy_and_gradient(
-    state: xr.Dataset, cfg: ModelConfig, backend: str = "numpy", *, validate: bool = True
+    state: xr.Dataset, cfg, backend: str = "numpy", *, validate: bool = True
 ) -> tuple[dict[str, float], xr.Dataset]:
     """Free-energy terms (dict of floats) and the exact gradient Dataset (SPEC §1, §2.2–2.3).
 
-    terms: "self", "belief_align", "prior_align", "observation", "total".
-    grads: same variables, dims and dtype as ``state``; covariance gradients are symmetric.
+    Any agent family: the config's type selects it. Gaussian terms: "self", "belief_align",
+    "prior_align", "observation", "total". grads: same variables, dims and dtype as ``state``;
+    covariance gradients are symmetric.
     """
     if validate:
         validate_state(state, cfg)
-    mod = get(backend)
-    arrays = mod.to_device({k: state[k].data for k in state.data_vars})
-    terms, grads = mod.energy_and_gradient(arrays, cfg)
-    grads = mod.to_host(grads) if isinstance(state[next(iter(state.data_vars))].data, np.ndarray) else grads
-    ds = xr.Dataset({k: (STATE_DIMS[k], v) for k, v in grads.items()}, attrs=dict(state.attrs))
+    be = get(backend)
+    arrays = be.to_device({k: state[k].data for k in state.data_vars})
+    terms, grads = be.energy_and_gradient(arrays, cfg)
+    grads = be.to_host(grads) if isinstance(state[next(iter(state.data_vars))].data, np.ndarray) else grads
+    ds = xr.Dataset({k: (state[k].dims, v) for k, v in grads.items()}, attrs=dict(state.attrs))
     return terms, ds

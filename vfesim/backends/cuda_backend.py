@@ -16,6 +16,7 @@ Kernels: :mod:`vfesim_kernels.cuda`. The observation term (rare, cheap) reuses t
 from __future__ import annotations
 
 from collections import OrderedDict
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -26,9 +27,18 @@ from ..gaussian.energy import TERMS
 from ..gaussian.features import agent_features, features_vjp
 from ..gaussian.terms import observation, observation_vjp, self_kl, self_kl_vjp
 from ..groups import TAYLOR_DEGREE, THETA, generators
-from ..pairwise.gemm import pairwise_gemm
+from ..pairwise.gemm import pairwise_dense_gemm, pairwise_gemm
+from . import Backend
 
-__all__ = ["SIMULATOR", "array_module", "to_device", "to_host", "energy_and_gradient", "clear_cache"]
+__all__ = [
+    "BACKEND",
+    "SIMULATOR",
+    "array_module",
+    "to_device",
+    "to_host",
+    "energy_and_gradient",
+    "clear_cache",
+]
 
 SIMULATOR = kc.SIMULATOR
 
@@ -494,3 +504,46 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
     if "obs" in arrays:
         grads["obs"] = g_obs if g_obs is not None else xp.zeros_like(arrays["obs"])
     return terms, grads
+
+
+def _device_updates(K: int):
+    """The device-resident integrator operations (fused CUDA update kernels and the on-device guard)."""
+    from ..integrators.device import Device
+
+    return Device(K)
+
+
+def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
+    """Sparse pairs (the contract of :func:`vfesim.pairwise.pairwise_sparse`) in the sparse kernels."""
+    xp = array_module()
+    N, D = A.shape
+    dt = A.dtype
+    scale = dt.type(0.5 / kappa)
+    host = lambda a: a if isinstance(a, np.ndarray) else a.get()
+    nbr = _Neighbours(SimpleNamespace(index=host(index), mask=host(mask))).dev
+    k = kc.make_sparse_kernels(D, dt.name, aggregator)
+    Ah, Bb, ch = (kc.as_device_view(xp.ascontiguousarray(a[None])) for a in (A * scale, B, c * scale))
+    W = xp.zeros((1, N, index.shape[1]), dt)
+    energy = xp.zeros((1, N), dt)
+    gAr = xp.zeros((1, 1, N, D + 1), dt)
+    gBs = xp.zeros((1, 1, N, D), dt)
+    kap = xp.ones(1, dt)
+    dW, de, dgA, dgB, dk = (kc.as_device_view(a) for a in (W, energy, gAr, gBs, kap))
+    nblk = _cdiv(N, kc.BLOCK)
+    k["rows"][(nblk, 1), kc.BLOCK](Ah, Bb, ch, nbr["index"], nbr["mask"], dk, 0, dW, de, dgA)
+    k["senders"][(nblk, 1), kc.BLOCK](Ah, dW, nbr["ptr"], nbr["row"], nbr["slot"], 0, dgB)
+    E = kappa * energy[0].sum(dtype=np.float64)
+    return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
+
+
+BACKEND = Backend(
+    name="cuda",
+    array_module=array_module,
+    to_device=to_device,
+    to_host=to_host,
+    pairwise_dense=pairwise_dense_gemm,
+    pairwise_sparse=_pairwise_sparse,
+    updates=_device_updates,
+    fused_energy={"gaussian": energy_and_gradient},
+    on_device=True,
+)

@@ -12,12 +12,14 @@ import numpy as np
 from vfesim_kernels import agent_cpu
 from vfesim_kernels.pairwise_cpu import pairwise_dense, pairwise_sparse
 
-from ..gaussian.energy import AgentOps, energy_and_gradient_arrays
+from ..gaussian.energy import AgentOps
 from ..gaussian.features import agent_features
+from ..gaussian.geometry import MOVABLE
 from ..gaussian.terms import self_kl
 from ..groups import generators
+from . import Backend
 
-__all__ = ["to_device", "to_host", "energy_and_gradient", "AGENT_OPS"]
+__all__ = ["BACKEND", "to_device", "to_host", "energy_and_gradient", "AGENT_OPS", "NumbaUpdates"]
 
 
 def to_device(arrays: dict) -> dict:
@@ -56,8 +58,56 @@ def _self_kl(mu_q, sigma_q, mu_p, sigma_p, lam: float):
 AGENT_OPS = AgentOps(_frames, _features, agent_cpu.features_vjp, agent_cpu.phi_grad, _self_kl)
 
 
+class NumbaUpdates:
+    """Integrator update operations in the fused CPU kernels of :mod:`vfesim_kernels.update_cpu` (one
+    ``prange`` pass over agents per step or sub-step)."""
+
+    def __init__(self, K: int):
+        from vfesim_kernels import update_cpu
+
+        self.K = K
+        self.kernels = update_cpu
+
+    def gradient_flow(self, arrays, direc, eta, mode: int) -> dict:
+        out = {k: np.empty_like(arrays[k]) for k in MOVABLE}
+        c = np.ascontiguousarray
+        self.kernels.gradient_flow_update_cpu(
+            *(c(arrays[k]) for k in MOVABLE),
+            *(c(direc[k]) for k in MOVABLE),
+            np.asarray(eta, np.float64),
+            mode,
+            *(out[k] for k in MOVABLE),
+        )
+        return out
+
+    def kick_drift(self, args, sigma, phi_args):
+        """``kick_drift_cpu(*args, S, *phi_args)`` in place; returns the new covariance (``sigma``
+        itself when the drift is 0). A block without frames passes empty stand-ins."""
+        S = np.empty_like(sigma) if args[7] != 0.0 else sigma
+        if not phi_args[4]:
+            x = args[0][:, :0]
+            phi_args = (x, x, x, 1.0, False)
+        self.kernels.kick_drift_cpu(*args, S, *phi_args)
+        return S
+
+    def theta_to_sigma(self, theta):
+        out = np.empty(theta.shape[:1] + (self.K, self.K), theta.dtype)
+        self.kernels.theta_to_sigma_cpu(np.ascontiguousarray(theta), self.K, out)
+        return out
+
+
+BACKEND = Backend(
+    name="numba",
+    array_module=lambda: np,
+    to_device=to_device,
+    to_host=to_host,
+    pairwise_dense=pairwise_dense,
+    pairwise_sparse=pairwise_sparse,
+    updates=NumbaUpdates,
+    agent_ops={"gaussian": AGENT_OPS},
+)
+
+
 def energy_and_gradient(arrays: dict, cfg) -> tuple[dict, dict]:
     """Terms and gradients (SPEC §2.2–2.3) of NumPy arrays, per-agent and pairwise work in Numba kernels."""
-    return energy_and_gradient_arrays(
-        arrays, cfg, pairwise_dense=pairwise_dense, pairwise_sparse=pairwise_sparse, agent_ops=AGENT_OPS
-    )
+    return BACKEND.energy_and_gradient(arrays, cfg)

@@ -1,8 +1,9 @@
-"""The Gaussian free energy (SPEC §2.2) and its exact gradient, assembled from the term modules.
+"""The Gaussian free energy (SPEC §2.2) and its exact gradient: the one assembly, for every backend.
 
-A backend supplies the pairwise part (``pairwise_dense`` / ``pairwise_sparse`` with the signatures of
-:mod:`vfesim.pairwise`); the per-agent parts (frames, features, self and observation terms)
-are shared, array-module generic code.
+:func:`energy_and_gradient` runs the stages with a backend's capabilities (:class:`vfesim.backends.Backend`):
+its pairwise kernels (``pairwise_dense`` / ``pairwise_sparse``, the contract of :mod:`vfesim.pairwise`)
+and, where it has them, its per-agent kernels (:class:`AgentOps`); otherwise the array-generic NumPy/CuPy
+stages of :mod:`.features` and :mod:`.terms`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,20 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import pairwise as _np_pairwise
+from ..arrays import array_module as _xp
 from ..config import ModelConfig
 from ..groups import generators, phi_grad_from_R
 from .features import agent_features, features_vjp, frames
 from .terms import observation, observation_vjp, self_kl, self_kl_vjp
 
-__all__ = ["TERMS", "AgentOps", "NUMPY_AGENT_OPS", "energy_and_gradient_arrays", "attention"]
+__all__ = [
+    "TERMS",
+    "AgentOps",
+    "NUMPY_AGENT_OPS",
+    "energy_and_gradient",
+    "energy_and_gradient_arrays",
+    "attention",
+]
 
 TERMS = ("self", "belief_align", "prior_align", "observation")
 
@@ -48,10 +57,6 @@ def _self_kl_and_grad(mu_q, sigma_q, mu_p, sigma_p, lam: float):
 
 
 NUMPY_AGENT_OPS = AgentOps(frames, agent_features, features_vjp, phi_grad_from_R, _self_kl_and_grad)
-
-
-def _xp(a):
-    return np if type(a).__module__.split(".")[0] == "numpy" else __import__("cupy")
 
 
 def _with_jitter(S, eps: float):
@@ -130,6 +135,20 @@ def energy_and_gradient_arrays(
 
     terms["total"] = sum(terms[k] for k in TERMS)
     return terms, grads
+
+
+def energy_and_gradient(arrays: dict[str, Any], cfg: ModelConfig, backend) -> tuple[dict[str, float], dict]:
+    """Terms and the gradient of ``terms["total"]`` with the capabilities of ``backend`` (no validation)."""
+    fused = backend.fused_energy.get("gaussian")
+    if fused is not None:
+        return fused(arrays, cfg)
+    return energy_and_gradient_arrays(
+        arrays,
+        cfg,
+        pairwise_dense=backend.pairwise_dense,
+        pairwise_sparse=backend.pairwise_sparse,
+        agent_ops=backend.agent_ops.get("gaussian", NUMPY_AGENT_OPS),
+    )
 
 
 def attention(arrays: dict[str, Any], cfg: ModelConfig, which: str = "belief") -> np.ndarray:

@@ -22,14 +22,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..arrays import array_module as _xp
 from ..groups import expm_so3, generators
 from ..state import cholesky_named
 
 __all__ = ["feature_dim", "frames", "agent_features", "features_vjp", "FeatureCache"]
-
-
-def _xp(a):
-    return np if type(a).__module__.split(".")[0] == "numpy" else __import__("cupy")
 
 
 def feature_dim(K: int) -> int:

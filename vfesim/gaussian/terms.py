@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arrays import array_module as _xp
 from ..state import cholesky_named
 
 __all__ = ["spd_inv_logdet", "self_kl", "self_kl_vjp", "observation", "observation_vjp"]
 
 LOG_2PI = float(np.log(2.0 * np.pi))
-
-
-def _xp(a):
-    return np if type(a).__module__.split(".")[0] == "numpy" else __import__("cupy")
 
 
 def spd_inv_logdet(S, name: str = "sigma"):

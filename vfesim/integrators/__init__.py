@@ -4,8 +4,9 @@ Methods: "gradient_flow" (natural-gradient flow; Euclidean and Adam rules as opt
 symplectic schemes "symplectic_euler" (order 1), "verlet" (2), "ruth3" (3), "pefrl" (4), and
 "riemannian_leapfrog" (Fisher mass, generalized implicit leapfrog, order 2).
 
-Backends: "numpy", "numba" (fused CPU update kernels) and "cuda" (device-resident state, fused CUDA update
-kernels; every method except "riemannian_leapfrog").
+Backends: any registered backend (:mod:`vfesim.backends`); each supplies its update operations ("numba":
+fused CPU kernels; "cuda": device-resident state and fused CUDA kernels, every method except
+"riemannian_leapfrog").
 """
 
 from __future__ import annotations
@@ -52,14 +53,9 @@ def make_integrator(
     """The ``init``/``step``/``restore`` triple of ``method``; unknown methods or options raise ValueError."""
     if method not in ORDERS:
         raise ValueError(f"unknown integrator method {method!r}; available: {available()}")
-    if backend not in ("numpy", "numba"):
-        from ..backends import resolve
+    from ..backends import get
 
-        backend = resolve(backend)  # unknown names raise here; "auto" picks a device (logged)
-        if backend not in ("numpy", "numba", "cuda"):
-            raise ValueError(
-                f"integrators: backend {backend!r} is not supported (use 'numpy', 'numba' or 'cuda')"
-            )
+    backend = get(backend)  # unknown names raise here; "auto" picks a device (logged)
     dt = float(dt)
     if not (dt > 0 and dt < float("inf")):
         raise ValueError(f"dt must be finite and > 0, got {dt}")

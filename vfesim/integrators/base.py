@@ -33,8 +33,6 @@ __all__ = [
 # (arrays) -> (terms, grads): the model energy over raw arrays keyed by state variable name.
 EnergyFn = Callable[[dict[str, np.ndarray]], tuple[dict[str, float], dict[str, np.ndarray]]]
 
-MOVABLE = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
-
 
 class DynamicsError(RuntimeError):
     """A step produced a non-finite value or a non-SPD covariance; names step, agent and variable."""
@@ -104,19 +102,21 @@ def check_fields(method: str, key: str, value: Any, fields: tuple[str, ...]) -> 
     return out
 
 
-def energy_fn(cfg: ModelConfig, backend: str, override: EnergyFn | None = None) -> EnergyFn:
-    """The energy over raw arrays for ``backend`` (or ``override``, a custom potential)."""
+def energy_fn(cfg: ModelConfig, backend, override: EnergyFn | None = None) -> EnergyFn:
+    """The energy over raw arrays for ``backend`` (a name or Backend; or ``override``, a custom potential)."""
     if override is not None:
         if not callable(override):
             raise ValueError(f"option 'energy' must be callable (arrays) -> (terms, grads), got {override!r}")
         return override
     from ..backends import get
+    from ..family import family_of
 
-    # Look the backend up once: a per-call lookup re-checks device availability on every evaluation.
-    mod = get(backend)
+    # Look the backend and family up once: a per-call lookup re-checks device availability every time.
+    be = get(backend)
+    energy = family_of(cfg).energy_and_gradient
 
     def fn(arrays):
-        return mod.energy_and_gradient(arrays, cfg)
+        return energy(arrays, cfg, be)
 
     return fn
 
@@ -154,7 +154,7 @@ def guard_terms(step: int, terms: Mapping[str, float]) -> None:
             raise DynamicsError(step, f"terms[{k!r}]", f"energy term is {v}")
 
 
-__all__ += ["MOVABLE", "check_fields", "state_arrays"]
+__all__ += ["check_fields", "state_arrays"]
 
 
 def make_restore(name: str, cfg: ModelConfig, aux_names, dev, efn: EnergyFn, make_carry: Callable):

@@ -92,9 +92,14 @@ class Device:
         self._launch("adam", flat[0].shape[0], *flat[:3], b1, b2, c1, c2, eps, *flat[3:])
         return m_out, v_out, d
 
-    def kick_drift(self, *args) -> None:
-        """``kick_drift_cpu``'s arguments (in place); raises the guard flag on non-finite outputs."""
-        self._launch("kick_drift", args[0].shape[0], *args, self.flag)
+    def kick_drift(self, args, sigma, phi_args):
+        """``kick_drift_cpu(*args, S, *phi_args)`` in place on the device; returns the new covariance
+        (``sigma`` itself when the drift is 0). Raises the guard flag on non-finite outputs."""
+        S = self.xp.empty_like(sigma) if args[7] != 0.0 else sigma
+        if not phi_args[4]:
+            phi_args = self.no_phi(args[0])
+        self._launch("kick_drift", args[0].shape[0], *args, S, *phi_args, self.flag)
+        return S
 
     def no_phi(self, like) -> tuple:
         """Frame arguments of ``kick_drift`` for a block without frames: unused (N, 3) stand-ins of the

@@ -25,8 +25,9 @@ import numpy as np
 import xarray as xr
 
 from ..config import ModelConfig
+from ..family import family_of
+from ..gaussian.geometry import gradient_flow_update, retract_spd, wrap_phi
 from .base import (
-    MOVABLE,
     Carry,
     Integrator,
     check_fields,
@@ -38,8 +39,8 @@ from .base import (
     state_arrays,
     with_arrays,
 )
-from .device import Device
 
+# retract_spd, wrap_phi and gradient_flow_update are the Gaussian geometry's, re-exported.
 __all__ = ["make_gradient_flow", "retract_spd", "wrap_phi", "gradient_flow_update"]
 
 MODES = {"natural": 0, "euclidean": 1, "adam": 2}
@@ -56,82 +57,11 @@ DEFAULTS = {
 _CACHE = "_vfesim_grads"
 
 
-def retract_spd(S: np.ndarray, G: np.ndarray, eta: float, mode: int) -> np.ndarray:
-    """Exponential-map retraction for a batch: S, G (N, K, K) -> (N, K, K), SPD.
-
-    A = S^-1/2 dS S^-1/2 with dS = -2 S G S (mode 0), -G (mode 1) or G (mode 2, G is the direction);
-    out = S^1/2 expm(eta A) S^1/2, evaluated as B B^T, B = S^1/2 U exp(eta a/2) with A = U diag(a) U^T.
-    """
-    w, V = np.linalg.eigh(S)
-    sq = np.sqrt(w)
-    H = (V * (sq if mode == 0 else 1.0 / sq)[:, None, :]) @ np.swapaxes(V, 1, 2)
-    coef = -2.0 * eta if mode == 0 else (-eta if mode == 1 else eta)
-    A = H @ G @ H
-    A = coef * (0.5 * (A + np.swapaxes(A, 1, 2)))
-    e, U = np.linalg.eigh(A)
-    Sh = (V * sq[:, None, :]) @ np.swapaxes(V, 1, 2)
-    B = (Sh @ U) * np.exp(0.5 * e)[:, None, :]
-    out = B @ np.swapaxes(B, 1, 2)
-    return 0.5 * (out + np.swapaxes(out, 1, 2))
-
-
-def wrap_phi(phi: np.ndarray) -> np.ndarray:
-    """Principal-ball representative (N, 3): |phi| > pi -> phi (|phi| - 2 pi)/|phi| (same rotation)."""
-    t = np.sqrt(np.einsum("na,na->n", phi, phi))
-    f = np.ones_like(t)
-    while (t > np.pi).any():
-        big = t > np.pi
-        tn = np.where(big, t - 2 * np.pi, t)
-        f = np.where(big, f * tn / np.where(big, t, 1.0), f)
-        t = np.abs(tn)
-    return phi * f[:, None]
-
-
-def gradient_flow_update(
-    arrays: dict[str, np.ndarray], direc: dict[str, np.ndarray], eta: np.ndarray, mode: int
-) -> dict[str, np.ndarray]:
-    """NumPy twin of ``vfesim_kernels.update_cpu.gradient_flow_update_cpu`` (same arguments, by field)."""
-    out = {}
-    for f, (m, s) in enumerate((("mu_q", "sigma_q"), ("mu_p", "sigma_p"))):
-        em, es = float(eta[2 * f]), float(eta[2 * f + 1])  # Python floats keep float32 states float32
-        mu, S = arrays[m], arrays[s]
-        if em == 0.0:
-            out[m] = mu
-        elif mode == 0:
-            out[m] = mu - em * np.einsum("nab,nb->na", S, direc[m])
-        elif mode == 1:
-            out[m] = mu - em * direc[m]
-        else:
-            out[m] = mu + em * direc[m]
-        out[s] = S if es == 0.0 else retract_spd(S, direc[s], es, mode)
-    ep = float(eta[4])
-    if ep == 0.0:
-        out["phi"] = arrays["phi"]
-    else:
-        sgn = 1.0 if mode == 2 else -1.0
-        out["phi"] = wrap_phi(arrays["phi"] + sgn * ep * direc["phi"])
-    return out
-
-
-def _update_numba(arrays, direc, eta, mode):
-    from vfesim_kernels.update_cpu import gradient_flow_update_cpu
-
-    out = {k: np.empty_like(arrays[k]) for k in MOVABLE}
-    c = np.ascontiguousarray
-    gradient_flow_update_cpu(
-        *(c(arrays[k]) for k in MOVABLE),
-        *(c(direc[k]) for k in MOVABLE),
-        np.asarray(eta, np.float64),
-        mode,
-        *(out[k] for k in MOVABLE),
-    )
-    return out
-
-
 def make_gradient_flow(
-    cfg: ModelConfig, dt: float, *, backend: str = "numpy", friction: float = 0.0, seed: int = 0, **options
+    cfg: ModelConfig, dt: float, *, backend, friction: float = 0.0, seed: int = 0, **options
 ) -> Integrator:
-    """Build the ``"gradient_flow"`` integrator; ``dt`` is the step size eta."""
+    """Build the ``"gradient_flow"`` integrator on a :class:`vfesim.backends.Backend`; ``dt`` is the step
+    size eta."""
     opt = check_options("gradient_flow", options, DEFAULTS)
     if opt["rule"] not in MODES:
         raise ValueError(
@@ -139,14 +69,17 @@ def make_gradient_flow(
         )
     if friction != 0.0:
         raise ValueError("method 'gradient_flow': friction applies to Hamiltonian methods only")
-    scale = {k: 1.0 for k in MOVABLE}
-    scale.update(check_fields("gradient_flow", "step_scale", opt["step_scale"], MOVABLE))
+    geo = family_of(cfg).geometry
+    fields = geo.MOVABLE
+    scale = {k: 1.0 for k in fields}
+    scale.update(check_fields("gradient_flow", "step_scale", opt["step_scale"], fields))
     if not opt["update_priors"]:
-        scale["mu_p"] = scale["sigma_p"] = 0.0
+        for k in geo.PRIORS:
+            scale[k] = 0.0
     if not opt["update_frames"]:
-        scale["phi"] = 0.0
-    eta = np.array([dt * scale[k] for k in MOVABLE], np.float64)
-    moving = tuple(k for k in MOVABLE if scale[k] != 0.0)
+        scale[geo.FRAME] = 0.0
+    eta = np.array([dt * scale[k] for k in fields], np.float64)
+    moving = tuple(k for k in fields if scale[k] != 0.0)
     mode = MODES[opt["rule"]]
     b1, b2, eps = float(opt["adam_beta1"]), float(opt["adam_beta2"]), float(opt["adam_eps"])
     if mode == 2 and not (0 <= b1 < 1 and 0 <= b2 < 1 and eps > 0):
@@ -154,8 +87,8 @@ def make_gradient_flow(
             "method 'gradient_flow': adam needs 0 <= adam_beta1, adam_beta2 < 1 and adam_eps > 0"
         )
     efn = energy_fn(cfg, backend, opt["energy"])
-    update = _update_numba if backend == "numba" else gradient_flow_update
-    dev = Device(cfg.K) if backend == "cuda" else None
+    ops = backend.updates(cfg.K)
+    dev = ops if backend.on_device else None
     eta_dev = dev.put(eta) if dev is not None else None
     aux_names = tuple(f"adam_{w}_{k}" for k in moving for w in ("m", "v")) if mode == 2 else ()
 
@@ -193,7 +126,7 @@ def make_gradient_flow(
                 )
                 aux[f"adam_m_{k}"], aux[f"adam_v_{k}"] = m, v
         new = dict(arrays)
-        new.update(dev.gradient_flow(arrays, direc, eta_dev, mode, MOVABLE))
+        new.update(dev.gradient_flow(arrays, direc, eta_dev, mode, fields))
         dev.prefetch()
         terms, grads = efn(new)
         dev.check(n, new, cfg, aux, terms)
@@ -216,7 +149,7 @@ def make_gradient_flow(
                 aux[f"adam_m_{k}"], aux[f"adam_v_{k}"] = m, v
                 direc[k] = -(m / (1 - b1**n)) / (np.sqrt(v / (1 - b2**n)) + eps)
         new = dict(arrays)
-        new.update(update(arrays, direc, eta, mode))
+        new.update(ops.gradient_flow(arrays, direc, eta, mode))
         guard_state(n, new, cfg, aux)
         terms, grads = efn(new)
         guard_terms(n, terms)

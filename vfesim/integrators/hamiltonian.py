@@ -3,7 +3,8 @@
 
 Phase space: unconstrained coordinates x = (mu_q, theta_q, phi[, mu_p, theta_p]) where theta is the
 log-Cholesky vector of Sigma = L L^T (T = K(K+1)/2 entries, row-major lower triangle, diagonal stored as
-log L_kk), momenta p of the same shapes. ``H = 1/2 p^T M^-1 p + F(x)``.
+log L_kk; the chart and the Fisher metric are the family's geometry, :mod:`vfesim.gaussian.geometry`),
+momenta p of the same shapes. ``H = 1/2 p^T M^-1 p + F(x)``.
 
 Constant mass (methods "symplectic_euler", "verlet", "ruth3", "pefrl"): M = diag of per-field masses. One
 composition stepper runs a table of (kick b_i, drift a_i) pairs: p -= b_i dt dF/dx, then
@@ -34,11 +35,23 @@ momenta are drawn on the host (the same draws as on the CPU backends) and upload
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xarray as xr
 
 from ..config import ModelConfig
+from ..family import family_of
+from ..gaussian.geometry import (
+    fisher_kinetic_theta_grad,
+    fisher_metric_theta,
+    kick_drift,
+    sigma_to_theta,
+    theta_grad,
+    theta_to_L,
+    theta_to_sigma,
+)
 from ..state import validate_state
 from .base import (
     Carry,
@@ -53,7 +66,7 @@ from .base import (
     state_arrays,
     with_arrays,
 )
-from .device import Device, host_array
+from .device import host_array
 
 __all__ = [
     "SCHEMES",
@@ -89,7 +102,6 @@ SCHEMES: dict[str, tuple[int, tuple[tuple[float, float], ...]]] = {
         ),
     ),
 }
-FIELDS = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
 DEFAULTS = {
     "mass": None,
     "momenta": "random",
@@ -101,158 +113,46 @@ RIEMANN_DEFAULTS = {**DEFAULTS, "fixed_point_tol": 1e-12, "fixed_point_max_iter"
 _CACHE = "_vfesim_force"
 
 
-# --- log-Cholesky coordinates --------------------------------------------------------------------
-def _tril(K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    r, c = np.tril_indices(K)
-    return r, c, np.flatnonzero(r == c)
+# --- set-up shared by every scheme ----------------------------------------------------------------
+@dataclass(frozen=True)
+class _Setup:
+    """Validated options and derived quantities of one Hamiltonian integrator."""
+
+    method: str
+    cfg: ModelConfig
+    dt: float
+    opt: dict
+    mass: dict
+    inv_m: dict
+    blocks: tuple  # (mean, covariance) pairs in the phase space; the frame moves with the first
+    frame: str | None  # the frame variable when frames move
+    efn: Any
+    ops: Any  # the backend's update operations
+    dev: Any  # ops when the backend keeps arrays on a device, else None
+    damp: float  # exp(-gamma dt / 2)
+    theta_names: tuple
+    p_names: tuple
+
+    @property
+    def aux_names(self) -> tuple:
+        return self.theta_names + self.p_names
+
+    @property
+    def K(self) -> int:
+        return self.cfg.K
+
+    def frame_of(self, m: str) -> bool:
+        """Whether the frame moves with the block whose mean is ``m``."""
+        return self.frame is not None and m == self.blocks[0][0]
 
 
-def theta_to_L(theta: np.ndarray, K: int) -> np.ndarray:
-    """theta (N, T) -> lower-triangular L (N, K, K) with L_kk = exp(theta_kk)."""
-    r, c, d = _tril(K)
-    L = np.zeros(theta.shape[:1] + (K, K), theta.dtype)
-    L[:, r, c] = theta
-    L[:, r[d], c[d]] = np.exp(theta[:, d])
-    return L
-
-
-def theta_to_sigma(theta: np.ndarray, K: int) -> np.ndarray:
-    """Sigma = L L^T (N, K, K) from theta (N, T)."""
-    L = theta_to_L(theta, K)
-    S = L @ np.swapaxes(L, 1, 2)
-    return 0.5 * (S + np.swapaxes(S, 1, 2))
-
-
-def sigma_to_theta(S: np.ndarray) -> np.ndarray:
-    """theta (N, T) of an SPD batch S (N, K, K) (Cholesky, log of the diagonal)."""
-    K = S.shape[-1]
-    r, c, d = _tril(K)
-    theta = np.linalg.cholesky(S)[:, r, c]
-    theta[:, d] = np.log(theta[:, d])
-    return theta
-
-
-def theta_grad(G: np.ndarray, L: np.ndarray) -> np.ndarray:
-    """dF/dtheta (N, T) from the symmetric G = dF/dSigma (N, K, K): dF/dL = 2 G L (lower part),
-    times L_kk on the log-diagonal (dL_kk = L_kk dtheta_kk)."""
-    K = L.shape[-1]
-    r, c, d = _tril(K)
-    out = (2.0 * (G @ L))[:, r, c]
-    out[:, d] *= L[:, r[d], c[d]]
-    return out
-
-
-def kick_drift(
-    x_mu, x_theta, p_mu, p_theta, g_mu, g_sigma, kick, drift, inv_m_mu, inv_m_theta,
-    x_phi=None, p_phi=None, g_phi=None, inv_m_phi=1.0, do_phi=False,
-):  # fmt: skip
-    """NumPy twin of ``vfesim_kernels.update_cpu.kick_drift_cpu``: in place on x and p; returns the new
-    Sigma (N, K, K) after a drift, else None."""
-    K = x_mu.shape[1]
-    if kick != 0.0:
-        p_mu -= kick * g_mu
-        p_theta -= kick * theta_grad(g_sigma, theta_to_L(x_theta, K))
-        if do_phi:
-            p_phi -= kick * g_phi
-    if drift == 0.0:
-        return None
-    x_mu += (drift * inv_m_mu) * p_mu
-    x_theta += (drift * inv_m_theta) * p_theta
-    if do_phi:
-        x_phi += (drift * inv_m_phi) * p_phi
-    return theta_to_sigma(x_theta, K)
-
-
-# --- Fisher metric in log-Cholesky coordinates ----------------------------------------------------
-def _fisher_columns(L: np.ndarray) -> np.ndarray:
-    """C (N, T, K, K): A = L^-1 dL = sum_a v_a C_a, C_a = L^-1 E_a with E_a = e_k e_l^T (l < k) or
-    L_kk e_k e_k^T (diagonal)."""
-    N, K, _ = L.shape
-    r, c, d = _tril(K)
-    Linv = np.linalg.inv(L)
-    C = np.zeros((N, r.size, K, K), L.dtype)
-    for a, (k, l) in enumerate(zip(r, c, strict=True)):
-        C[:, a, :, l] = Linv[:, :, k] * (L[:, k, k][:, None] if k == l else 1.0)
-    return C
-
-
-def _weights(K: int, dtype) -> np.ndarray:
-    W = np.tril(np.ones((K, K), dtype)) + np.eye(K, dtype=dtype)
-    return W
-
-
-def fisher_metric_theta(L: np.ndarray) -> np.ndarray:
-    """g (N, T, T) with v^T g v = 1/2 tr(Sigma^-1 dS Sigma^-1 dS) = sum_{k>l} A_kl^2 + 2 sum_k A_kk^2,
-    A = L^-1 dL (lower triangular), dL the image of the coordinate velocity v."""
-    C = _fisher_columns(L)
-    W = _weights(L.shape[-1], L.dtype)
-    return np.einsum("nakl,kl,nbkl->nab", C, W, C)
-
-
-def fisher_kinetic_theta_grad(L: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """d/dtheta of f(theta; v) = v^T g(theta) v at fixed velocity v (N, T) -> (N, T).
-
-    With A = L^-1 Ldot (Ldot: off-diagonal v_kl, diagonal L_kk v_kk) and B = W o A (W = 2 on the diagonal,
-    1 below): df = 2<B, dA>, dA = -L^-1 dL A + L^-1 dLdot, so df/dL = -2 L^-T B A^T and
-    df/dLdot = 2 L^-T B; dL_kk = L_kk dtheta_kk, dLdot_kk = L_kk v_kk dtheta_kk, dL_kl = dtheta_kl.
-    """
-    K = L.shape[-1]
-    r, c, d = _tril(K)
-    Ld = np.zeros_like(L)
-    Ld[:, r, c] = v
-    Ld[:, r[d], c[d]] = L[:, r[d], c[d]] * v[:, d]
-    Linv = np.linalg.inv(L)
-    A = np.tril(Linv @ Ld)
-    B = _weights(K, L.dtype) * A
-    LiB = np.swapaxes(Linv, 1, 2) @ B
-    gL = -2.0 * (LiB @ np.swapaxes(A, 1, 2))
-    out = gL[:, r, c]
-    Lkk = L[:, r[d], c[d]]
-    out[:, d] = out[:, d] * Lkk + 2.0 * LiB[:, r[d], c[d]] * Lkk * v[:, d]
-    return out
-
-
-# --- integrators ---------------------------------------------------------------------------------
-def _blocks(opt) -> tuple[tuple[str, str], ...]:
-    return (("mu_q", "sigma_q"),) + ((("mu_p", "sigma_p"),) if opt["update_priors"] else ())
-
-
-def _momentum_names(blocks, frames: bool) -> tuple[str, ...]:
-    names = []
-    for m, s in blocks:
-        names += [f"p_{m}", f"p_{s}"]
-        if frames and m == "mu_q":
-            names.append("p_phi")
-    return tuple(names)
-
-
-def _sq(a: np.ndarray) -> float:
-    # einsum, not vdot: a BLAS dot wakes BLAS threads, which costs milliseconds on a busy machine.
-    a = a.reshape(-1)
-    return float(np.einsum("i,i->", a, a))
-
-
-def _kinetic_const(aux, inv_m) -> float:
-    return sum(0.5 * inv_m[k[2:]] * _sq(aux[k]) for k in aux if k.startswith("p_"))
-
-
-def make_hamiltonian(
-    method: str,
-    cfg: ModelConfig,
-    dt: float,
-    *,
-    backend: str = "numpy",
-    friction: float = 0.0,
-    seed: int = 0,
-    **options,
-) -> Integrator:
-    """Build a Hamiltonian integrator (a scheme of :data:`SCHEMES` or ``"riemannian_leapfrog"``)."""
+def _setup(method: str, cfg: ModelConfig, dt: float, backend, friction: float, options) -> _Setup:
     riemann = method == "riemannian_leapfrog"
     opt = check_options(method, options, RIEMANN_DEFAULTS if riemann else DEFAULTS)
-    if riemann and backend == "cuda":
+    if riemann and backend.on_device:
         raise ValueError(
-            "method 'riemannian_leapfrog' runs on the 'numpy' and 'numba' backends only, not 'cuda' "
-            "(use a constant-mass scheme: symplectic_euler, verlet, ruth3, pefrl)"
+            f"method 'riemannian_leapfrog' runs on the 'numpy' and 'numba' backends only, not "
+            f"{backend.name!r} (use a constant-mass scheme: symplectic_euler, verlet, ruth3, pefrl)"
         )
     friction = float(friction)
     if not (math.isfinite(friction) and friction >= 0):
@@ -261,182 +161,190 @@ def make_hamiltonian(
         raise ValueError(
             f"method {method!r}: option 'momenta' must be 'random' or 'zero', got {opt['momenta']!r}"
         )
-    mass = {k: 1.0 for k in FIELDS}
-    mass.update(check_fields(method, "mass", opt["mass"], FIELDS))
+    geo = family_of(cfg).geometry
+    mass = {k: 1.0 for k in geo.MOVABLE}
+    mass.update(check_fields(method, "mass", opt["mass"], geo.MOVABLE))
     if any(v <= 0 for v in mass.values()):
         raise ValueError(f"method {method!r}: masses must be > 0, got {mass}")
-    inv_m = {k: 1.0 / v for k, v in mass.items()}
-    blocks = _blocks(opt)
-    frames = bool(opt["update_frames"])
-    K = cfg.K
-    efn = energy_fn(cfg, backend, opt["energy"])
-    numba = backend == "numba"
-    dev = Device(K) if backend == "cuda" else None
-    damp = math.exp(-0.5 * friction * dt)
-    theta_names = tuple(f"theta_{s}" for _, s in blocks)
-    p_names = _momentum_names(blocks, frames)
-    aux_names = theta_names + p_names
     if riemann:
         tol, max_iter = float(opt["fixed_point_tol"]), int(opt["fixed_point_max_iter"])
         if not (tol > 0 and max_iter >= 1):
             raise ValueError(f"method {method!r}: need fixed_point_tol > 0 and fixed_point_max_iter >= 1")
-    else:
-        table = SCHEMES[method][1]
+    blocks = geo.BLOCKS if opt["update_priors"] else geo.BLOCKS[:1]
+    frame = geo.FRAME if opt["update_frames"] else None
+    p_names = []
+    for m, s in blocks:
+        p_names += [f"p_{m}", f"p_{s}"]
+        if frame is not None and m == blocks[0][0]:
+            p_names.append(f"p_{frame}")
+    ops = backend.updates(cfg.K)
+    return _Setup(
+        method=method,
+        cfg=cfg,
+        dt=dt,
+        opt=opt,
+        mass=mass,
+        inv_m={k: 1.0 / v for k, v in mass.items()},
+        blocks=blocks,
+        frame=frame,
+        efn=energy_fn(cfg, backend, opt["energy"]),
+        ops=ops,
+        dev=ops if backend.on_device else None,
+        damp=math.exp(-0.5 * friction * dt),
+        theta_names=tuple(f"theta_{s}" for _, s in blocks),
+        p_names=tuple(p_names),
+    )
 
-    def to_sigma(theta):
-        if dev is not None:
-            return dev.theta_to_sigma(dev.put(theta))
-        if numba:
-            from vfesim_kernels.update_cpu import theta_to_sigma_cpu
 
-            out = np.empty(theta.shape[:1] + (K, K), theta.dtype)
-            theta_to_sigma_cpu(np.ascontiguousarray(theta), K, out)
-            return out
-        return theta_to_sigma(theta, K)
+def _sq(a: np.ndarray) -> float:
+    # einsum, not vdot: a BLAS dot wakes BLAS threads, which costs milliseconds on a busy machine.
+    a = a.reshape(-1)
+    return float(np.einsum("i,i->", a, a))
 
-    def kinetic(aux) -> float:
-        if dev is not None and not dev.sim:  # one transfer for all momenta
-            names = [k for k in aux if k.startswith("p_")]
-            return dev.sum_squares([aux[k] for k in names], [0.5 * inv_m[k[2:]] for k in names])
-        if not riemann:
-            return _kinetic_const(aux, inv_m)
-        return _kinetic_riemann(aux)
 
-    # Riemannian kinetic energy: 1/2 p_mu^T Sigma p_mu / m_mu + 1/2 p_th^T g^-1 p_th / m_th + |p_phi|^2/2m.
-    def _kinetic_riemann(aux) -> float:
-        out = 0.0
-        for m, s in blocks:
-            L = theta_to_L(aux[f"theta_{s}"], K)
-            S = L @ np.swapaxes(L, 1, 2)
-            pm, pt = aux[f"p_{m}"], aux[f"p_{s}"]
-            out += 0.5 * inv_m[m] * float(np.einsum("na,nab,nb->", pm, S, pm))
-            v = np.linalg.solve(fisher_metric_theta(L), pt[..., None])[..., 0]
-            out += 0.5 * inv_m[s] * float(np.einsum("na,na->", pt, v))
-        if frames:
-            out += 0.5 * inv_m["phi"] * _sq(aux["p_phi"])
-        return out
+def _kinetic_const(c: _Setup, aux) -> float:
+    return sum(0.5 * c.inv_m[k[2:]] * _sq(aux[k]) for k in aux if k.startswith("p_"))
 
-    def _carry(state, step, aux, eterms, grads, rng_state):
-        kin = kinetic(aux)
-        terms = dict(eterms)
-        terms["kinetic"] = kin
-        terms["hamiltonian"] = eterms["total"] + kin
-        c = Carry(state, step, aux, terms, rng_state)
-        object.__setattr__(c, _CACHE, (eterms, grads))  # force at `state`, recomputed by restore
-        return c
 
-    restore = make_restore(method, cfg, aux_names, dev, efn, _carry)
+def _kinetic_riemann(c: _Setup, aux) -> float:
+    """1/2 p_mu^T Sigma p_mu / m_mu + 1/2 p_th^T g^-1 p_th / m_th + |p_phi|^2 / 2 m_phi."""
+    out = 0.0
+    for m, s in c.blocks:
+        L = theta_to_L(aux[f"theta_{s}"], c.K)
+        S = L @ np.swapaxes(L, 1, 2)
+        pm, pt = aux[f"p_{m}"], aux[f"p_{s}"]
+        out += 0.5 * c.inv_m[m] * float(np.einsum("na,nab,nb->", pm, S, pm))
+        v = np.linalg.solve(fisher_metric_theta(L), pt[..., None])[..., 0]
+        out += 0.5 * c.inv_m[s] * float(np.einsum("na,na->", pt, v))
+    if c.frame is not None:
+        out += 0.5 * c.inv_m[c.frame] * _sq(aux[f"p_{c.frame}"])
+    return out
+
+
+def _make_init(c: _Setup, seed: int, restore, riemann: bool):
+    """``init(state)``: log-Cholesky coordinates and initial momenta (p ~ N(0, M), or zero)."""
+    role = {}  # momentum name -> (variable, "mean" | "cov" | "frame", the block's covariance)
+    for m, s in c.blocks:
+        role[f"p_{m}"] = (m, "mean", s)
+        role[f"p_{s}"] = (s, "cov", s)
+    if c.frame is not None:
+        role[f"p_{c.frame}"] = (c.frame, "frame", None)
 
     def init(state: xr.Dataset) -> Carry:
-        validate_state(state, cfg)
+        validate_state(state, c.cfg)
         rng = np.random.default_rng(seed)
         aux, new = {}, {}
-        dtype = state["mu_q"].dtype
-        for _, s in blocks:
+        dtype = state[c.blocks[0][0]].dtype
+        for _, s in c.blocks:
             th = sigma_to_theta(host_array(state[s].data))
             aux[f"theta_{s}"] = th
-            new[s] = to_sigma(th)
-        for name in p_names:
-            field = name[2:]
-            shape = aux[f"theta_{field}"].shape if field.startswith("sigma") else state[field].shape
-            if opt["momenta"] == "zero":
+            new[s] = c.ops.theta_to_sigma(c.dev.put(th) if c.dev is not None else th)
+        for name in c.p_names:
+            field, kind, cov = role[name]
+            shape = aux[f"theta_{field}"].shape if kind == "cov" else state[field].shape
+            if c.opt["momenta"] == "zero":
                 aux[name] = np.zeros(shape, dtype)
                 continue
             z = rng.standard_normal(shape)
-            if riemann and field.startswith("mu"):
-                L = np.linalg.cholesky(np.asarray(state["sigma" + field[2:]].data, np.float64))
+            if riemann and kind == "mean":
+                L = np.linalg.cholesky(np.asarray(state[cov].data, np.float64))
                 z = np.linalg.solve(np.swapaxes(L, 1, 2), z[..., None])[..., 0]  # cov L^-T L^-1 = Sigma^-1
-            elif riemann and field.startswith("sigma"):
-                g = fisher_metric_theta(theta_to_L(aux[f"theta_{field}"].astype(np.float64), K))
+            elif riemann and kind == "cov":
+                g = fisher_metric_theta(theta_to_L(aux[f"theta_{field}"].astype(np.float64), c.K))
                 z = (np.linalg.cholesky(g) @ z[..., None])[..., 0]
-            aux[name] = (math.sqrt(mass[field]) * z).astype(dtype)
+            aux[name] = (math.sqrt(c.mass[field]) * z).astype(dtype)
         return restore(with_arrays(state, new), 0, aux, rng.bit_generator.state)
 
-    def _eval(n, arrays, aux):
-        if dev is not None:
-            dev.prefetch()
-            eterms, grads = efn(arrays)
-            dev.check(n, arrays, cfg, aux, eterms)
-            return eterms, grads
-        guard_state(n, arrays, cfg, aux)
-        eterms, grads = efn(arrays)
-        guard_terms(n, eterms)
-        return eterms, grads
+    return init
 
-    def _step_const(carry: Carry) -> Carry:
+
+def _evaluate(c: _Setup, n: int, arrays, aux):
+    """Energy and force at ``arrays`` with the guard of SPEC §5 (on the device without a round trip)."""
+    if c.dev is not None:
+        c.dev.prefetch()
+        eterms, grads = c.efn(arrays)
+        c.dev.check(n, arrays, c.cfg, aux, eterms)
+        return eterms, grads
+    guard_state(n, arrays, c.cfg, aux)
+    eterms, grads = c.efn(arrays)
+    guard_terms(n, eterms)
+    return eterms, grads
+
+
+# --- constant mass: composition schemes -----------------------------------------------------------
+def _make_const_step(c: _Setup, table, make_carry):
+    """One step of a (kick b_i, drift a_i) composition with conformal friction around it."""
+    dt, fr = c.dt, c.frame
+
+    def _step(carry: Carry) -> Carry:
         cached = getattr(carry, _CACHE, None)
         arrays = state_arrays(carry.state)
-        eterms, grads = cached if cached is not None else efn(arrays)
+        eterms, grads = cached if cached is not None else c.efn(arrays)
         n = carry.step + 1
-        aux = {k: carry.aux[k].copy() for k in aux_names}
-        x = {k: arrays[k].copy() for m, _ in blocks for k in (m,)}
-        if frames:
-            x["phi"] = arrays["phi"].copy()
-        if damp != 1.0:
-            for k in p_names:
-                aux[k] *= damp
-        if dev is not None:
-            dev.reset()
+        aux = {k: carry.aux[k].copy() for k in c.aux_names}
+        x = {m: arrays[m].copy() for m, _ in c.blocks}
+        if fr is not None:
+            x[fr] = arrays[fr].copy()
+        if c.damp != 1.0:
+            for k in c.p_names:
+                aux[k] *= c.damp
+        if c.dev is not None:
+            c.dev.reset()
         valid = True
         for kick, drift in table:
             if kick != 0.0 and not valid:
-                eterms, grads = _eval(n, arrays, aux)
+                eterms, grads = _evaluate(c, n, arrays, aux)
                 valid = True
-            for m, s in blocks:
-                do_phi = frames and m == "mu_q"
+            for m, s in c.blocks:
+                do_phi = c.frame_of(m)
                 args = (
                     x[m], aux[f"theta_{s}"], aux[f"p_{m}"], aux[f"p_{s}"], grads[m], grads[s],
-                    kick * dt, drift * dt, inv_m[m], inv_m[s],
+                    kick * dt, drift * dt, c.inv_m[m], c.inv_m[s],
                 )  # fmt: skip
                 phi_args = (
-                    (x["phi"], aux["p_phi"], grads["phi"], inv_m["phi"], True)
+                    (x[fr], aux[f"p_{fr}"], grads[fr], c.inv_m[fr], True)
                     if do_phi
                     else (None, None, None, 1.0, False)
                 )
-                if dev is not None:
-                    S = dev.xp.empty_like(arrays[s]) if drift != 0.0 else arrays[s]
-                    ph = phi_args if do_phi else dev.no_phi(x[m])
-                    dev.kick_drift(*args, S, *ph)
-                elif numba:
-                    from vfesim_kernels.update_cpu import kick_drift_cpu
-
-                    S = np.empty_like(arrays[s]) if drift != 0.0 else arrays[s]
-                    ph = phi_args if do_phi else (x[m][:, :0], x[m][:, :0], x[m][:, :0], 1.0, False)
-                    kick_drift_cpu(*args, S, *ph)
-                else:
-                    S = kick_drift(*args, *phi_args)
+                S = c.ops.kick_drift(args, arrays[s], phi_args)
                 if drift != 0.0:
                     arrays = dict(arrays)
                     arrays[m], arrays[s] = x[m], S
                     if do_phi:
-                        arrays["phi"] = x["phi"]
+                        arrays[fr] = x[fr]
                     x[m] = x[m].copy()  # the dict now owns the old buffer: later drifts write a new one
                     if do_phi:
-                        x["phi"] = x["phi"].copy()
+                        x[fr] = x[fr].copy()
             if drift != 0.0:
                 valid = False
         if not valid:
-            eterms, grads = _eval(n, arrays, aux)
-        if damp != 1.0:
-            for k in p_names:
-                aux[k] *= damp
-        if dev is None:
-            guard_state(n, arrays, cfg, aux)
-        out = _carry(with_arrays(carry.state, arrays), n, aux, eterms, grads, carry.rng_state)
-        if dev is not None:  # the last kick came after the last check: non-finite momenta show here
-            dev.check(n, arrays, cfg, aux, out.terms)
+            eterms, grads = _evaluate(c, n, arrays, aux)
+        if c.damp != 1.0:
+            for k in c.p_names:
+                aux[k] *= c.damp
+        if c.dev is None:
+            guard_state(n, arrays, c.cfg, aux)
+        out = make_carry(with_arrays(carry.state, arrays), n, aux, eterms, grads, carry.rng_state)
+        if c.dev is not None:  # the last kick came after the last check: non-finite momenta show here
+            c.dev.check(n, arrays, c.cfg, aux, out.terms)
         return out
 
-    def step_riemann(carry: Carry) -> Carry:
+    def step(carry: Carry) -> Carry:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # the guard reports instead
-            return _riemann_step(carry)
+            return _step(carry)
 
-    def step_const(carry: Carry) -> Carry:
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            return _step_const(carry)
+    return step
+
+
+# --- Riemannian (Fisher) mass: generalized leapfrog ----------------------------------------------
+def _make_riemann_step(c: _Setup, make_carry):
+    """One generalized-leapfrog step (Girolami & Calderhead 2011, eq. 16-18) with friction around it."""
+    h, K, fr = c.dt, c.K, c.frame
+    inv_m, mass = c.inv_m, c.mass
+    tol, max_iter = float(c.opt["fixed_point_tol"]), int(c.opt["fixed_point_max_iter"])
 
     def _dHdx_kin(aux_th, p_mu, p_th, s_block):
-        """(dK/dtheta, velocity v_theta, Sigma) for one block at theta with momenta (p_mu, p_th)."""
+        """(dK/dtheta, velocity v_theta, L) for one block at theta with momenta (p_mu, p_th)."""
         m, s = s_block
         L = theta_to_L(aux_th, K)
         g = fisher_metric_theta(L)
@@ -447,19 +355,26 @@ def make_hamiltonian(
         dk = theta_grad(Gk, L) - 0.5 * mass[s] * fisher_kinetic_theta_grad(L, v)
         return dk, v, L
 
-    def _riemann_step(carry: Carry) -> Carry:
+    def _not_converged(n, name, what, err):
+        return DynamicsError(
+            n,
+            name,
+            f"generalized leapfrog {what} fixed point not converged "
+            f"after {max_iter} iterations (change {err:.3g}, tol {tol:.3g}); reduce dt",
+        )
+
+    def _step(carry: Carry) -> Carry:
         cached = getattr(carry, _CACHE, None)
         arrays = dict(state_arrays(carry.state))
-        _, grads = cached if cached is not None else efn(arrays)
+        _, grads = cached if cached is not None else c.efn(arrays)
         n = carry.step + 1
-        h = dt
-        aux = {k: carry.aux[k].copy() for k in aux_names}
-        if damp != 1.0:
-            for k in p_names:
-                aux[k] *= damp
+        aux = {k: carry.aux[k].copy() for k in c.aux_names}
+        if c.damp != 1.0:
+            for k in c.p_names:
+                aux[k] *= c.damp
 
         def half_kick(grads):
-            for m, s in blocks:
+            for m, s in c.blocks:
                 th = aux[f"theta_{s}"]
                 L = theta_to_L(th, K)
                 aux[f"p_{m}"] = aux[f"p_{m}"] - 0.5 * h * grads[m]
@@ -473,27 +388,22 @@ def make_hamiltonian(
                     if err <= tol * (1.0 + np.abs(pt).max()):
                         break
                     if it == max_iter:
-                        raise DynamicsError(
-                            n,
-                            f"p_{s}",
-                            f"generalized leapfrog momentum fixed point not converged "
-                            f"after {max_iter} iterations (change {err:.3g}, tol {tol:.3g}); reduce dt",
-                        )
+                        raise _not_converged(n, f"p_{s}", "momentum", err)
                 aux[f"p_{s}"] = pt
-            if frames:
-                aux["p_phi"] = aux["p_phi"] - 0.5 * h * grads["phi"]
+            if fr is not None:
+                aux[f"p_{fr}"] = aux[f"p_{fr}"] - 0.5 * h * grads[fr]
 
         def explicit_half_kick(grads):
-            for m, s in blocks:
+            for m, s in c.blocks:
                 th = aux[f"theta_{s}"]
                 dk, _, L = _dHdx_kin(th, aux[f"p_{m}"], aux[f"p_{s}"], (m, s))
                 aux[f"p_{m}"] = aux[f"p_{m}"] - 0.5 * h * grads[m]
                 aux[f"p_{s}"] = aux[f"p_{s}"] - 0.5 * h * (theta_grad(grads[s], L) + dk)
-            if frames:
-                aux["p_phi"] = aux["p_phi"] - 0.5 * h * grads["phi"]
+            if fr is not None:
+                aux[f"p_{fr}"] = aux[f"p_{fr}"] - 0.5 * h * grads[fr]
 
         half_kick(grads)
-        for m, s in blocks:
+        for m, s in c.blocks:
             th0 = aux[f"theta_{s}"]
             pm, pt = aux[f"p_{m}"], aux[f"p_{s}"]
             _, v0, L0 = _dHdx_kin(th0, pm, pt, (m, s))
@@ -506,25 +416,63 @@ def make_hamiltonian(
                 if err <= tol * (1.0 + np.abs(th).max()):
                     break
                 if it == max_iter:
-                    raise DynamicsError(
-                        n,
-                        f"theta_{s}",
-                        f"generalized leapfrog position fixed point not converged "
-                        f"after {max_iter} iterations (change {err:.3g}, tol {tol:.3g}); reduce dt",
-                    )
+                    raise _not_converged(n, f"theta_{s}", "position", err)
             S0 = L0 @ np.swapaxes(L0, 1, 2)
             S1 = theta_to_sigma(th, K)
             arrays[m] = arrays[m] + (0.5 * h * inv_m[m]) * np.einsum("nab,nb->na", S0 + S1, pm)
             aux[f"theta_{s}"] = th
             arrays[s] = S1
-        if frames:
-            arrays["phi"] = arrays["phi"] + (h * inv_m["phi"]) * aux["p_phi"]
-        eterms, grads = _eval(n, arrays, aux)
+        if fr is not None:
+            arrays[fr] = arrays[fr] + (h * inv_m[fr]) * aux[f"p_{fr}"]
+        eterms, grads = _evaluate(c, n, arrays, aux)
         explicit_half_kick(grads)
-        if damp != 1.0:
-            for k in p_names:
-                aux[k] *= damp
-        guard_state(n, arrays, cfg, aux)
-        return _carry(with_arrays(carry.state, arrays), n, aux, eterms, grads, carry.rng_state)
+        if c.damp != 1.0:
+            for k in c.p_names:
+                aux[k] *= c.damp
+        guard_state(n, arrays, c.cfg, aux)
+        return make_carry(with_arrays(carry.state, arrays), n, aux, eterms, grads, carry.rng_state)
 
-    return Integrator(method, init, step_riemann if riemann else step_const, restore)
+    def step(carry: Carry) -> Carry:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # the guard reports instead
+            return _step(carry)
+
+    return step
+
+
+def make_hamiltonian(
+    method: str,
+    cfg: ModelConfig,
+    dt: float,
+    *,
+    backend,
+    friction: float = 0.0,
+    seed: int = 0,
+    **options,
+) -> Integrator:
+    """Build a Hamiltonian integrator (a scheme of :data:`SCHEMES` or ``"riemannian_leapfrog"``) on a
+    :class:`vfesim.backends.Backend`."""
+    riemann = method == "riemannian_leapfrog"
+    c = _setup(method, cfg, dt, backend, friction, options)
+
+    def kinetic(aux) -> float:
+        if c.dev is not None and not c.dev.sim:  # one transfer for all momenta
+            names = [k for k in aux if k.startswith("p_")]
+            return c.dev.sum_squares([aux[k] for k in names], [0.5 * c.inv_m[k[2:]] for k in names])
+        return _kinetic_riemann(c, aux) if riemann else _kinetic_const(c, aux)
+
+    def make_carry(state, step, aux, eterms, grads, rng_state):
+        kin = kinetic(aux)
+        terms = dict(eterms)
+        terms["kinetic"] = kin
+        terms["hamiltonian"] = eterms["total"] + kin
+        carry = Carry(state, step, aux, terms, rng_state)
+        object.__setattr__(carry, _CACHE, (eterms, grads))  # force at `state`, recomputed by restore
+        return carry
+
+    restore = make_restore(method, cfg, c.aux_names, c.dev, c.efn, make_carry)
+    init = _make_init(c, seed, restore, riemann)
+    if riemann:
+        step = _make_riemann_step(c, make_carry)
+    else:
+        step = _make_const_step(c, SCHEMES[method][1], make_carry)
+    return Integrator(method, init, step, restore)

@@ -3,14 +3,15 @@
 Layout of ``RUN.zarr``::
 
     zarr.json                 root group; attrs: format, scenario (JSON), model_config (JSON),
-                              vfesim_version, dtype, backend, status
-    mu_q, sigma_q, mu_p,      (time, agent, ...) trajectory arrays, preallocated for the whole run
-    sigma_p, phi
+                              agent_family, trajectory_variables (JSON), vfesim_version, dtype,
+                              backend, status
+    <trajectory variables>    (time, agent, ...) arrays of the family's moving variables (Gaussian:
+                              mu_q, sigma_q, mu_p, sigma_p, phi), preallocated for the whole run
     system_free_energy,       (time,) energy terms of each saved frame
     system_energy_<term>
     saved                     (time,) bool, True once a frame is written (fill value False)
     time, step                coordinates: physical time (step * dt) and integer step of each frame
-    obs                       (agent, obs_dim) observations, when the model has them
+    <other state variables>   written once (Gaussian: obs (agent, obs_dim), when the model has them)
     checkpoints/step-<12 digits>/   full state + ``aux__<name>`` integrator arrays; attrs: step,
                               rng_state, terms, scenario, vfesim_version, backend, frames_saved
 
@@ -38,12 +39,13 @@ import xarray as xr
 import zarr
 
 from .._version import __version__
-from ..state import STATE_DIMS
+from ..family import family_named
 
-__all__ = ["StoreError", "RunStore", "Checkpoint", "FORMAT", "TRAJ_STATE", "term_var"]
+__all__ = ["StoreError", "RunStore", "Checkpoint", "FORMAT", "term_var"]
 
 FORMAT = "vfesim-run/1"
-TRAJ_STATE = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
+# Trajectory variables of stores written before the attribute existed (all Gaussian).
+_LEGACY_TRAJECTORY = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
 _CKPT = re.compile(r"^step-(\d{12})$")
 log = logging.getLogger("vfesim")
 
@@ -80,6 +82,7 @@ class RunStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.ckpt_dir = self.path / "checkpoints"
+        self._dims: dict[str, tuple[str, ...]] | None = None
 
     # --- creation ----------------------------------------------------------------------------
     @staticmethod
@@ -115,6 +118,7 @@ class RunStore:
         state: xr.Dataset,
         terms: list[str],
         *,
+        trajectory: tuple[str, ...],
         n_frames: int,
         save_every: int,
         dt: float,
@@ -122,7 +126,8 @@ class RunStore:
         attrs: dict,
         overwrite: bool = False,
     ) -> RunStore:
-        """Preallocate the trajectory (metadata only) and an empty checkpoints group.
+        """Preallocate the trajectory of the variables ``trajectory`` (metadata only; the other variables
+        of ``state`` are written once) and an empty checkpoints group.
 
         The store is built at a hidden temporary path beside ``path``; :meth:`publish` moves it into
         place, so a run killed before its first checkpoint leaves no half-made store behind.
@@ -135,12 +140,13 @@ class RunStore:
             "time": ("time", steps * dt, {"units": "model time (step * dt)"}),
             "step": ("time", steps),
         }
-        data = {"obs": (STATE_DIMS["obs"], state["obs"].values)} if "obs" in state else {}
-        base = xr.Dataset(data, coords=coords, attrs={"format": FORMAT, "status": "created", **attrs})
+        data = {k: (state[k].dims, state[k].values) for k in state.data_vars if k not in trajectory}
+        meta = {"format": FORMAT, "status": "created", "trajectory_variables": json.dumps(list(trajectory))}
+        base = xr.Dataset(data, coords=coords, attrs={**meta, **attrs})
         # Time-indexed arrays: metadata only (no chunk is written until a frame is), fill NaN.
         arrays = {
             k: ((n_frames, *state[k].shape), ("time", *state[k].dims), state[k].dtype, np.nan)
-            for k in TRAJ_STATE
+            for k in trajectory
         }
         for t in terms:
             arrays[term_var(t)] = ((n_frames,), ("time",), np.float64, np.nan)
@@ -190,6 +196,17 @@ class RunStore:
         """Update root attrs (the root zarr.json is replaced atomically by the local store)."""
         zarr.open_group(self.path, mode="r+", zarr_format=3).attrs.update(attrs)
 
+    def trajectory(self) -> dict[str, tuple[str, ...]]:
+        """Trajectory variable -> its dims without ``time`` (read once from the store)."""
+        if self._dims is None:
+            names = self.attrs.get("trajectory_variables")
+            names = json.loads(names) if names else _LEGACY_TRAJECTORY
+            self._dims = {
+                k: tuple(zarr.open_array(self.path / k, mode="r", zarr_format=3).metadata.dimension_names[1:])
+                for k in names
+            }
+        return self._dims
+
     def n_frames(self) -> int:
         return zarr.open_array(self.path / "saved", mode="r", zarr_format=3).shape[0]
 
@@ -217,9 +234,10 @@ class RunStore:
         if not frames:
             return
         n = len(frames)
-        data = {k: (("time", *STATE_DIMS[k]), np.stack([f[k] for f in frames])) for k in TRAJ_STATE}
+        dims = self.trajectory()
+        data = {k: (("time", *d), np.stack([f[k] for f in frames])) for k, d in dims.items()}
         for k in frames[0]:
-            if k not in TRAJ_STATE:
+            if k not in dims:
                 data[k] = (("time",), np.array([f[k] for f in frames], np.float64))
         region = {"time": slice(start, start + n)}
         try:
@@ -304,13 +322,14 @@ class RunStore:
         p = self.ckpt_dir / f"step-{step:012d}"
         ds = xr.open_zarr(p, chunks=None, **_zkw()).load()
         names = json.loads(ds.attrs["aux_names"])
-        missing = [k for k in (*TRAJ_STATE, *(f"aux__{n}" for n in names)) if k not in ds]
+        required = family_named(ds.attrs.get("agent_family", "gaussian")).required
+        missing = [k for k in (*required, *(f"aux__{n}" for n in names)) if k not in ds]
         if missing:
             raise StoreError(f"{p}: incomplete checkpoint, missing {missing}")
         aux = {n: ds[f"aux__{n}"].values for n in names}
         state = ds.drop_vars([f"aux__{n}" for n in names])
         state = state.drop_dims([d for d in state.dims if d.startswith("aux__")])
-        keep = ("model_config", "vfesim_version", "dtype")
+        keep = ("agent_family", "model_config", "vfesim_version", "dtype")
         state.attrs = {k: ds.attrs[k] for k in keep if k in ds.attrs}
         return Checkpoint(
             path=p,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..arrays import array_module
 
-__all__ = ["pairwise_gemm", "GEMM_BLOCK_ELEMENTS"]
+__all__ = ["pairwise_gemm", "pairwise_dense_gemm", "GEMM_BLOCK_ELEMENTS"]
 
 # Elements of one (receiver block, N) slab: 2^25 float64 = 256 MB per temporary.
 GEMM_BLOCK_ELEMENTS = 1 << 25
@@ -50,3 +50,12 @@ def pairwise_gemm(Ah, B, ch, aggregator: str, out=None):
     if wsum_c is not wsum:
         wsum[...] = wsum_c
     return out
+
+
+def pairwise_dense_gemm(A, B, c, kappa: float, aggregator: str):
+    """The contract of :func:`vfesim.pairwise.reference.pairwise_dense` on device arrays, through
+    :func:`pairwise_gemm`: (E, gA, gB, gc) with E a device scalar (float64 sum)."""
+    scale = A.dtype.type(0.5 / kappa)
+    e_rows, wB, wsum, wA = pairwise_gemm(A * scale, B, c * scale, aggregator)
+    # gA = 1/2 sum_j W B_j, gc = 1/2 sum_j W, gB = 1/2 sum_i W A_i = kappa sum_i W Ah_i
+    return kappa * e_rows.sum(dtype="float64"), 0.5 * wB, kappa * wA, 0.5 * wsum
