@@ -23,8 +23,8 @@ from vfesim.backends import cuda_backend as cb  # noqa: E402
 
 # Backend functions timed as stages when present (old path: batched CuPy; new path: block kernels).
 STAGES = [
-    "self_kl", "self_kl_vjp", "_frames_xp", "agent_features", "pairwise_gemm", "features_vjp",
-    "_phi_grad_xp", "_large_k_agents", "_large_k_pairs", "_large_k_adjoint", "_collect",
+    "self_kl", "self_kl_vjp", "expm_so3", "agent_features", "pairwise_gemm", "features_vjp",
+    "phi_grad_from_R", "_large_k_agents", "_large_k_pairs", "_large_k_adjoint", "_collect",
 ]  # fmt: skip
 
 
@@ -104,7 +104,7 @@ def main(argv=None):
             x = device_state(N, args.k, dtype)
             for cap in args.threads:
                 for regs in args.max_registers:
-                    kc.BLOCK_THREADS_MAX = cap
+                    kc.gaussian.BLOCK_THREADS_MAX = cap
                     cb.BLOCK_MAX_REGISTERS = regs or None
                     cb.clear_cache()
                     r = benchmark(cb.energy_and_gradient, (x, cfg), n_repeat=30, n_warmup=3)
@@ -115,7 +115,7 @@ def main(argv=None):
                     kt = kernel_times(cfg, N, args.k, dtype, regs or None)
                     parts = ", ".join(f"{k} {v}" for k, v in kt.items())
                     print(f"   block kernels (device ms): {parts}", flush=True)
-            kc.BLOCK_THREADS_MAX = args.threads[0]
+            kc.gaussian.BLOCK_THREADS_MAX = args.threads[0]
             cb.BLOCK_MAX_REGISTERS = args.max_registers[0] or None
             total, st = stage_times(x, cfg)
             parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(st.items(), key=lambda kv: -kv[1]))

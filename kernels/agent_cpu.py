@@ -25,6 +25,8 @@ import types
 import numba
 import numpy as np
 
+from . import agent_math as _am
+
 __all__ = [
     "frames",
     "features",
@@ -46,6 +48,8 @@ SERIAL_WORK = 1 << 20
 
 _inline = numba.njit(inline="always", nogil=True, cache=True)
 _parallel = numba.njit(parallel=True, nogil=True, cache=True)
+_jr_coeffs = _inline(_am.jr_coeffs)
+_jr_transpose_apply = _inline(_am.jr_transpose_apply)
 
 
 # ---- small dense helpers on (K, K) scratch ------------------------------------------------------------
@@ -369,15 +373,13 @@ def _features_vjp_kernel(gA, gB, gc, mu, sigma, R, nu, P, Pnu, one, g_mu, g_sigm
 
 # ---- dF/dphi from dF/dR ------------------------------------------------------------------------------------
 def _phi_grad_kernel(g_R, R, phi, G, one, out):
-    """out (N, 3) = Jr(phi)^T h, h_b = <R^T gR, G_b>; Jr's coefficients in float64 (groups.right_jacobian)."""
+    """out (N, 3) = Jr(phi)^T h, h_b = <R^T gR, G_b>; Jr's coefficients in float64 (agent_math.jr_coeffs)."""
     N = phi.shape[0]
     K = G.shape[1]
     dt = out.dtype
     nblk = (N + AGENT_BLOCK - 1) // AGENT_BLOCK
     for b in numba.prange(nblk):
         S = np.empty((K, K), dt)
-        Px = np.empty((3, 3), dt)
-        P2 = np.empty((3, 3), dt)
         h = np.empty(3, dt)
         cc = np.empty(2, dt)  # Jr's coefficients rounded to the dtype
         for n in range(b * AGENT_BLOCK, min(N, (b + 1) * AGENT_BLOCK)):
@@ -390,28 +392,8 @@ def _phi_grad_kernel(g_R, R, phi, G, one, out):
                             acc += S[k, j] * G[a, k, j]
                 h[a] = acc
             p0, p1, p2 = phi[n, 0], phi[n, 1], phi[n, 2]
-            t2 = np.float64(p0 * p0 + p1 * p1 + p2 * p2)
-            t = math.sqrt(t2)
-            # (1 - cos t)/t^2 = sinc(t/2)^2 / 2 has no cancellation; (t - sin t)/t^3 by its series below 0.1.
-            y = math.pi * (t / (2.0 * math.pi))
-            sc = 1.0 if y == 0.0 else math.sin(y) / y
-            cc[0] = 0.5 * sc * sc
-            if t < 0.1:
-                cc[1] = 1 / 6 - t2 / 120 + t2**2 / 5040 - t2**3 / 362880 + t2**4 / 39916800
-            else:
-                cc[1] = (t - math.sin(t)) / t**3
-            c1, c2 = cc[0], cc[1]
-            zero = one - one
-            Px[0, 0], Px[0, 1], Px[0, 2] = zero, -p2, p1
-            Px[1, 0], Px[1, 1], Px[1, 2] = p2, zero, -p0
-            Px[2, 0], Px[2, 1], Px[2, 2] = -p1, p0, zero
-            _mm(Px, Px, P2)
-            for a in range(3):
-                acc = zero
-                for bb in range(3):
-                    jr = (one if bb == a else zero) - c1 * Px[bb, a] + c2 * P2[bb, a]
-                    acc += jr * h[bb]
-                out[n, a] = acc
+            cc[0], cc[1] = _jr_coeffs(p0 * p0 + p1 * p1 + p2 * p2)
+            out[n, 0], out[n, 1], out[n, 2] = _jr_transpose_apply(p0, p1, p2, h[0], h[1], h[2], cc[0], cc[1])
 
 
 # ---- the self term KL(q_i || p_i) and its adjoint ---------------------------------------------------------

@@ -5,8 +5,9 @@ Plain Python over scalars, no allocation, no numba import: kernels/cuda.py compi
 
 jr_coeffs(t2) -> (c1, c2)
     c1 = (1 - cos t)/t^2, c2 = (t - sin t)/t^3 for t2 = |phi|^2, evaluated in float64 whatever the
-    input dtype: c1 = 2 sin(t/2)^2 / t^2 has no cancellation, and c2 uses its Taylor series below
-    t = 0.1 (truncation < 1e-18), where t - sin t would cancel (SPEC §2.1, vfesim.groups.right_jacobian).
+    input dtype: c1 = sinc(t/2)^2 / 2 has no cancellation, and c2 uses its Taylor series below t = 0.1
+    (truncation < 1e-17), where t - sin t would cancel. The same expressions, in the same order, as the
+    array version ``vfesim.groups.jr_coefficients`` (NumPy/CuPy): every device gets the same coefficients.
 jr_transpose_apply(p0, p1, p2, h0, h1, h2, c1, c2) -> (g0, g1, g2)
     g = Jr(phi)^T h with Jr = I - c1 [phi]x + c2 [phi]x^2, i.e. dF/dphi from h_b = <R^T dF/dR, G_b>,
     with (c1, c2) from jr_coeffs. (No function here calls another: CUDA device code could not.)
@@ -17,15 +18,15 @@ import math
 
 def jr_coeffs(t2):
     t2 = 1.0 * t2  # promote to float64 (a float literal is float64 in numba)
-    if t2 < 0.01:
+    t = math.sqrt(t2)
+    y = math.pi * (t / (2.0 * math.pi))  # np.sinc(t / 2 pi) = sin(y) / y, as vfesim.groups evaluates it
+    sc = 1.0 if y == 0.0 else math.sin(y) / y
+    c1 = 0.5 * sc * sc
+    if t < 0.1:
         t4 = t2 * t2
-        c1 = 0.5 - t2 / 24.0 + t4 / 720.0 - t4 * t2 / 40320.0 + t4 * t4 / 3628800.0
-        c2 = 1.0 / 6.0 - t2 / 120.0 + t4 / 5040.0 - t4 * t2 / 362880.0 + t4 * t4 / 39916800.0
+        c2 = 1 / 6 - t2 / 120 + t4 / 5040 - t4 * t2 / 362880 + t4 * t4 / 39916800
     else:
-        t = math.sqrt(t2)
-        s = math.sin(0.5 * t)
-        c1 = 2.0 * s * s / t2
-        c2 = (t - math.sin(t)) / (t2 * t)
+        c2 = (t - math.sin(t)) / (t * t * t)
     return c1, c2
 
 

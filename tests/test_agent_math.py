@@ -38,3 +38,17 @@ def test_jr_transpose_apply_matches_groups(dtype):
         c1, c2 = jr_coeffs(float(p[0]) ** 2 + float(p[1]) ** 2 + float(p[2]) ** 2)
         got = np.array(jr_transpose_apply(p[0], p[1], p[2], h[i, 0], h[i, 1], h[i, 2], c1, c2))
         np.testing.assert_allclose(got, ref[i], rtol=1e-13, atol=1e-15)
+
+
+def test_scalar_and_array_jr_coefficients_are_one_formula():
+    """The kernels' scalar jr_coeffs (njit-compiled here) and vfesim.groups.jr_coefficients agree bitwise,
+    on both sides of the series threshold t = 0.1: every device gets the same coefficients."""
+    import numba
+
+    from vfesim.groups import jr_coefficients
+
+    scalar = numba.njit(agent_math.jr_coeffs)
+    t = np.concatenate([[0.0, 1e-8, 1e-3, 0.0999999, 0.1, 0.1000001], np.linspace(0.2, 3.1, 30)])
+    c1, c2 = jr_coefficients(t * t)
+    for k, tk in enumerate(t):
+        assert scalar(tk * tk) == (c1[k], c2[k]), tk

@@ -143,7 +143,7 @@ def test_batched_fallback_parity(monkeypatch):
 
     from vfesim.backends import cuda_backend as cb
 
-    monkeypatch.setattr(kc, "BLOCK_SHARED_BYTES", 0)
+    monkeypatch.setattr(kc.gaussian, "BLOCK_SHARED_BYTES", 0)
     cfg = vfesim.ModelConfig(K=21, **BASE)
     assert cb._mode(21, np.dtype("float64")) == "batched"
     _parity(cfg, _arrays(cfg, 300, "float64"))

@@ -6,7 +6,6 @@ would pass with any damping factor."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import vfesim

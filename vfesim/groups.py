@@ -12,12 +12,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .arrays import array_module
+
 __all__ = [
     "generators",
     "irrep_generators",
     "expm_so3",
     "right_jacobian",
     "phi_grad_from_R",
+    "jr_coefficients",
     "n_squarings",
 ]
 
@@ -84,27 +87,30 @@ def generators(irreps: Sequence[int]) -> np.ndarray:
     return _generators_cached(tuple(int(l) for l in irreps))
 
 
-def n_squarings(theta_norm: np.ndarray, lmax: int) -> np.ndarray:
-    """Squarings s so that lmax*|phi|/2^s <= THETA (per agent)."""
-    r = lmax * np.asarray(theta_norm, dtype=np.float64) / THETA
+def n_squarings(theta_norm, lmax: int):
+    """Squarings s so that lmax*|phi|/2^s <= THETA (per agent; NumPy or CuPy)."""
+    xp = array_module(theta_norm)
+    r = lmax * xp.asarray(theta_norm, dtype=np.float64) / THETA
     with np.errstate(divide="ignore"):
-        s = np.ceil(np.log2(np.maximum(r, 1.0)))
+        s = xp.ceil(xp.log2(xp.maximum(r, 1.0)))
     return s.astype(np.int64)
 
 
-def expm_so3(phi: np.ndarray, G: np.ndarray, lmax: int) -> np.ndarray:
+def expm_so3(phi, G: np.ndarray, lmax: int):
     """R = exp(phi . G) for a batch: phi (N, 3), G (3, K, K) -> (N, K, K), in phi's dtype.
 
-    Accurate to ~1e-15 in float64 for |phi| <= pi and l <= 10 (tested against scipy).
+    NumPy or CuPy arrays (the array module of ``phi``). Accurate to ~1e-15 in float64 for |phi| <= pi
+    and l <= 10 (tested against scipy and mpmath).
     """
-    phi = np.asarray(phi)
+    xp = array_module(phi)
+    phi = xp.asarray(phi)
     dt = phi.dtype
-    X = np.einsum("na,akl->nkl", phi, G.astype(dt, copy=False))
-    t = np.sqrt(np.einsum("na,na->n", phi, phi))
+    X = xp.einsum("na,akl->nkl", phi, xp.asarray(G, dtype=dt))
+    t = xp.sqrt(xp.einsum("na,na->n", phi, phi))
     s = n_squarings(t, lmax)
-    X = X * np.ldexp(1.0, -s).astype(dt)[:, None, None]
+    X = X * xp.ldexp(xp.ones(s.shape, np.float64), -s).astype(dt)[:, None, None]
     K = G.shape[1]
-    eye = np.eye(K, dtype=dt)
+    eye = xp.eye(K, dtype=dt)
     # Paterson-Stockmeyer evaluation of the degree-12 Taylor polynomial in blocks of X^4.
     X2 = X @ X
     X3 = X2 @ X
@@ -114,7 +120,7 @@ def expm_so3(phi: np.ndarray, G: np.ndarray, lmax: int) -> np.ndarray:
     for k in range(1, TAYLOR_DEGREE + 1):
         c.append(c[-1] / k)
 
-    def block(j0: int, n: int) -> np.ndarray:
+    def block(j0: int, n: int):
         acc = c[j0] * pw[0]
         for k in range(1, n):
             acc = acc + c[j0 + k] * pw[k]
@@ -123,40 +129,53 @@ def expm_so3(phi: np.ndarray, G: np.ndarray, lmax: int) -> np.ndarray:
     E = block(8, 4) + c[12] * X4
     E = block(4, 4) + X4 @ E
     E = block(0, 4) + X4 @ E
-    for r in range(int(s.max(initial=0))):
+    for r in range(int(s.max()) if s.size else 0):
         sel = s > r
-        if sel.all():
+        if bool(sel.all()):
             E = E @ E
         else:
             E[sel] = E[sel] @ E[sel]
     return E
 
 
-def right_jacobian(phi: np.ndarray) -> np.ndarray:
+def jr_coefficients(t2):
+    """(c1, c2) of Jr = I - c1 [phi]x + c2 [phi]x^2 from t2 = |phi|^2 (N,), in float64 (any input dtype).
+
+    c1 = (1 - cos t)/t^2 = sinc(t/2)^2 / 2 has no cancellation; c2 = (t - sin t)/t^3 uses its Taylor series
+    below t = 0.1 (truncation < 1e-17). The scalar twin compiled into the kernels is
+    ``vfesim_kernels.agent_math.jr_coeffs`` (the same expressions in the same order).
+    """
+    xp = array_module(t2)
+    t2 = t2.astype(np.float64)
+    t = xp.sqrt(t2)
+    c1 = 0.5 * xp.sinc(t / (2 * np.pi)) ** 2
+    ts = xp.where(t < 0.1, 1.0, t)
+    t4 = t2 * t2  # products, not powers: numpy's x**3 calls pow(), the kernels multiply
+    series = 1 / 6 - t2 / 120 + t4 / 5040 - t4 * t2 / 362880 + t4 * t4 / 39916800
+    c2 = xp.where(t < 0.1, series, (ts - xp.sin(ts)) / (ts * ts * ts))
+    return c1, c2
+
+
+def right_jacobian(phi):
     """Jr(phi) (N, 3, 3) with dR/dphi^a = R Q_a, Q_a = sum_b Jr[b, a] G_b (SPEC §2.1).
 
-    Jr = I - c1 [phi]_x + c2 [phi]_x^2, c1 = (1 - cos t)/t^2, c2 = (t - sin t)/t^3.
+    Jr = I - c1 [phi]_x + c2 [phi]_x^2, c1 = (1 - cos t)/t^2, c2 = (t - sin t)/t^3 (:func:`jr_coefficients`).
     """
-    phi = np.asarray(phi)
-    # Coefficients in float64 whatever phi's dtype: (1 - cos t)/t^2 = sinc(t/2)^2 / 2 has no
-    # cancellation; (t - sin t)/t^3 uses its Taylor series below t = 0.1 (error < 1e-17).
-    t2 = np.einsum("na,na->n", phi, phi).astype(np.float64)
-    t = np.sqrt(t2)
-    c1 = 0.5 * np.sinc(t / (2 * np.pi)) ** 2
-    ts = np.where(t < 0.1, 1.0, t)
-    series = 1 / 6 - t2 / 120 + t2**2 / 5040 - t2**3 / 362880 + t2**4 / 39916800
-    c2 = np.where(t < 0.1, series, (ts - np.sin(ts)) / ts**3)
+    xp = array_module(phi)
+    phi = xp.asarray(phi)
+    c1, c2 = jr_coefficients(xp.einsum("na,na->n", phi, phi))
     c1, c2 = c1.astype(phi.dtype), c2.astype(phi.dtype)
-    Px = np.zeros(phi.shape[:-1] + (3, 3), phi.dtype)
+    Px = xp.zeros(phi.shape[:-1] + (3, 3), phi.dtype)
     Px[..., 0, 1], Px[..., 0, 2] = -phi[..., 2], phi[..., 1]
     Px[..., 1, 0], Px[..., 1, 2] = phi[..., 2], -phi[..., 0]
     Px[..., 2, 0], Px[..., 2, 1] = -phi[..., 1], phi[..., 0]
-    eye = np.eye(3, dtype=phi.dtype)
+    eye = xp.eye(3, dtype=phi.dtype)
     return eye - c1[:, None, None] * Px + c2[:, None, None] * (Px @ Px)
 
 
-def phi_grad_from_R(gR: np.ndarray, R: np.ndarray, phi: np.ndarray, G: np.ndarray) -> np.ndarray:
-    """Chain rule dF/dphi from dF/dR (N, K, K): h_b = <gR, R G_b>, dF/dphi = Jr^T h."""
-    RtgR = np.swapaxes(R, -1, -2) @ gR  # <gR, R G_b> = <R^T gR, G_b>
-    h = np.einsum("nkl,bkl->nb", RtgR, G.astype(R.dtype, copy=False))
-    return np.einsum("nba,nb->na", right_jacobian(phi), h)
+def phi_grad_from_R(gR, R, phi, G: np.ndarray):
+    """Chain rule dF/dphi from dF/dR (N, K, K): h_b = <gR, R G_b>, dF/dphi = Jr^T h (NumPy or CuPy)."""
+    xp = array_module(R)
+    RtgR = xp.swapaxes(R, -1, -2) @ gR  # <gR, R G_b> = <R^T gR, G_b>
+    h = xp.einsum("nkl,bkl->nb", RtgR, xp.asarray(G, dtype=R.dtype))
+    return xp.einsum("nba,nb->na", right_jacobian(phi), h)

@@ -181,7 +181,7 @@ def test_large_k_path(monkeypatch, mode, sparse, aggregator, dtype):
     monkeypatch.setattr(cb, "LARGE_K", 3)
     monkeypatch.setattr(gemm, "GEMM_BLOCK_ELEMENTS", 24)  # several receiver blocks at N = 9
     if mode == "batched":
-        monkeypatch.setattr(kc, "BLOCK_SHARED_BYTES", 0)
+        monkeypatch.setattr(kc.gaussian, "BLOCK_SHARED_BYTES", 0)
     assert cb._mode(3, np.dtype(dtype)) == mode
     nbrs = vfesim.SparseNeighbours.from_lists([[1, 2], [], [0, 4], [0, 1, 4], [3], [0, 2, 3], [5], [8], [6]])
     cfg = vfesim.ModelConfig(
@@ -194,7 +194,7 @@ def test_large_k_path(monkeypatch, mode, sparse, aggregator, dtype):
 def test_large_k_path_observation(monkeypatch, mode):
     monkeypatch.setattr(cb, "LARGE_K", 3)
     if mode == "batched":
-        monkeypatch.setattr(kc, "BLOCK_SHARED_BYTES", 0)
+        monkeypatch.setattr(kc.gaussian, "BLOCK_SHARED_BYTES", 0)
     cfg = make_obs_config(K=3, obs_dim=2, lambda_prior=0.5, lambda_obs=0.7)
     _assert_parity(cfg, _arrays(cfg, 5))
 

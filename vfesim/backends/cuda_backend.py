@@ -26,7 +26,7 @@ from ..config import ModelConfig
 from ..gaussian.energy import TERMS
 from ..gaussian.features import agent_features, features_vjp
 from ..gaussian.terms import observation, observation_vjp, self_kl, self_kl_vjp
-from ..groups import TAYLOR_DEGREE, THETA, generators
+from ..groups import expm_so3, generators, phi_grad_from_R
 from ..pairwise.gemm import pairwise_dense_gemm, pairwise_gemm
 from . import Backend
 
@@ -224,47 +224,6 @@ def _check_arrays(arrays: dict, cfg: ModelConfig, xp) -> np.dtype:
     return dtype
 
 
-def _frames_xp(phi, G, lmax: int):
-    """R = exp(phi . G) for a batch on the device (same algorithm as vfesim.groups.expm_so3): (N, 3) ->
-    (N, K, K). Taylor degree 12 by Paterson-Stockmeyer, then per-agent squarings."""
-    xp = array_module()
-    X = xp.einsum("na,akl->nkl", phi, G)
-    t = xp.sqrt((phi * phi).sum(axis=1))
-    r = lmax * t.astype(np.float64) / THETA
-    s = xp.ceil(xp.log2(xp.maximum(r, 1.0))).astype(np.int64)
-    X = X * xp.ldexp(xp.ones_like(t), -s).astype(X.dtype)[:, None, None]
-    eye = xp.eye(G.shape[1], dtype=X.dtype)
-    X2 = X @ X
-    pw = (eye, X, X2, X2 @ X)
-    X4 = X2 @ X2
-    c = [1.0]
-    for k in range(1, TAYLOR_DEGREE + 1):
-        c.append(c[-1] / k)
-    block = lambda j0: sum(c[j0 + k] * pw[k] for k in range(4))
-    E = block(8) + c[12] * X4
-    E = block(4) + X4 @ E
-    E = block(0) + X4 @ E
-    smax = int(s.max()) if s.size else 0
-    for q in range(smax):
-        E = xp.where((s > q)[:, None, None], E @ E, E)
-    return E
-
-
-def _phi_grad_xp(gR, R, phi, G):
-    """dF/dphi = Jr(phi)^T h, h_b = <R^T gR, G_b> (vfesim.groups.phi_grad_from_R on the device)."""
-    xp = array_module()
-    h = xp.einsum("nkl,bkl->nb", xp.swapaxes(R, 1, 2) @ gR, G)
-    t2 = (phi * phi).sum(axis=1)
-    t = xp.sqrt(t2)
-    small = t < 1e-3
-    ts = xp.where(small, 1.0, t)
-    c1 = xp.where(small, 0.5 - t2 / 24 + t2 * t2 / 720, (1 - xp.cos(ts)) / ts**2)[:, None]
-    c2 = xp.where(small, 1 / 6 - t2 / 120 + t2 * t2 / 5040, (ts - xp.sin(ts)) / ts**3)[:, None]
-    # Jr^T h = h + c1 phi x h + c2 phi x (phi x h)  ([phi]x^T = -[phi]x, ([phi]x^2)^T = [phi]x^2)
-    x = xp.cross(phi, h)
-    return (h + c1 * x + c2 * xp.cross(phi, x)).astype(phi.dtype)
-
-
 def _alignment_batched(arrays, cfg, S, ws, grads, sums):
     """Alignment terms of the batched path (K >= LARGE_K whose block kernels do not fit in shared memory):
     batched per-agent array code, GEMM or kernel (sparse) pairs."""
@@ -273,7 +232,7 @@ def _alignment_batched(arrays, cfg, S, ws, grads, sums):
     K = cfg.K
     dtype = arrays["mu_q"].dtype
     phi = arrays["phi"]
-    R = _frames_xp(phi, b["G"], max(cfg.irreps))
+    R = expm_so3(phi, generators(cfg.irreps), max(cfg.irreps))
     gR = xp.zeros_like(R)
     for f, (name, lam, kappa, km, ks) in enumerate(
         (
@@ -292,7 +251,7 @@ def _alignment_batched(arrays, cfg, S, ws, grads, sums):
             b["A"][f] = A * scale
             b["B"][f] = B
             b["c"][f] = c * scale
-            k = kc.make_sparse_kernels(K, dtype.name, cfg.aggregator)
+            k = kc.make_sparse_kernels(kc.feature_dim(K), dtype.name, cfg.aggregator)
             nbr = _neighbour_lists(cfg.neighbours).dev
             nblk = _cdiv(ws.N, kc.BLOCK)
             k["rows"][(nblk, 1), kc.BLOCK](
@@ -322,7 +281,7 @@ def _alignment_batched(arrays, cfg, S, ws, grads, sums):
         grads[km] += g_mu
         grads[ks] += g_sigma
         gR += g_R
-    grads["phi"] += _phi_grad_xp(gR, R, phi, b["G"])
+    grads["phi"] += phi_grad_from_R(gR, R, phi, generators(cfg.irreps))
 
 
 def _energy_and_gradient_batched(arrays, cfg, ws):
@@ -400,18 +359,18 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
         b[g].fill(0)
     ws.set_params(cfg)
     jitter = dtype.type(cfg.jitter)
-    agent = kc.make_agent_kernels(K, dtype.name)
     blk = kc.BLOCK
     nblk = _cdiv(N, blk)
     sums: list[tuple[str, Any]] = []
     g_obs = None
-
+    # One source, two launch shapes: a thread block per agent (large K) or a thread per agent.
     if block:
-        bk = kc.make_block_kernels(K, dtype.name, BLOCK_MAX_REGISTERS)
-        bt = kc.block_threads(K)
-        self_launch, agent_launch = bk["self_kl"][N, bt], bk["adjoint"][N, bt]
+        kern = kc.make_block_kernels(K, dtype.name, BLOCK_MAX_REGISTERS)
+        per_agent, per_term = (N, kc.block_threads(K)), lambda nf: ((N, nf), kc.block_threads(K))
     else:
-        self_launch, agent_launch = agent["self_kl"][nblk, blk], agent["adjoint"][nblk, blk]
+        kern = kc.make_agent_kernels(K, dtype.name)
+        per_agent, per_term = (nblk, blk), lambda nf: ((nblk, nf), blk)
+    self_launch, agent_launch = kern["self_kl"][per_agent], kern["adjoint"][per_agent]
 
     if cfg.lambda_self > 0:
         self_launch(
@@ -432,20 +391,13 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
     active = [f for f, lam in enumerate((cfg.lambda_belief, cfg.lambda_prior)) if lam > 0]
     if active:
         f0, nf = active[0], len(active)
-        if block:
-            bk["prep"][N, bt](
-                d["phi"], d["G"], max(cfg.irreps), d["mu"], d["sigma"], jitter, f0, nf,
-                d["R"], d["lam"], d["P"], d["nu"], d["ld"],
-            )  # fmt: skip
-        else:
-            agent["prep"][(nblk, nf), blk](
-                d["phi"], d["G"], max(cfg.irreps), d["mu"], d["sigma"], jitter, f0,
-                d["R"], d["lam"], d["P"], d["nu"], d["ld"],
-            )  # fmt: skip
+        kern["prep"][per_agent](
+            d["phi"], d["G"], max(cfg.irreps), d["mu"], d["sigma"], jitter, f0, nf,
+            d["R"], d["lam"], d["P"], d["nu"], d["ld"],
+        )  # fmt: skip
         # Centre the means on the population mean of nu (see vfesim.gaussian.features).
         b["nubar"][f0 : f0 + nf] = b["nu"][f0 : f0 + nf].mean(axis=1)
-        features = bk["features"][(N, nf), bt] if block else agent["features"][(nblk, nf), blk]
-        features(
+        kern["features"][per_term(nf)](
             d["lam"], d["P"], d["nu"], d["nubar"], d["ld"], d["feat_scale"], f0,
             d["A"], d["B"], d["c"], d["nuc"], d["Pnu"],
         )  # fmt: skip
@@ -458,7 +410,8 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
                 )  # fmt: skip
                 b["energy"][f] *= b["kappa"][f]
         elif ws.dense:
-            k = kc.make_dense_kernels(K, dtype.name, cfg.aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+            D = kc.feature_dim(K)
+            k = kc.make_dense_kernels(D, dtype.name, cfg.aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
             nt = k["threads"]
             nb = _cdiv(N, nt * k["opt"])
             k["stats"][(nb, ws.S, nf), nt](d["A"], d["B"], d["c"], f0, ws.chunk, d["pm"], d["ps"], d["pt"])
@@ -469,7 +422,7 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
                 d["A"], d["B"], d["c"], d["m"], d["inv_s"], d["abar"], f0, ws.chunk, d["gAr"], d["gBs"]
             )
         else:
-            k = kc.make_sparse_kernels(K, dtype.name, cfg.aggregator)
+            k = kc.make_sparse_kernels(kc.feature_dim(K), dtype.name, cfg.aggregator)
             nbr = _neighbour_lists(cfg.neighbours).dev
             k["rows"][(nblk, nf), blk](
                 d["A"],

@@ -1,0 +1,99 @@
+"""numba.cuda kernels (SPEC §2.1–2.4), one module per kernel family.
+
+- :mod:`.core`: the ``numba.cuda`` import, launch constants, the device-function compiler and the per-pair
+  math of :mod:`vfesim_kernels.pair_math` / per-agent scalars of :mod:`vfesim_kernels.agent_math` as
+  device functions;
+- :mod:`.pairwise`: family-free pairwise kernels over feature rows (dense streaming, sparse, GEMM rows),
+  keyed by the feature width D;
+- :mod:`.gaussian`: Gaussian per-agent stages, one source for two launch shapes: one thread per agent
+  (small K) and one thread block per agent (large K).
+Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run on NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import gaussian
+from .core import (
+    BLOCK,
+    PAIR_OPT,
+    PAIR_THREADS,
+    SHARED_BYTES,
+    SIMULATOR,
+    TARGET_BLOCKS,
+    as_device_view,
+    cuda,
+    feature_dim,
+)
+from .gaussian import (
+    BLOCK_SHARED_BYTES,
+    BLOCK_THREADS_MAX,
+    block_kernels_fit,
+    block_threads,
+    make_agent_kernels,
+    make_block_kernels,
+)
+from .pairwise import ROW_THREADS, dense_splits, make_dense_kernels, make_gemm_row_kernel, make_sparse_kernels
+
+__all__ = [
+    "gaussian",
+    "SIMULATOR",
+    "cuda",
+    "as_device_view",
+    "feature_dim",
+    "dense_splits",
+    "make_agent_kernels",
+    "make_dense_kernels",
+    "make_sparse_kernels",
+    "make_block_kernels",
+    "block_kernels_fit",
+    "block_threads",
+    "block_kernel_signatures",
+    "make_gemm_row_kernel",
+    "kernel_signatures",
+    "BLOCK",
+    "BLOCK_SHARED_BYTES",
+    "BLOCK_THREADS_MAX",
+    "PAIR_OPT",
+    "PAIR_THREADS",
+    "ROW_THREADS",
+    "SHARED_BYTES",
+    "TARGET_BLOCKS",
+]
+
+
+def kernel_signatures(K: int, dtype: str) -> dict[str, str]:
+    """Numba signature strings of every kernel for (K, dtype), for ``cuda.compile_ptx`` (tests)."""
+    f = "float32" if np.dtype(dtype) == np.float32 else "float64"
+    a1, a2, a3, a4 = (f"{f}[{', '.join([':'] * (n - 1) + ['::1'])}]" for n in (1, 2, 3, 4))
+    i = "int64"
+    return {
+        "prep": f"void({a2}, {a3}, {i}, {a3}, {a4}, {f}, {i}, {i}, {a3}, {a4}, {a4}, {a3}, {a2})",
+        "features": f"void({a4}, {a4}, {a3}, {a2}, {a2}, {a1}, {i}, {a3}, {a3}, {a2}, {a3}, {a3})",
+        "self_kl": f"void({a3}, {a4}, {f}, {f}, {a1}, {a3}, {a4})",
+        "adjoint": (
+            f"void({a2}, {a3}, {a3}, {a3}, {a4}, {f}, {a3}, {a4}, {a3}, {a4}, {a4}, {a1}, {a1}, {i}, {i}, "
+            f"{a3}, {a4}, {a2})"
+        ),
+        "stats": f"void({a3}, {a3}, {a2}, {i}, {i}, {a3}, {a3}, {a3})",
+        "merge": f"void({a3}, {a3}, {a3}, {a1}, {i}, {a2}, {a2}, {a2}, {a2})",
+        "grads": f"void({a3}, {a3}, {a2}, {a2}, {a2}, {a2}, {i}, {i}, {a4}, {a4})",
+        "rows": f"void({a3}, {a3}, {a2}, {i}[:, ::1], boolean[:, ::1], {a1}, {i}, {a3}, {a2}, {a4})",
+        "senders": f"void({a3}, {a3}, {i}[::1], {i}[::1], {i}[::1], {i}, {a4})",
+    }
+
+
+def block_kernel_signatures(K: int, dtype: str) -> dict[str, str]:
+    """Signature strings of the block-per-agent kernels of :func:`make_block_kernels` (the same as one
+    thread per agent) and of the GEMM-path row kernel (``rows``, :func:`make_gemm_row_kernel`)."""
+    sigs = kernel_signatures(K, dtype)
+    f = "float32" if np.dtype(dtype) == np.float32 else "float64"
+    rows = f"void({f}[:, ::1], {f}[:], int64, {f}[::1], {f}[::1])"
+    return {
+        "rows": rows,
+        "prep": sigs["prep"],
+        "self_kl": sigs["self_kl"],
+        "features": sigs["features"],
+        "adjoint": sigs["adjoint"],
+    }

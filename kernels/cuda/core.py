@@ -1,0 +1,80 @@
+"""Shared pieces of the numba.cuda kernels: the CUDA import, launch constants, device-function compiler.
+
+The only place the package imports ``numba.cuda`` (ECOSYSTEM: a later switch of the CUDA Python layer is
+then one edit); the kernel modules take ``cuda`` from here (bound at their module level, as the simulator
+needs). Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run on NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, float64
+from numba.core import config as _numba_config
+
+from .. import agent_math as _am
+from .. import pair_math as _pm
+
+__all__ = [
+    "SIMULATOR",
+    "cuda",
+    "BLOCK",
+    "PAIR_THREADS",
+    "PAIR_OPT",
+    "TARGET_BLOCKS",
+    "SHARED_BYTES",
+    "NB_TYPES",
+    "device",
+    "feature_dim",
+    "as_device_view",
+]
+
+SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
+# Small grids are deliberate at small N; numba's low-occupancy warning would be an error under pytest.
+_numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
+
+# Threads per block of the per-agent kernels. The simulator spawns one Python thread per CUDA thread
+# of a block, so it gets small blocks.
+BLOCK = 8 if SIMULATOR else 128
+# Dense pairwise: threads per block, owners per thread (register blocking: each shared-memory row is
+# reused by OPT owners), and the block count the split heuristic aims for (~4 blocks per SM on an H200).
+PAIR_THREADS = 4 if SIMULATOR else 128
+PAIR_OPT = 2
+TARGET_BLOCKS = 8 if SIMULATOR else 528
+# Static shared memory per block stays under the 48 KB that needs no opt-in.
+SHARED_BYTES = 40 * 1024
+
+NB_TYPES = {np.dtype(np.float32): float32, np.dtype(np.float64): float64}
+
+
+def device(fn):
+    """Compile a plain Python function as a CUDA device function inlined at the Numba IR level.
+
+    IR-level inlining (``inline="always"``) also lets ``compile_ptx`` build kernels without a GPU: a
+    separately compiled device function would ask the driver for the current device.
+    """
+    return cuda.jit(device=True, inline="always")(fn)
+
+
+pair_kl = device(_pm.pair_kl)
+pair_logit = device(_pm.pair_logit)
+lse_push = device(_pm.lse_push)
+lse_merge = device(_pm.lse_merge)
+row_abar = device(_pm.row_abar)
+row_energy = device(_pm.row_energy)
+pair_weight = device(_pm.pair_weight)
+accumulate_row = device(_pm.accumulate_row)
+jr_coeffs = device(_am.jr_coeffs)
+jr_transpose_apply = device(_am.jr_transpose_apply)
+AGG_CODES = {"expected": _pm.AGG_EXPECTED, "softmin": _pm.AGG_SOFTMIN}
+_NB = NB_TYPES
+
+
+def feature_dim(K: int) -> int:
+    return K * (K + 1) // 2 + K + 1
+
+
+def as_device_view(a):
+    """A numba device view of a CuPy array (wrapped once, then reused: cheaper launches); NumPy as is."""
+    if SIMULATOR or isinstance(a, np.ndarray):
+        return a
+    return cuda.as_cuda_array(a)
