@@ -23,10 +23,9 @@ import numpy as np
 from vfesim_kernels import cuda as kc
 
 from ..config import ModelConfig
-from ..gaussian.energy import TERMS
-from ..gaussian.features import agent_features, features_vjp
-from ..gaussian.terms import observation, observation_vjp, self_kl, self_kl_vjp
-from ..groups import expm_so3, generators, phi_grad_from_R
+from ..gaussian.energy import TERMS, energy_and_gradient_arrays
+from ..gaussian.terms import observation, observation_vjp
+from ..groups import generators
 from ..pairwise.gemm import pairwise_dense_gemm, pairwise_gemm
 from . import Backend
 
@@ -129,14 +128,6 @@ class _Workspace:
             shapes |= {k: (self.S, 2, N) for k in ("pm", "ps", "pt")}
         elif not self.dense:
             shapes["W"] = (2, N, width)
-        if mode == "batched":
-            # The batched path uses only the generators, the parameters and the sparse-kernel buffers.
-            keep = {"G", "kappa", "feat_scale", "lam_w"} | (
-                set() if self.dense else {"A", "B", "c", "W", "energy"}
-            )
-            shapes = {k: v for k, v in shapes.items() if k in keep}
-            if not self.dense:
-                shapes |= {"gAr": (1, 2, N, D + 1), "gBs": (1, 2, N, D)}
         for name, shape in shapes.items():
             a = xp.zeros(shape, dtype)
             self.buf[name] = a
@@ -224,95 +215,6 @@ def _check_arrays(arrays: dict, cfg: ModelConfig, xp) -> np.dtype:
     return dtype
 
 
-def _alignment_batched(arrays, cfg, S, ws, grads, sums):
-    """Alignment terms of the batched path (K >= LARGE_K whose block kernels do not fit in shared memory):
-    batched per-agent array code, GEMM or kernel (sparse) pairs."""
-    xp = array_module()
-    b, d = ws.buf, ws.dev
-    K = cfg.K
-    dtype = arrays["mu_q"].dtype
-    phi = arrays["phi"]
-    R = expm_so3(phi, generators(cfg.irreps), max(cfg.irreps))
-    gR = xp.zeros_like(R)
-    for f, (name, lam, kappa, km, ks) in enumerate(
-        (
-            ("belief_align", cfg.lambda_belief, cfg.kappa_beta, "mu_q", "sigma_q"),
-            ("prior_align", cfg.lambda_prior, cfg.kappa_gamma, "mu_p", "sigma_p"),
-        )
-    ):
-        if lam <= 0:
-            continue
-        A, B, c, cache = agent_features(arrays[km], S[ks], R)
-        scale = dtype.type(0.5 / kappa)
-        if ws.dense:
-            e_rows, wB, wsum, wA = pairwise_gemm(A * scale, B, c * scale, cfg.aggregator)
-            e_rows = kappa * e_rows
-        else:
-            b["A"][f] = A * scale
-            b["B"][f] = B
-            b["c"][f] = c * scale
-            k = kc.make_sparse_kernels(kc.feature_dim(K), dtype.name, cfg.aggregator)
-            nbr = _neighbour_lists(cfg.neighbours).dev
-            nblk = _cdiv(ws.N, kc.BLOCK)
-            k["rows"][(nblk, 1), kc.BLOCK](
-                d["A"],
-                d["B"],
-                d["c"],
-                nbr["index"],
-                nbr["mask"],
-                d["kappa"],
-                f,
-                d["W"],
-                d["energy"],
-                d["gAr"],
-            )
-            k["senders"][(nblk, 1), kc.BLOCK](
-                d["A"], d["W"], nbr["ptr"], nbr["row"], nbr["slot"], f, d["gBs"]
-            )
-            e_rows, wB, wsum, wA = (
-                b["energy"][f],
-                b["gAr"][0, f, :, :-1],
-                b["gAr"][0, f, :, -1],
-                b["gBs"][0, f],
-            )
-        sums.append((name, lam * e_rows.sum(dtype=np.float64)))
-        # gA = 1/2 sum_j W B_j, gc = 1/2 sum_j W, gB = 1/2 sum_i W A_i = kappa sum_i W Ah_i (times lambda)
-        g_mu, g_sigma, g_R = features_vjp((0.5 * lam) * wB, (lam * kappa) * wA, (0.5 * lam) * wsum, cache)
-        grads[km] += g_mu
-        grads[ks] += g_sigma
-        gR += g_R
-    grads["phi"] += phi_grad_from_R(gR, R, phi, generators(cfg.irreps))
-
-
-def _energy_and_gradient_batched(arrays, cfg, ws):
-    xp = array_module()
-    K = cfg.K
-    eye = xp.eye(K, dtype=arrays["mu_q"].dtype)
-    S = {k: arrays[k] + cfg.jitter * eye if cfg.jitter else arrays[k] for k in ("sigma_q", "sigma_p")}
-    grads = {k: xp.zeros_like(v) for k, v in arrays.items()}
-    sums: list[tuple[str, Any]] = []
-    if cfg.lambda_self > 0:
-        kl, cache = self_kl(arrays["mu_q"], S["sigma_q"], arrays["mu_p"], S["sigma_p"])
-        sums.append(("self", cfg.lambda_self * kl.sum(dtype=np.float64)))
-        g = self_kl_vjp(xp.full(kl.shape, cfg.lambda_self, kl.dtype), cache)
-        for k, gk in zip(("mu_q", "sigma_q", "mu_p", "sigma_p"), g, strict=True):
-            grads[k] += gk
-    if cfg.lambda_obs > 0:
-        dtype = arrays["mu_q"].dtype
-        e, cache = observation(
-            arrays["mu_q"], S["sigma_q"], arrays["obs"], xp.asarray(cfg.W, dtype), xp.asarray(cfg.R, dtype)
-        )
-        sums.append(("observation", cfg.lambda_obs * e.sum(dtype=np.float64)))
-        g_mu, g_sigma, g_obs = observation_vjp(xp.full(e.shape, cfg.lambda_obs, e.dtype), cache)
-        grads["mu_q"] += g_mu
-        grads["sigma_q"] += g_sigma
-        grads["obs"] += g_obs
-    if cfg.lambda_belief > 0 or cfg.lambda_prior > 0:
-        ws.set_params(cfg)
-        _alignment_batched(arrays, cfg, S, ws, grads, sums)
-    return _collect(sums, xp), grads
-
-
 def _mode(K: int, dtype: np.dtype) -> str:
     """Per-agent code path: "kernels" (one thread per agent, K < LARGE_K), "block" (one thread block
     per agent, dense pairs by GEMMs) or "batched" (CuPy array code, where the block kernels' shared
@@ -344,10 +246,12 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
     N, K = arrays["mu_q"].shape
     width = None if cfg.dense else cfg.neighbours.width
     mode = _mode(K, dtype)
+    if mode == "batched":  # the one staged assembly, on CuPy arrays, with the device pair kernels
+        return energy_and_gradient_arrays(
+            arrays, cfg, pairwise_dense=pairwise_dense_gemm, pairwise_sparse=_pairwise_sparse
+        )
     key = (N, K, dtype.str, cfg.irreps, width, mode)
     ws = _lru(_workspaces, key, lambda: _Workspace(N, K, dtype, cfg.irreps, width, mode))
-    if mode == "batched":
-        return _energy_and_gradient_batched(arrays, cfg, ws)
     block = mode == "block"
     b, d = ws.buf, ws.dev
     b["mu"][0] = arrays["mu_q"]
@@ -485,7 +389,7 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     nblk = _cdiv(N, kc.BLOCK)
     k["rows"][(nblk, 1), kc.BLOCK](Ah, Bb, ch, nbr["index"], nbr["mask"], dk, 0, dW, de, dgA)
     k["senders"][(nblk, 1), kc.BLOCK](Ah, dW, nbr["ptr"], nbr["row"], nbr["slot"], 0, dgB)
-    E = kappa * energy[0].sum(dtype=np.float64)
+    E = kappa * float(energy[0].sum(dtype=np.float64))
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
 
 
