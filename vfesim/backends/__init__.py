@@ -50,10 +50,9 @@ class Backend:
     to_device(arrays) / to_host(arrays): dicts of arrays onto the backend's device and back to NumPy.
     pairwise_dense(A, B, c, kappa, aggregator) -> (E, gA, gB, gc); pairwise_sparse(A, B, c, index, mask,
         kappa, aggregator) -> the same (the contract of :mod:`vfesim.pairwise.reference`).
-    agent_ops: family name -> that family's per-agent stages in this backend's kernels (a family uses
-        its array-generic stages where none is given).
-    fused_energy: family name -> (arrays, cfg) -> (terms, grads) for backends that run a family's whole
-        evaluation in fused device kernels instead of the staged assembly.
+    agent_ops: family name -> that family's per-agent stages in this backend's kernels, for the family's
+        one assembly (Gaussian: an :class:`~vfesim.gaussian.energy.AgentOps`, or a factory of fused
+        stages); a family uses its array-generic stages where none is given.
     updates(K) -> the integrator update operations (gradient-flow step, kick/drift, chart maps).
     on_device: state and integrator arrays live on an accelerator (integrators then keep them there).
     """
@@ -66,7 +65,6 @@ class Backend:
     pairwise_sparse: Callable
     updates: Callable[[int], Any]
     agent_ops: Mapping[str, Any] = field(default_factory=dict)
-    fused_energy: Mapping[str, Callable] = field(default_factory=dict)
     on_device: bool = False
 
     def energy_and_gradient(self, arrays: dict[str, Any], cfg) -> tuple[dict[str, float], dict[str, Any]]:

@@ -9,8 +9,11 @@ per (N, K, dtype, irreps, neighbours) and wrapped once as numba device views (ch
 For K >= LARGE_K the per-agent kernels run one thread block per agent and dense pairs run as cuBLAS
 GEMMs plus one row kernel (about the same number of launches).
 
-Kernels: :mod:`vfesim_kernels.cuda`. The observation term (rare, cheap) reuses the array-generic code of
-:mod:`vfesim.gaussian.terms` on CuPy arrays.
+The energy is assembled by the one assembly of :mod:`vfesim.gaussian.energy`; this backend supplies its
+stages (:class:`FusedStages`: both alignment terms per launch, energies kept on the device until one
+transfer) and its pair kernels. Where the block kernels' matrices do not fit in shared memory, the
+array-generic stages run on CuPy arrays with the device GEMM and sparse pair kernels. The observation
+term (rare, cheap) is array-generic code in the assembly. Kernels: :mod:`vfesim_kernels.cuda`.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ import numpy as np
 from vfesim_kernels import cuda as kc
 
 from ..config import ModelConfig
-from ..gaussian.energy import TERMS, energy_and_gradient_arrays
-from ..gaussian.terms import observation, observation_vjp
+from ..gaussian.energy import NUMPY_AGENT_OPS, StagedStages
 from ..groups import generators
 from ..pairwise.gemm import pairwise_dense_gemm, pairwise_gemm
 from . import Backend
@@ -224,89 +226,84 @@ def _mode(K: int, dtype: np.dtype) -> str:
     return "block" if kc.block_kernels_fit(K, dtype) else "batched"
 
 
-def _collect(sums, xp) -> dict[str, float]:
-    """Energy terms from device scalars with one device-to-host transfer (and synchronisation)."""
-    terms = dict.fromkeys(TERMS, 0.0)
-    if sums:
-        values = xp.stack([v for _, v in sums])
-        values = values if isinstance(values, np.ndarray) else values.get()
-        for (name, _), v in zip(sums, values.tolist(), strict=True):
-            terms[name] = float(v)
-    terms["total"] = sum(terms[k] for k in TERMS)
-    return terms
+class FusedStages:
+    """The Gaussian per-agent stages of one evaluation in fused device kernels (the stages protocol of
+    :class:`vfesim.gaussian.energy.StagedStages`, run by the one assembly of :mod:`vfesim.gaussian.energy`).
 
-
-def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float], dict]:
-    """Energy terms (floats) and the exact gradient (device arrays, fresh copies) of SPEC §2.2.
-
-    arrays: mu_q, mu_p (N, K); sigma_q, sigma_p (N, K, K); phi (N, 3); obs (N, D) if present.
+    Inputs are copied into cached workspace buffers; gradients accumulate in the workspace (``grads`` are
+    views of it); both alignment terms share each launch (a term axis); energies stay on the device until
+    :meth:`collect` fetches them with one transfer.
     """
-    xp = array_module()
-    dtype = _check_arrays(arrays, cfg, xp)
-    N, K = arrays["mu_q"].shape
-    width = None if cfg.dense else cfg.neighbours.width
-    mode = _mode(K, dtype)
-    if mode == "batched":  # the one staged assembly, on CuPy arrays, with the device pair kernels
-        return energy_and_gradient_arrays(
-            arrays, cfg, pairwise_dense=pairwise_dense_gemm, pairwise_sparse=_pairwise_sparse
+
+    def __init__(self, arrays: dict, cfg: ModelConfig, dtype: np.dtype, mode: str):
+        xp = array_module()
+        N, K = arrays["mu_q"].shape
+        width = None if cfg.dense else cfg.neighbours.width
+        key = (N, K, dtype.str, cfg.irreps, width, mode)
+        self.ws = ws = _lru(_workspaces, key, lambda: _Workspace(N, K, dtype, cfg.irreps, width, mode))
+        self.cfg, self.dtype, self.N, self.K, self.xp = cfg, dtype, N, K, xp
+        b = ws.buf
+        b["mu"][0] = arrays["mu_q"]
+        b["mu"][1] = arrays["mu_p"]
+        b["sigma"][0] = arrays["sigma_q"]
+        b["sigma"][1] = arrays["sigma_p"]
+        b["phi"][...] = arrays["phi"]
+        for g in ("g_mu", "g_sigma", "g_phi"):
+            b[g].fill(0)
+        ws.set_params(cfg)
+        self.jitter = dtype.type(cfg.jitter)
+        self.block = mode == "block"
+        self.nblk = _cdiv(N, kc.BLOCK)
+        # One source, two launch shapes: a thread block per agent (large K) or a thread per agent.
+        if self.block:
+            self.kern = kc.make_block_kernels(K, dtype.name, BLOCK_MAX_REGISTERS)
+            self.per_agent, self.nt = (N, kc.block_threads(K)), kc.block_threads(K)
+        else:
+            self.kern = kc.make_agent_kernels(K, dtype.name)
+            self.per_agent, self.nt = (self.nblk, kc.BLOCK), kc.BLOCK
+        self.grads = {
+            "mu_q": b["g_mu"][0],
+            "sigma_q": b["g_sigma"][0],
+            "mu_p": b["g_mu"][1],
+            "sigma_p": b["g_sigma"][1],
+            "phi": b["g_phi"],
+        }
+        if "obs" in arrays:
+            self.grads["obs"] = xp.zeros_like(arrays["obs"])
+
+    @staticmethod
+    def total(e):
+        return e.sum(dtype=np.float64)
+
+    def self_term(self, lam: float):
+        d = self.ws.dev
+        self.kern["self_kl"][self.per_agent](
+            d["mu"], d["sigma"], self.jitter, self.dtype.type(lam), d["e_self"], d["g_mu"], d["g_sigma"]
         )
-    key = (N, K, dtype.str, cfg.irreps, width, mode)
-    ws = _lru(_workspaces, key, lambda: _Workspace(N, K, dtype, cfg.irreps, width, mode))
-    block = mode == "block"
-    b, d = ws.buf, ws.dev
-    b["mu"][0] = arrays["mu_q"]
-    b["mu"][1] = arrays["mu_p"]
-    b["sigma"][0] = arrays["sigma_q"]
-    b["sigma"][1] = arrays["sigma_p"]
-    b["phi"][...] = arrays["phi"]
-    for g in ("g_mu", "g_sigma", "g_phi"):
-        b[g].fill(0)
-    ws.set_params(cfg)
-    jitter = dtype.type(cfg.jitter)
-    blk = kc.BLOCK
-    nblk = _cdiv(N, blk)
-    sums: list[tuple[str, Any]] = []
-    g_obs = None
-    # One source, two launch shapes: a thread block per agent (large K) or a thread per agent.
-    if block:
-        kern = kc.make_block_kernels(K, dtype.name, BLOCK_MAX_REGISTERS)
-        per_agent, per_term = (N, kc.block_threads(K)), lambda nf: ((N, nf), kc.block_threads(K))
-    else:
-        kern = kc.make_agent_kernels(K, dtype.name)
-        per_agent, per_term = (nblk, blk), lambda nf: ((nblk, nf), blk)
-    self_launch, agent_launch = kern["self_kl"][per_agent], kern["adjoint"][per_agent]
+        return self.ws.buf["e_self"].sum(dtype=np.float64)
 
-    if cfg.lambda_self > 0:
-        self_launch(
-            d["mu"], d["sigma"], jitter, dtype.type(cfg.lambda_self), d["e_self"], d["g_mu"], d["g_sigma"]
-        )
-        sums.append(("self", b["e_self"].sum(dtype=np.float64)))
-
-    if cfg.lambda_obs > 0:
-        W = xp.asarray(cfg.W, dtype=dtype)
-        Rm = xp.asarray(cfg.R, dtype=dtype)
-        S_q = b["sigma"][0] + cfg.jitter * xp.eye(K, dtype=dtype) if cfg.jitter else b["sigma"][0]
-        e, cache = observation(b["mu"][0], S_q, arrays["obs"], W, Rm)
-        sums.append(("observation", cfg.lambda_obs * e.sum(dtype=np.float64)))
-        g_mu, g_sigma, g_obs = observation_vjp(xp.full(e.shape, cfg.lambda_obs, e.dtype), cache)
-        b["g_mu"][0] += g_mu
-        b["g_sigma"][0] += g_sigma
-
-    active = [f for f, lam in enumerate((cfg.lambda_belief, cfg.lambda_prior)) if lam > 0]
-    if active:
-        f0, nf = active[0], len(active)
-        kern["prep"][per_agent](
-            d["phi"], d["G"], max(cfg.irreps), d["mu"], d["sigma"], jitter, f0, nf,
+    def alignment(self, active, pairwise_dense=None, pairwise_sparse=None, neighbours=None) -> list:
+        """Both alignment terms through the same launches (the device's own pair kernels run them; the
+        assembly's pairwise functions serve the staged path)."""
+        cfg, ws, kern, N, K = self.cfg, self.ws, self.kern, self.N, self.K
+        b, d, dt = ws.buf, ws.dev, self.dtype.name
+        terms = [("belief_align", "prior_align").index(a[0]) for a in active]  # slots, ascending
+        f0, nf = terms[0], len(terms)
+        nblk, blk = self.nblk, kc.BLOCK
+        kern["prep"][self.per_agent](
+            d["phi"], d["G"], max(cfg.irreps), d["mu"], d["sigma"], self.jitter, f0, nf,
             d["R"], d["lam"], d["P"], d["nu"], d["ld"],
         )  # fmt: skip
         # Centre the means on the population mean of nu (see vfesim.gaussian.features).
         b["nubar"][f0 : f0 + nf] = b["nu"][f0 : f0 + nf].mean(axis=1)
-        kern["features"][per_term(nf)](
+        grid = (N, nf) if self.block else (nblk, nf)
+        kern["features"][grid, self.nt](
             d["lam"], d["P"], d["nu"], d["nubar"], d["ld"], d["feat_scale"], f0,
             d["A"], d["B"], d["c"], d["nuc"], d["Pnu"],
         )  # fmt: skip
-        if ws.dense and block:
-            for f in active:
+        D = kc.feature_dim(K)
+        if ws.dense and self.block:
+            for f in terms:
                 # Features hold A / (2 kappa) and c / (2 kappa): logits -KL / kappa, energies / kappa.
                 pairwise_gemm(
                     b["A"][f], b["B"][f], b["c"][f], cfg.aggregator,
@@ -314,8 +311,7 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
                 )  # fmt: skip
                 b["energy"][f] *= b["kappa"][f]
         elif ws.dense:
-            D = kc.feature_dim(K)
-            k = kc.make_dense_kernels(D, dtype.name, cfg.aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+            k = kc.make_dense_kernels(D, dt, cfg.aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
             nt = k["threads"]
             nb = _cdiv(N, nt * k["opt"])
             k["stats"][(nb, ws.S, nf), nt](d["A"], d["B"], d["c"], f0, ws.chunk, d["pm"], d["ps"], d["pt"])
@@ -326,41 +322,51 @@ def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float
                 d["A"], d["B"], d["c"], d["m"], d["inv_s"], d["abar"], f0, ws.chunk, d["gAr"], d["gBs"]
             )
         else:
-            k = kc.make_sparse_kernels(kc.feature_dim(K), dtype.name, cfg.aggregator)
+            k = kc.make_sparse_kernels(D, dt, cfg.aggregator)
             nbr = _neighbour_lists(cfg.neighbours).dev
             k["rows"][(nblk, nf), blk](
-                d["A"],
-                d["B"],
-                d["c"],
-                nbr["index"],
-                nbr["mask"],
-                d["kappa"],
-                f0,
-                d["W"],
-                d["energy"],
-                d["gAr"],
-            )
+                d["A"], d["B"], d["c"], nbr["index"], nbr["mask"], d["kappa"], f0,
+                d["W"], d["energy"], d["gAr"],
+            )  # fmt: skip
             k["senders"][(nblk, nf), blk](d["A"], d["W"], nbr["ptr"], nbr["row"], nbr["slot"], f0, d["gBs"])
-        agent_launch(
-            d["phi"], d["G"], d["R"], d["mu"], d["sigma"], jitter, d["nuc"], d["P"], d["Pnu"],
+        kern["adjoint"][self.per_agent](
+            d["phi"], d["G"], d["R"], d["mu"], d["sigma"], self.jitter, d["nuc"], d["P"], d["Pnu"],
             d["gAr"], d["gBs"], d["lam_w"], d["kappa"], f0, nf, d["g_mu"], d["g_sigma"], d["g_phi"],
         )  # fmt: skip
-        names = ("belief_align", "prior_align")
-        lams = (cfg.lambda_belief, cfg.lambda_prior)
-        for f in active:
-            sums.append((names[f], lams[f] * b["energy"][f].sum(dtype=np.float64)))
+        return [
+            (name, lam * b["energy"][f].sum(dtype=np.float64))
+            for f, (name, lam, *_) in zip(terms, active, strict=True)
+        ]
 
-    terms = _collect(sums, xp)
-    grads = {
-        "mu_q": b["g_mu"][0].copy(),
-        "sigma_q": b["g_sigma"][0].copy(),
-        "mu_p": b["g_mu"][1].copy(),
-        "sigma_p": b["g_sigma"][1].copy(),
-        "phi": b["g_phi"].copy(),
-    }
-    if "obs" in arrays:
-        grads["obs"] = g_obs if g_obs is not None else xp.zeros_like(arrays["obs"])
-    return terms, grads
+    def collect(self, values: list) -> dict[str, float]:
+        """Energy values from device scalars with one device-to-host transfer (and synchronisation)."""
+        if not values:
+            return {}
+        stacked = self.xp.stack([v for _, v in values])
+        host = stacked if isinstance(stacked, np.ndarray) else stacked.get()
+        return {name: float(v) for (name, _), v in zip(values, host.tolist(), strict=True)}
+
+    def result(self) -> dict:
+        """Fresh copies of the gradients (the workspace is reused by the next evaluation)."""
+        return {k: v.copy() if k != "obs" else v for k, v in self.grads.items()}
+
+
+def _stages(arrays: dict, cfg: ModelConfig, S: dict):
+    """The stages of one evaluation: fused kernels, or (K >= LARGE_K whose block kernels' shared matrices do
+    not fit) the staged array code on CuPy arrays with the device pair kernels."""
+    dtype = _check_arrays(arrays, cfg, array_module())
+    mode = _mode(arrays["mu_q"].shape[1], dtype)
+    if mode == "batched":
+        return StagedStages(NUMPY_AGENT_OPS, arrays, cfg, S)
+    return FusedStages(arrays, cfg, dtype, mode)
+
+
+def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float], dict]:
+    """Energy terms (floats) and the exact gradient (device arrays, fresh copies) of SPEC §2.2.
+
+    arrays: mu_q, mu_p (N, K); sigma_q, sigma_p (N, K, K); phi (N, 3); obs (N, D) if present.
+    """
+    return BACKEND.energy_and_gradient(arrays, cfg)
 
 
 def _device_updates(K: int):
@@ -401,6 +407,6 @@ BACKEND = Backend(
     pairwise_dense=pairwise_dense_gemm,
     pairwise_sparse=_pairwise_sparse,
     updates=_device_updates,
-    fused_energy={"gaussian": energy_and_gradient},
+    agent_ops={"gaussian": _stages},
     on_device=True,
 )

@@ -23,6 +23,7 @@ from .terms import observation, observation_vjp, self_kl, self_kl_vjp
 __all__ = [
     "TERMS",
     "AgentOps",
+    "StagedStages",
     "NUMPY_AGENT_OPS",
     "energy_and_gradient",
     "energy_and_gradient_arrays",
@@ -74,6 +75,62 @@ def _alignment_pairs(cfg: ModelConfig):
     )
 
 
+class StagedStages:
+    """The per-agent stages of one evaluation, run stage by stage through an :class:`AgentOps` on NumPy
+    or CuPy arrays, with the gradient buffers they accumulate into.
+
+    A stages object (this class, or a backend's fused one, e.g. ``vfesim.backends.cuda_backend``) offers:
+    ``grads`` (variable -> array, accumulated in place), ``total(e)`` (float64 sum of a per-agent energy),
+    ``self_term(lam)``, ``alignment(active, pairwise_dense, pairwise_sparse, neighbours)`` (energy values
+    per term), ``collect(named values) -> floats`` and ``result() -> grads``. Energy values may stay on the
+    device until :meth:`collect`.
+    """
+
+    def __init__(self, ops: AgentOps, arrays: dict[str, Any], cfg: ModelConfig, S: dict[str, Any]):
+        self.ops, self.arrays, self.cfg, self.S = ops, arrays, cfg, S
+        xp = _xp(arrays["mu_q"])
+        self.grads = {k: xp.zeros_like(v) for k, v in arrays.items()}
+
+    @staticmethod
+    def total(e) -> float:
+        return float(e.sum(dtype=np.float64))
+
+    def self_term(self, lam: float) -> float:
+        a, S = self.arrays, self.S
+        kl, *g = self.ops.self_kl(a["mu_q"], S["sigma_q"], a["mu_p"], S["sigma_p"], lam)
+        for k, gk in zip(("mu_q", "sigma_q", "mu_p", "sigma_p"), g, strict=True):
+            self.grads[k] += gk
+        return lam * self.total(kl)
+
+    def alignment(self, active, pairwise_dense: Callable, pairwise_sparse: Callable, neighbours) -> list:
+        """Energies of the active alignment terms (SPEC §2.2–2.3); gradients into ``grads``."""
+        ops, cfg, grads = self.ops, self.cfg, self.grads
+        phi = self.arrays["phi"]
+        R = ops.frames(phi, cfg.irreps)
+        g_R = _xp(R).zeros_like(R)
+        out = []
+        for name, lam, kappa, kmu, ksig in active:
+            A, B, c, cache = ops.features(self.arrays[kmu], self.S[ksig], R, ksig)
+            if cfg.dense:
+                E, gA, gB, gc = pairwise_dense(A, B, c, kappa, cfg.aggregator)
+            else:
+                E, gA, gB, gc = pairwise_sparse(A, B, c, *neighbours, kappa, cfg.aggregator)
+            out.append((name, lam * E))
+            g_mu, g_sigma, g_Rk = ops.features_vjp(lam * gA, lam * gB, lam * gc, cache)
+            grads[kmu] += g_mu
+            grads[ksig] += g_sigma
+            g_R += g_Rk
+        grads["phi"] += ops.phi_grad(g_R, R, phi, generators(cfg.irreps))
+        return out
+
+    @staticmethod
+    def collect(values: list) -> dict[str, float]:
+        return {name: float(v) for name, v in values}
+
+    def result(self) -> dict[str, Any]:
+        return self.grads
+
+
 def energy_and_gradient_arrays(
     arrays: dict[str, Any],
     cfg: ModelConfig,
@@ -81,33 +138,33 @@ def energy_and_gradient_arrays(
     pairwise_dense: Callable = _np_pairwise.pairwise_dense,
     pairwise_sparse: Callable = _np_pairwise.pairwise_sparse,
     neighbours: tuple | None = None,
-    agent_ops: AgentOps = NUMPY_AGENT_OPS,
+    agent_ops: AgentOps | Callable = NUMPY_AGENT_OPS,
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Energy terms and the gradient of ``terms["total"]`` for raw arrays (no validation).
+    """Energy terms and the gradient of ``terms["total"]`` for raw arrays (no validation): the one
+    assembly of the Gaussian free energy, whatever runs its stages.
 
     arrays: mu_q, mu_p (N, K); sigma_q, sigma_p (N, K, K); phi (N, 3); obs (N, D) if needed.
-    neighbours: (index, mask) already on the arrays' device for sparse configs (default: from cfg).
-    agent_ops: the per-agent stages (default: the array-generic NumPy/CuPy code).
+    neighbours: (index, mask) for sparse configs (default: from cfg).
+    agent_ops: the per-agent stages, an :class:`AgentOps` (run by :class:`StagedStages`) or a factory
+        ``(arrays, cfg, S) -> stages`` of a backend's own (fused) stages.
     """
     xp = _xp(arrays["mu_q"])
     S = {k: _with_jitter(arrays[k], cfg.jitter) for k in ("sigma_q", "sigma_p")}
-    grads = {k: xp.zeros_like(v) for k, v in arrays.items()}
-    terms = dict.fromkeys(TERMS, 0.0)
-    total64 = lambda e: float(e.sum(dtype=np.float64))
+    if isinstance(agent_ops, AgentOps):
+        stages = StagedStages(agent_ops, arrays, cfg, S)
+    else:
+        stages = agent_ops(arrays, cfg, S)
+    grads = stages.grads
+    values = []
 
     if cfg.lambda_self > 0:
-        kl, *g = agent_ops.self_kl(
-            arrays["mu_q"], S["sigma_q"], arrays["mu_p"], S["sigma_p"], cfg.lambda_self
-        )
-        terms["self"] = cfg.lambda_self * total64(kl)
-        for k, gk in zip(("mu_q", "sigma_q", "mu_p", "sigma_p"), g, strict=True):
-            grads[k] += gk
+        values.append(("self", stages.self_term(cfg.lambda_self)))
 
     if cfg.lambda_obs > 0:
         W = xp.asarray(cfg.W, dtype=arrays["mu_q"].dtype)
         R = xp.asarray(cfg.R, dtype=arrays["mu_q"].dtype)
         e, cache = observation(arrays["mu_q"], S["sigma_q"], arrays["obs"], W, R)
-        terms["observation"] = cfg.lambda_obs * total64(e)
+        values.append(("observation", cfg.lambda_obs * stages.total(e)))
         g_mu, g_sigma, g_obs = observation_vjp(xp.full(e.shape, cfg.lambda_obs, e.dtype), cache)
         grads["mu_q"] += g_mu
         grads["sigma_q"] += g_sigma
@@ -115,33 +172,19 @@ def energy_and_gradient_arrays(
 
     active = [p for p in _alignment_pairs(cfg) if p[1] > 0]
     if active:
-        phi = arrays["phi"]
-        R = agent_ops.frames(phi, cfg.irreps)
-        g_R = xp.zeros_like(R)
         if not cfg.dense and neighbours is None:
             neighbours = (cfg.neighbours.index, cfg.neighbours.mask)
-        for name, lam, kappa, kmu, ksig in active:
-            A, B, c, cache = agent_ops.features(arrays[kmu], S[ksig], R, ksig)
-            if cfg.dense:
-                E, gA, gB, gc = pairwise_dense(A, B, c, kappa, cfg.aggregator)
-            else:
-                E, gA, gB, gc = pairwise_sparse(A, B, c, *neighbours, kappa, cfg.aggregator)
-            terms[name] = lam * E
-            g_mu, g_sigma, g_Rk = agent_ops.features_vjp(lam * gA, lam * gB, lam * gc, cache)
-            grads[kmu] += g_mu
-            grads[ksig] += g_sigma
-            g_R += g_Rk
-        grads["phi"] += agent_ops.phi_grad(g_R, R, phi, generators(cfg.irreps))
+        values += stages.alignment(active, pairwise_dense, pairwise_sparse, neighbours)
 
+    terms = dict.fromkeys(TERMS, 0.0)
+    terms.update(stages.collect(values))
     terms["total"] = sum(terms[k] for k in TERMS)
-    return terms, grads
+    return terms, stages.result()
 
 
 def energy_and_gradient(arrays: dict[str, Any], cfg: ModelConfig, backend) -> tuple[dict[str, float], dict]:
-    """Terms and the gradient of ``terms["total"]`` with the capabilities of ``backend`` (no validation)."""
-    fused = backend.fused_energy.get("gaussian")
-    if fused is not None:
-        return fused(arrays, cfg)
+    """Terms and the gradient of ``terms["total"]`` with the capabilities of ``backend`` (no validation):
+    its pairwise kernels and its per-agent stages (array-generic ones where it has none)."""
     return energy_and_gradient_arrays(
         arrays,
         cfg,
