@@ -485,32 +485,44 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
         for f in range(f0, f0 + nf):
             hr = 0.5 * lam_w[f]
             hs = 2.0 * hr * kappa[f]
+            # Sum the slices of the pair kernels' cotangents, slice by slice (ascending s, as one sum per
+            # element): with the slice loop outside, the element loops have constant trip counts and unroll,
+            # so a thread's matrices stay in registers.
+            for s in range(max(Sr, Ss)):
+                for e in range(t, KK, nt):
+                    a = e // K
+                    b = e - a * K
+                    lo = min(a, b)
+                    hi = max(a, b)
+                    p = lo * K - (lo * (lo - 1)) // 2 + hi - lo  # packed upper-triangle index of (lo, hi)
+                    if s == 0:
+                        GM[a, b] = gAr[0, f, i, p]
+                        GP[a, b] = gBs[0, f, i, p]
+                    else:
+                        if s < Sr:
+                            GM[a, b] += gAr[s, f, i, p]
+                        if s < Ss:
+                            GP[a, b] += gBs[s, f, i, p]
+                for a in range(t, K, nt):
+                    if s == 0:
+                        gan[a] = gAr[0, f, i, T + a]
+                        gv[a] = gBs[0, f, i, T + a]
+                    else:
+                        if s < Sr:
+                            gan[a] += gAr[s, f, i, T + a]
+                        if s < Ss:
+                            gv[a] += gBs[s, f, i, T + a]
             for e in range(t, KK, nt):
                 a = e // K
                 b = e - a * K
-                lo = min(a, b)
-                hi = max(a, b)
-                p = lo * K - (lo * (lo - 1)) // 2 + hi - lo  # packed upper-triangle index of (lo, hi)
-                u = gAr[0, f, i, p]
-                for s in range(1, Sr):
-                    u += gAr[s, f, i, p]
-                w = gBs[0, f, i, p]
-                for s in range(1, Ss):
-                    w += gBs[s, f, i, p]
-                GM[a, b] = hr * u
+                GM[a, b] = hr * GM[a, b]
                 # B holds P[triu] once: the off-diagonal cotangent splits over (a, b) and (b, a).
-                GP[a, b] = hs * w if a == b else 0.5 * hs * w
+                GP[a, b] = hs * GP[a, b] if a == b else 0.5 * hs * GP[a, b]
                 Pl[a, b] = P[f, i, a, b]
                 Sg[a, b] = sigma[f, i, a, b]
             for a in range(t, K, nt):
-                u = gAr[0, f, i, T + a]
-                w = gBs[0, f, i, T + a]
-                for s in range(1, Sr):
-                    u += gAr[s, f, i, T + a]
-                for s in range(1, Ss):
-                    w += gBs[s, f, i, T + a]
-                gan[a] = hr * u
-                gv[a] = hs * w
+                gan[a] = hr * gan[a]
+                gv[a] = hs * gv[a]
                 nv[a] = nuc[f, i, a]
             w = gBs[0, f, i, D - 1]
             for s in range(1, Ss):
