@@ -9,18 +9,20 @@ from conftest import make_config, random_sym
 import vfesim
 from vfesim.backends import energy_and_gradient_arrays
 from vfesim.dynamics import run_dynamics
-from vfesim.groups import expm_so3, generators
-from vfesim.integrators import DynamicsError, available, make_integrator
-from vfesim.integrators.gradient_flow import gradient_flow_update, retract_spd, wrap_phi
-from vfesim.integrators.hamiltonian import (
+from vfesim.gaussian.geometry import (
     fisher_kinetic_theta_grad,
     fisher_metric_theta,
+    gradient_flow_update,
     kick_drift,
+    retract_spd,
     sigma_to_theta,
     theta_grad,
     theta_to_L,
     theta_to_sigma,
+    wrap_phi,
 )
+from vfesim.groups import expm_so3, generators
+from vfesim.integrators import DynamicsError, available, make_integrator
 
 HAMILTONIAN = ("symplectic_euler", "verlet", "ruth3", "pefrl", "riemannian_leapfrog")
 ORDER = {"symplectic_euler": 1, "verlet": 2, "ruth3": 3, "pefrl": 4, "riemannian_leapfrog": 2}

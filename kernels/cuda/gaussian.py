@@ -277,16 +277,9 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
         i, t, nt = agent_index()
         if i >= phi.shape[0]:
             return
-        if blockwise:  # the agent's scratch: shared by the block, or the thread's own
-            Ms = cuda.shared.array((6, K, K), dt)
-        else:
-            Ms = cuda.local.array((6, K, K), dt)
-        X = Ms[0]
-        X2 = Ms[1]
-        X3 = Ms[2]
-        X4 = Ms[3]
-        E = Ms[4]
-        Tm = Ms[5]
+        # The agent's scratch: shared by the block, or the thread's own.
+        Ms = cuda.shared.array((6, K, K), dt) if blockwise else cuda.local.array((6, K, K), dt)
+        X, X2, X3, X4, E, Tm = Ms[0], Ms[1], Ms[2], Ms[3], Ms[4], Ms[5]
         bexpm_phi(phi[i, 0], phi[i, 1], phi[i, 2], G, lmax, K, X, X2, X3, X4, E, Tm, t, nt, blockwise)
         for e in range(t, KK, nt):
             a = e // K
@@ -335,22 +328,11 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
         i, t, nt = agent_index()
         if i >= mu.shape[1]:
             return
-        if blockwise:  # the agent's scratch: shared by the block, or the thread's own
-            Ms = cuda.shared.array((7, K, K), dt)
-            Vs = cuda.shared.array((3, K), dt)
-        else:
-            Ms = cuda.local.array((7, K, K), dt)
-            Vs = cuda.local.array((3, K), dt)
-        Sq = Ms[0]
-        Sp = Ms[1]
-        L = Ms[2]
-        Li = Ms[3]
-        Sqi = Ms[4]
-        Spi = Ms[5]
-        W = Ms[6]
-        d = Vs[0]
-        Spd = Vs[1]
-        rs = Vs[2]
+        # The agent's scratch: shared by the block, or the thread's own.
+        Ms = cuda.shared.array((7, K, K), dt) if blockwise else cuda.local.array((7, K, K), dt)
+        Vs = cuda.shared.array((3, K), dt) if blockwise else cuda.local.array((3, K), dt)
+        Sq, Sp, L, Li, Sqi, Spi, W = Ms[0], Ms[1], Ms[2], Ms[3], Ms[4], Ms[5], Ms[6]
+        d, Spd, rs = Vs[0], Vs[1], Vs[2]
         for e in range(t, KK, nt):
             a = e // K
             b = e - a * K
@@ -407,12 +389,8 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
         if i >= lam.shape[1]:
             return
         f = f0 + cuda.blockIdx.y
-        if blockwise:  # the agent's scratch: shared by the block, or the thread's own
-            Vs = cuda.shared.array((2, K), dt)
-        else:
-            Vs = cuda.local.array((2, K), dt)
-        v = Vs[0]
-        pv = Vs[1]
+        Vs = cuda.shared.array((2, K), dt) if blockwise else cuda.local.array((2, K), dt)
+        v, pv = Vs[0], Vs[1]
         ik = scale[f]
         for a in range(t, K, nt):
             v[a] = nu[f, i, a] - nubar[f, a]
@@ -456,25 +434,11 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
         i, t, nt = agent_index()
         if i >= phi.shape[0]:
             return
-        if blockwise:  # the agent's scratch: shared by the block, or the thread's own
-            Ms = cuda.shared.array((8, K, K), dt)
-            Vs = cuda.shared.array((7, K), dt)
-        else:
-            Ms = cuda.local.array((8, K, K), dt)
-            Vs = cuda.local.array((7, K), dt)
-        Rl = Ms[0]
-        gR = Ms[1]
-        GM = Ms[2]
-        GP = Ms[3]
-        Pl = Ms[4]
-        Sg = Ms[5]
-        T1 = Ms[6]
-        T2 = Ms[7]
-        nv = Vs[0]
-        gan = Vs[1]
-        gv = Vs[2]
-        gnu = Vs[3]
-        hrow = Vs[4:7]
+        # The agent's scratch: shared by the block, or the thread's own.
+        Ms = cuda.shared.array((8, K, K), dt) if blockwise else cuda.local.array((8, K, K), dt)
+        Vs = cuda.shared.array((7, K), dt) if blockwise else cuda.local.array((7, K), dt)
+        Rl, gR, GM, GP, Pl, Sg, T1, T2 = Ms[0], Ms[1], Ms[2], Ms[3], Ms[4], Ms[5], Ms[6], Ms[7]
+        nv, gan, gv, gnu, hrow = Vs[0], Vs[1], Vs[2], Vs[3], Vs[4:7]
         Sr = gAr.shape[0]
         Ss = gBs.shape[0]
         for e in range(t, KK, nt):

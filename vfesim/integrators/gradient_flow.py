@@ -26,7 +26,6 @@ import xarray as xr
 
 from ..config import ModelConfig
 from ..family import family_of
-from ..gaussian.geometry import gradient_flow_update, retract_spd, wrap_phi
 from .base import (
     Carry,
     Integrator,
@@ -40,8 +39,7 @@ from .base import (
     with_arrays,
 )
 
-# retract_spd, wrap_phi and gradient_flow_update are the Gaussian geometry's, re-exported.
-__all__ = ["make_gradient_flow", "retract_spd", "wrap_phi", "gradient_flow_update"]
+__all__ = ["make_gradient_flow"]
 
 MODES = {"natural": 0, "euclidean": 1, "adam": 2}
 DEFAULTS = {

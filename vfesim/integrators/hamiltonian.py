@@ -46,7 +46,6 @@ from ..family import family_of
 from ..gaussian.geometry import (
     fisher_kinetic_theta_grad,
     fisher_metric_theta,
-    kick_drift,
     sigma_to_theta,
     theta_grad,
     theta_to_L,
@@ -68,17 +67,7 @@ from .base import (
 )
 from .device import host_array
 
-__all__ = [
-    "SCHEMES",
-    "make_hamiltonian",
-    "sigma_to_theta",
-    "theta_to_L",
-    "theta_to_sigma",
-    "theta_grad",
-    "kick_drift",
-    "fisher_metric_theta",
-    "fisher_kinetic_theta_grad",
-]
+__all__ = ["SCHEMES", "make_hamiltonian"]
 
 # Omelyan, Mryglod & Folk, Comput. Phys. Commun. 146, 188 (2002), PEFRL.
 _XI = 0.1786178958448091
