@@ -383,7 +383,10 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     dt = A.dtype
     scale = dt.type(0.5 / kappa)
     host = lambda a: a if isinstance(a, np.ndarray) else a.get()
-    nbr = _Neighbours(SimpleNamespace(index=host(index), mask=host(mask))).dev
+    # Keyed by identity like _neighbour_lists (the assembly passes the config's arrays every call); the
+    # entry keeps the arrays, so their ids cannot be reused meanwhile.
+    make = lambda: ((index, mask), _Neighbours(SimpleNamespace(index=host(index), mask=host(mask))))
+    nbr = _lru(_neighbours, (id(index), id(mask)), make)[1].dev
     k = kc.make_sparse_kernels(D, dt.name, aggregator)
     Ah, Bb, ch = (kc.as_device_view(xp.ascontiguousarray(a[None])) for a in (A * scale, B, c * scale))
     W = xp.zeros((1, N, index.shape[1]), dt)
