@@ -78,36 +78,15 @@ def block_threads(K: int) -> int:
     return min(BLOCK_THREADS_MAX, -(-K * K // 32) * 32)
 
 
-def _bmm_nn(X, Y, Z, K, t, nt):
-    """Block phase Z = X @ Y (thread t of nt computes elements t, t + nt, ...); the caller syncs."""
+def _bmm(X, Y, Z, K, t, nt, xt, yt):
+    """Block phase Z = op(X) @ op(Y), op a transpose where ``xt`` / ``yt`` (compile-time constants at every
+    call, so the branches fold); thread t of nt computes elements t, t + nt, ...; the caller syncs."""
     for e in range(t, K * K, nt):
         a = e // K
         b = e - a * K
-        acc = X[a, 0] * Y[0, b]
+        acc = (X[0, a] if xt else X[a, 0]) * (Y[b, 0] if yt else Y[0, b])
         for k in range(1, K):
-            acc += X[a, k] * Y[k, b]
-        Z[a, b] = acc
-
-
-def _bmm_tn(X, Y, Z, K, t, nt):
-    """Block phase Z = X^T @ Y."""
-    for e in range(t, K * K, nt):
-        a = e // K
-        b = e - a * K
-        acc = X[0, a] * Y[0, b]
-        for k in range(1, K):
-            acc += X[k, a] * Y[k, b]
-        Z[a, b] = acc
-
-
-def _bmm_nt(X, Y, Z, K, t, nt):
-    """Block phase Z = X @ Y^T."""
-    for e in range(t, K * K, nt):
-        a = e // K
-        b = e - a * K
-        acc = X[a, 0] * Y[b, 0]
-        for k in range(1, K):
-            acc += X[a, k] * Y[b, k]
+            acc += (X[k, a] if xt else X[a, k]) * (Y[b, k] if yt else Y[k, b])
         Z[a, b] = acc
 
 
@@ -189,11 +168,11 @@ def _bexpm_phi(p0, p1, p2, G, lmax, K, X, X2, X3, X4, E, T, t, nt, sync):
         X[a, b] = (p0 * G[0, a, b] + p1 * G[1, a, b] + p2 * G[2, a, b]) * scale
     if sync:
         cuda.syncthreads()
-    _bmm_nn(X, X, X2, K, t, nt)
+    _bmm(X, X, X2, K, t, nt, False, False)
     if sync:
         cuda.syncthreads()
-    _bmm_nn(X2, X, X3, K, t, nt)
-    _bmm_nn(X2, X2, X4, K, t, nt)
+    _bmm(X2, X, X3, K, t, nt, False, False)
+    _bmm(X2, X2, X4, K, t, nt, False, False)
     if sync:
         cuda.syncthreads()
     c = _INV_FACT
@@ -204,7 +183,7 @@ def _bexpm_phi(p0, p1, p2, G, lmax, K, X, X2, X3, X4, E, T, t, nt, sync):
         E[a, b] = c[8] * eye + c[9] * X[a, b] + c[10] * X2[a, b] + c[11] * X3[a, b] + c[12] * X4[a, b]
     if sync:
         cuda.syncthreads()
-    _bmm_nn(X4, E, T, K, t, nt)
+    _bmm(X4, E, T, K, t, nt, False, False)
     if sync:
         cuda.syncthreads()
     for e in range(t, K * K, nt):
@@ -214,7 +193,7 @@ def _bexpm_phi(p0, p1, p2, G, lmax, K, X, X2, X3, X4, E, T, t, nt, sync):
         E[a, b] = c[4] * eye + c[5] * X[a, b] + c[6] * X2[a, b] + c[7] * X3[a, b] + T[a, b]
     if sync:
         cuda.syncthreads()
-    _bmm_nn(X4, E, T, K, t, nt)
+    _bmm(X4, E, T, K, t, nt, False, False)
     if sync:
         cuda.syncthreads()
     for e in range(t, K * K, nt):
@@ -225,7 +204,7 @@ def _bexpm_phi(p0, p1, p2, G, lmax, K, X, X2, X3, X4, E, T, t, nt, sync):
     if sync:
         cuda.syncthreads()
     for _ in range(s):
-        _bmm_nn(E, E, T, K, t, nt)
+        _bmm(E, E, T, K, t, nt, False, False)
         if sync:
             cuda.syncthreads()
         for e in range(t, K * K, nt):
@@ -236,9 +215,7 @@ def _bexpm_phi(p0, p1, p2, G, lmax, K, X, X2, X3, X4, E, T, t, nt, sync):
             cuda.syncthreads()
 
 
-_bmm_nn = device(_bmm_nn)
-_bmm_tn = device(_bmm_tn)
-_bmm_nt = device(_bmm_nt)
+_bmm = device(_bmm)
 _bchol_inv = device(_bchol_inv)
 _bexpm_phi = device(_bexpm_phi)
 
@@ -254,7 +231,7 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
     D = feature_dim(K)
     T = K * (K + 1) // 2
     KK = K * K
-    bmm_nn, bmm_tn, bmm_nt = _bmm_nn, _bmm_tn, _bmm_nt
+    bmm = _bmm
     bchol_inv = _bchol_inv
     bexpm_phi = _bexpm_phi
 
@@ -300,7 +277,7 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
                     acc += X[a, k] * E[k, b]
                 Tm[a, b] = acc
             barrier()
-            bmm_tn(E, Tm, X2, K, t, nt)
+            bmm(E, Tm, X2, K, t, nt, True, False)
             barrier()
             for e in range(t, KK, nt):
                 a = e // K
@@ -353,7 +330,7 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
             a = e // K
             b = e - a * K
             W[a, b] = Spi[a, b] * Sq[b, a]
-        bmm_nn(Spi, Sq, L, K, t, nt)
+        bmm(Spi, Sq, L, K, t, nt, False, False)
         barrier()
         # Trace and quadratic form by row sums, then one thread in row order (deterministic).
         for a in range(t, K, nt):
@@ -361,7 +338,7 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
             for b in range(1, K):
                 acc += W[a, b]
             rs[a] = acc
-        bmm_nn(L, Spi, Li, K, t, nt)
+        bmm(L, Spi, Li, K, t, nt, False, False)
         barrier()
         if t == 0:
             tr = rs[0]
@@ -509,7 +486,7 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
                 b = e - a * K
                 GP[a, b] += gs * nv[a] * nv[b] - gv[a] * nv[b] - nv[a] * gv[b]
             barrier()
-            bmm_nn(Pl, GP, T1, K, t, nt)
+            bmm(Pl, GP, T1, K, t, nt, False, False)
             barrier()
             gld = gs - gc
             for e in range(t, KK, nt):
@@ -526,9 +503,9 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
                     acc += Rl[a, k] * gnu[k]
                 g_mu[f, i, a] += acc
             barrier()
-            bmm_nn(Rl, GM, T1, K, t, nt)
+            bmm(Rl, GM, T1, K, t, nt, False, False)
             barrier()
-            bmm_nt(T1, Rl, T2, K, t, nt)
+            bmm(T1, Rl, T2, K, t, nt, False, True)
             for e in range(t, KK, nt):
                 a = e // K
                 b = e - a * K
@@ -543,7 +520,7 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
                 g_sigma[f, i, a, b] += 0.5 * (T2[a, b] + T2[b, a])
             barrier()
         # dF/dphi = Jr^T h, h_b = <R^T gR, G_b>: elementwise products, row sums, then one thread in order.
-        bmm_tn(Rl, gR, T1, K, t, nt)
+        bmm(Rl, gR, T1, K, t, nt, True, False)
         barrier()
         for e in range(t, KK, nt):
             a = e // K
