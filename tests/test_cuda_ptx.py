@@ -6,6 +6,7 @@ pairwise kernels: float32 kernels contain no float64 arithmetic (a Python float 
 math would silently promote), and at K = 3 the per-thread arrays stay in registers (no local memory).
 """
 
+import functools
 import os
 import re
 
@@ -36,11 +37,16 @@ def _kernels():
                 yield pytest.param(K, dtype, fam, name, id=f"K{K}-{dtype}-{fam}-{name}")
 
 
+@functools.cache
+def _ptx(K, dtype, fam, name):
+    """PTX of one kernel for sm_90 (compiled once per test session: compile_ptx takes seconds)."""
+    ks = dict(_families(K, dtype))[fam]
+    return kc.cuda.compile_ptx(ks["_py"][name], kc.kernel_signatures(K, dtype)[name], cc=(9, 0))[0]
+
+
 @pytest.mark.parametrize("K, dtype, fam, name", list(_kernels()))
 def test_kernel_compiles_for_sm90(K, dtype, fam, name):
-    ks = dict(_families(K, dtype))[fam]
-    sig = kc.kernel_signatures(K, dtype)[name]
-    ptx, resty = kc.cuda.compile_ptx(ks["_py"][name], sig, cc=(9, 0))
+    ptx = _ptx(K, dtype, fam, name)
     assert ".target sm_90" in ptx
     assert re.search(r"\.entry\s", ptx), "no kernel entry point"
     if fam.startswith("dense") and name in ("stats", "grads"):
@@ -135,9 +141,7 @@ def test_thread_per_agent_kernels_keep_matrices_in_registers(dtype):
     """One thread per agent at K = 3: the agent's 3 x 3 scratch stays in registers. (A loop with a
     run-time trip count around the element loops once kept four of them in local memory: 0.6 ms more at
     N = 4096 on an H100.)"""
-    ks = kc.make_agent_kernels(3, dtype)
-    sigs = kc.kernel_signatures(3, dtype)
     for name in ("prep", "features", "self_kl", "adjoint"):
-        ptx, _ = kc.cuda.compile_ptx(ks["_py"][name], sigs[name], cc=(9, 0))
+        ptx = _ptx(3, dtype, "agent", name)
         depot = sum(int(n) for n in re.findall(r"__local_depot\d+\[(\d+)\]", ptx))
         assert depot <= 64, f"{name}: {depot} bytes of local memory"
