@@ -18,16 +18,9 @@ from ..gaussian.geometry import MOVABLE
 from ..gaussian.terms import self_kl
 from ..groups import generators
 from . import Backend
+from .numpy_backend import to_device, to_host  # host arrays: nothing to move
 
 __all__ = ["BACKEND", "to_device", "to_host", "energy_and_gradient", "AGENT_OPS", "NumbaUpdates"]
-
-
-def to_device(arrays: dict) -> dict:
-    return arrays
-
-
-def to_host(arrays: dict) -> dict:
-    return arrays
 
 
 def _frames(phi, irreps):
