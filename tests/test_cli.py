@@ -44,7 +44,7 @@ def test_run_resume_inspect_plot(tmp_path, capsys):
     assert open_run(out).sizes["time"] == 3
     assert main(["resume", str(out), "--steps", "8", "-q"]) == 0
     assert open_run(out)["step"].values.tolist() == [0, 2, 4, 6, 8]
-    capsys.readouterr()
+    assert capsys.readouterr().err == ""  # -q: no bar, no INFO lines
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     assert "status       complete" in text and "8 saved of 8" in text
@@ -126,22 +126,44 @@ class _Tty(io.StringIO):
         return True
 
 
-def test_progress_bar_on_tty_and_silent_when_off():
+def test_progress_bar_on_tty_fits_80_columns_and_silent_when_off():
     tty = _Tty()
-    bar = Progress(10, stream=tty)
-    for i in range(1, 11):
-        bar.update(i, F=float(i))
+    bar = Progress(1000, stream=tty)
+    for i in range(1, 1001):
+        bar.update(i, F=-123456.789 * i)
     bar.close()
     text = tty.getvalue()
-    assert "steps/s" in text and "F=10" in text and "ETA" in text and "[####" in text
+    assert "step/s" in text and "F=-1.23457e+08" in text and "1000/1000" in text
+    assert max(len(line) for line in text.replace("\r", "\n").splitlines()) <= 80
     quiet = _Tty()
     off = Progress(10, stream=quiet, enabled=False)
     off.update(5, 1.0)
     off.close()
     assert quiet.getvalue() == ""
-    pipe = io.StringIO()  # not a TTY: no bar characters, ever
-    Progress(10, stream=pipe, enabled=True).update(10, 1.0)
+    pipe = io.StringIO()  # not a TTY and the logger not configured: nothing at all
+    Progress(10, stream=pipe).update(10, 1.0)
     assert pipe.getvalue() == ""
+
+
+def test_progress_of_a_run_quiet_or_shown(tmp_path, capsys):
+    from vfesim.simulate import simulate
+
+    toml = write(tmp_path, SMALL)
+    simulate(toml, out=tmp_path / "a.zarr", progress=False)
+    assert capsys.readouterr().err == ""
+    simulate(toml, out=tmp_path / "b.zarr", progress=True)
+    err = capsys.readouterr().err
+    assert "8/8" in err and "step/s" in err and "F=" in err
+
+
+def test_version_and_python_dash_m(capsys):
+    import vfesim
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"vfesim {vfesim.__version__}"
+    r = subprocess.run([sys.executable, "-m", "vfesim", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == f"vfesim {vfesim.__version__}"
 
 
 def test_cli_run_matches_python_api(tmp_path):

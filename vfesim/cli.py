@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from ._version import __version__
 from .config import ConfigError
 from .progress import configure_logging, log
 
@@ -29,6 +30,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vfesim", description="Run and analyse vfesim simulations.")
+    ap.add_argument("--version", action="version", version=f"vfesim {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run a scenario file")
     p.add_argument("scenario", help="scenario TOML file")

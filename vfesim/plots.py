@@ -11,7 +11,14 @@ from .family import family_of
 from .io.reader import open_run
 from .io.store import StoreError
 
-__all__ = ["plot_run", "plot_energy", "plot_attention", "plot_beliefs", "plot_frames"]
+__all__ = [
+    "plot_run",
+    "plot_energy",
+    "plot_attention",
+    "plot_beliefs",
+    "plot_frames",
+    "rotation_angle",
+]
 
 MAX_PATHS = 200
 MAX_ATTENTION = 600
@@ -163,20 +170,37 @@ def plot_beliefs(ds, path: Path) -> Path:
     return path
 
 
+def rotation_angle(phi: np.ndarray) -> np.ndarray:
+    """Rotation angle in [0, pi] of the frames ``exp(phi . G)``: phi (..., 3) -> (...).
+
+    exp(t n . G) is the rotation by t about n, and t + 2 pi k about n, or 2 pi - t about -n, is the
+    same rotation; so the angle is |t - 2 pi round(t / 2 pi)| (closed form, no loop).
+    """
+    t = np.linalg.norm(np.asarray(phi, dtype=np.float64), axis=-1)
+    return np.abs(t - 2 * np.pi * np.round(t / (2 * np.pi)))
+
+
 def plot_frames(ds, path: Path) -> Path:
-    """Histogram of the frame angles |phi_i| at the first and last saved frame."""
+    """Histogram of the frame rotation angles (|phi_i| reduced to [0, pi]) at the first and last frame.
+
+    Hamiltonian runs carry phi freely, so |phi| can exceed pi; the reduced angle is the same rotation.
+    """
     plt = _plt()
-    first = np.linalg.norm(ds["phi"].isel(time=0).values, axis=-1)
-    last = np.linalg.norm(ds["phi"].isel(time=-1).values, axis=-1)
+    phi0 = ds["phi"].isel(time=0).values
+    phi1 = ds["phi"].isel(time=-1).values
     bins = np.linspace(0, np.pi, 37)
     fig, ax = plt.subplots(figsize=(6.4, 4.2), constrained_layout=True)
     t0, t1 = ds["time"].values[[0, -1]]
-    ax.hist(first, bins=bins, alpha=0.5, label=f"t = {t0:g}")
-    ax.hist(last, bins=bins, histtype="step", lw=2, label=f"t = {t1:g}")
-    ax.set_xlabel("|phi| (frame rotation angle, rad)")
+    ax.hist(rotation_angle(phi0), bins=bins, alpha=0.5, label=f"t = {t0:g}")
+    ax.hist(rotation_angle(phi1), bins=bins, histtype="step", lw=2, label=f"t = {t1:g}")
+    ax.set_xlabel("frame rotation angle (|phi| reduced to [0, pi], rad)")
     ax.set_ylabel("agents")
     ax.set_xlim(0, np.pi)
-    ax.set_title("distribution of frame angles")
+    title = "distribution of frame rotation angles"
+    wrapped = int(np.sum(np.linalg.norm(phi1, axis=-1) > np.pi))
+    if wrapped:
+        title += f"\n({wrapped} of {len(phi1)} agents end with |phi| > pi, shown reduced)"
+    ax.set_title(title, fontsize=10)
     ax.legend(loc="best")
     fig.savefig(path, dpi=110)
     plt.close(fig)
