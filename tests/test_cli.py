@@ -58,6 +58,30 @@ def test_run_resume_inspect_plot(tmp_path, capsys):
     assert all((tmp_path / "png" / p).stat().st_size > 10_000 for p in pngs)
 
 
+def test_last_step_off_the_save_grid_is_saved_and_resumed(tmp_path):
+    from vfesim.io.store import RunStore
+    from vfesim.simulate import simulate
+
+    toml = write(tmp_path, SMALL)  # save_every = 2, checkpoint_every = 4, dt = 0.05
+    out = tmp_path / "r.zarr"
+    assert main(["run", str(toml), "--out", str(out), "--steps", "3", "-q"]) == 0
+    ds = open_run(out)
+    assert ds["step"].values.tolist() == [0, 2, 3]
+    np.testing.assert_allclose(ds["time"].values, [0, 0.1, 0.15])
+    assert RunStore(out).checkpoint_steps() == [0, 3]
+    # Making room for a longer run drops the off-grid frame before its label changes.
+    RunStore(out).extend(8, 2, 0.05)
+    assert open_run(out)["step"].values.tolist() == [0, 2]
+    every_step = simulate(toml, out=tmp_path / "ref.zarr", progress=False, run={"save_every": 1})
+    ref = open_run(every_step.path).swap_dims(time="step")
+    for steps, want in ((7, [0, 2, 4, 6, 7]), (8, [0, 2, 4, 6, 8])):
+        assert main(["resume", str(out), "--steps", str(steps), "-q"]) == 0
+        ds = open_run(out)
+        assert ds["step"].values.tolist() == want
+        for k in ("mu_q", "sigma_q", "phi", "system_free_energy", "time"):
+            np.testing.assert_array_equal(ds[k].values, ref[k].sel(step=want).values, err_msg=k)
+
+
 def test_bad_scenario_exits_2_naming_the_key(tmp_path):
     toml = write(tmp_path, SMALL.replace("dt = 0.05", "dt = -0.05"))
     out = tmp_path / "r.zarr"

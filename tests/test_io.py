@@ -49,7 +49,7 @@ def test_open_run_trims_to_written_frames(run, tmp_path):
     out = tmp_path / "short.zarr"
     simulate(Scenario.from_dict(SCN), out=out, steps=6, progress=False)
     store = RunStore(out)
-    store.extend(7, 2, 0.05)  # room for 12 steps, nothing written there yet
+    store.extend(12, 2, 0.05)  # room for 12 steps, nothing written there yet
     plain = xr.open_zarr(out, consolidated=False)
     assert plain.sizes["time"] == 7 and np.isnan(plain["mu_q"].values[4:]).all()
     assert plain["saved"].values.tolist() == [True] * 4 + [False] * 3

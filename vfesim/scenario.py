@@ -7,7 +7,8 @@ Sections and keys (all optional except ``model.K`` or ``model.irreps`` and ``pop
                    phi_radius, obs_scale, neighbours ("dense" | "ring"), half_width,
                    camps (>= 1 prior camps), camp_offset (distance between camp centres)
     [integrator]   method, dt, friction, options (a table passed to make_integrator)
-    [run]          n_steps, save_every, checkpoint_every, backend, dtype, seed
+    [run]          n_steps, save_every (a frame every save_every steps; the last step is always
+                   saved), checkpoint_every, backend, dtype, seed
     [output]       path (relative to the working directory), time_chunk (frames per Zarr chunk),
                    keep_checkpoints (>= 2: the newest and the one before are always kept)
 
@@ -179,11 +180,6 @@ def _run(d: dict) -> dict:
         raise ScenarioError("run.n_steps", "is required")
     p["n_steps"] = _int("run.n_steps", p["n_steps"], 1)
     p["save_every"] = _int("run.save_every", p["save_every"], 1)
-    if p["n_steps"] % p["save_every"]:
-        raise ScenarioError(
-            "run.n_steps",
-            f"must be a multiple of run.save_every = {p['save_every']} (got {p['n_steps']})",
-        )
     if p["checkpoint_every"] is None:
         p["checkpoint_every"] = p["n_steps"]
     p["checkpoint_every"] = _int("run.checkpoint_every", p["checkpoint_every"], 1)

@@ -23,7 +23,7 @@ from ._version import __version__
 from .config import ModelConfig
 from .family import family_of
 from .io.reader import open_run
-from .io.store import RunStore, StoreError, term_var
+from .io.store import RunStore, StoreError, frame_steps, term_var
 from .progress import Progress, log
 from .scenario import Scenario, ScenarioError, load_scenario, read_toml
 
@@ -150,7 +150,7 @@ def simulate(
     integ = _make_integrator(scn, backend_name)
     carry = integ.init(state0)  # a DynamicsError here propagates: nothing was written yet
     run = scn.run
-    n_frames = run["n_steps"] // run["save_every"] + 1
+    n_frames = frame_steps(run["n_steps"], run["save_every"]).size
     fpc = max(1, run["checkpoint_every"] // run["save_every"])
     trajectory = family_of(scn.model).trajectory
     by_size = max(1, TARGET_CHUNK_BYTES // max(1, frame_bytes(state0, trajectory)))
@@ -169,7 +169,7 @@ def simulate(
         state0,
         list(carry.terms),
         trajectory=trajectory,
-        n_frames=n_frames,
+        n_steps=run["n_steps"],
         save_every=run["save_every"],
         dt=scn.integrator["dt"],
         time_chunk=chunk,
@@ -231,7 +231,7 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
     try:
         while carry.step < n_steps:
             carry = integ.step(carry)
-            if carry.step % every == 0:
+            if carry.step % every == 0 or carry.step == n_steps:  # the last step is always saved
                 buf.append(_frame(carry, names))
                 if len(buf) == chunk:
                     store.write_frames(buf_start, buf)
@@ -329,11 +329,12 @@ def resume(
     run = scn.run
     if run["n_steps"] < ckpt.step:
         raise ScenarioError("run.n_steps", f"must be >= the checkpoint step {ckpt.step}")
-    n_frames = run["n_steps"] // run["save_every"] + 1
-    store.extend(n_frames, run["save_every"], scn.integrator["dt"])
+    store.extend(run["n_steps"], run["save_every"], scn.integrator["dt"])
     store.set_attrs(scenario=scn.to_json())
     integ = _make_integrator(scn, backend_name)
     carry = integ.restore(ckpt.state, ckpt.step, ckpt.aux, ckpt.rng_state)
+    # The first frame after the checkpoint's step. An old last step off the save grid had a frame of
+    # its own at this index; the new run's frame replaces it (extend marked it unsaved).
     next_frame = ckpt.step // run["save_every"] + 1
     chunk = store.time_chunk()
     buf_start = next_frame // chunk * chunk

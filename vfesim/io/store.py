@@ -15,7 +15,9 @@ Layout of ``RUN.zarr``::
     checkpoints/step-<12 digits>/   full state + ``aux__<name>`` integrator arrays; attrs: step,
                               rng_state, terms, scenario, vfesim_version, backend, frames_saved
 
-Frame ``f`` holds step ``f * save_every``. Trajectory writes start at chunk boundaries of the
+Frame ``f`` holds step ``f * save_every``, and the last step of the run is always saved: when it is
+off that grid it gets a frame of its own (the ``step`` coordinate says which step each frame holds;
+see :func:`frame_steps`). Trajectory writes start at chunk boundaries of the
 ``time`` axis: a full chunk is written once; at a checkpoint the current partial chunk is written
 from its start and rewritten when it fills. Zarr's local store replaces each chunk file atomically,
 so a kill mid-write leaves the old or the new chunk, never a torn one, and nothing is ever appended
@@ -41,7 +43,7 @@ import zarr
 from .._version import __version__
 from ..family import family_named
 
-__all__ = ["StoreError", "RunStore", "Checkpoint", "FORMAT", "term_var"]
+__all__ = ["StoreError", "RunStore", "Checkpoint", "FORMAT", "term_var", "frame_steps"]
 
 FORMAT = "vfesim-run/1"
 # Trajectory variables of stores written before the attribute existed (all Gaussian).
@@ -57,6 +59,19 @@ class StoreError(RuntimeError):
 def term_var(term: str) -> str:
     """Trajectory variable name of an energy term ("total" is the system free energy)."""
     return "system_free_energy" if term == "total" else f"system_energy_{term}"
+
+
+def frame_steps(n_steps: int, save_every: int, n_frames: int | None = None) -> np.ndarray:
+    """Step held by each trajectory frame: ``0, save_every, 2 save_every, ...`` up to ``n_steps``, and
+    ``n_steps`` itself as one more frame when it is off that grid. ``n_frames`` (at least the frames
+    needed) pads the end with grid steps (frames a longer earlier run had room for)."""
+    steps = np.arange(n_steps // save_every + 1, dtype=np.int64) * save_every
+    if n_steps % save_every:
+        steps = np.append(steps, np.int64(n_steps))
+    if n_frames is not None and n_frames > steps.size:
+        pad = np.arange(steps.size, n_frames, dtype=np.int64) * save_every
+        steps = np.concatenate([steps, pad])
+    return steps
 
 
 def _zkw() -> dict:
@@ -119,7 +134,7 @@ class RunStore:
         terms: list[str],
         *,
         trajectory: tuple[str, ...],
-        n_frames: int,
+        n_steps: int,
         save_every: int,
         dt: float,
         time_chunk: int,
@@ -135,7 +150,8 @@ class RunStore:
         cls.probe(path, overwrite)
         final = Path(path)
         path = final.absolute().parent / f".{final.name}.creating-{uuid.uuid4().hex[:8]}"
-        steps = np.arange(n_frames, dtype=np.int64) * save_every
+        steps = frame_steps(n_steps, save_every)
+        n_frames = steps.size
         coords = {
             "time": ("time", steps * dt, {"units": "model time (step * dt)"}),
             "step": ("time", steps),
@@ -213,20 +229,27 @@ class RunStore:
     def time_chunk(self) -> int:
         return zarr.open_array(self.path / "saved", mode="r", zarr_format=3).chunks[0]
 
-    def extend(self, n_frames: int, save_every: int, dt: float) -> None:
-        """Give every time-indexed array the same length, at least ``n_frames`` (for resume with
-        more steps). Idempotent: rerun after a kill mid-way, it finishes the job."""
+    def extend(self, n_steps: int, save_every: int, dt: float) -> None:
+        """Make room for the frames of a run to ``n_steps`` (for resume with more or fewer steps):
+        every time-indexed array gets the same length, and ``step``/``time`` the new frame steps
+        (:func:`frame_steps`). A written frame whose step changes (the old last step, off the save
+        grid) is marked unsaved, with every frame after it, before the coordinates change, so the
+        store never labels a frame with a step it does not hold; resume rewrites those frames.
+        Idempotent: rerun after a kill mid-way, it finishes the job."""
         g = zarr.open_group(self.path, mode="r+", zarr_format=3)
         arrays = [a for _, a in g.arrays() if (a.metadata.dimension_names or ("",))[0] == "time"]
-        n = max(n_frames, *(a.shape[0] for a in arrays))
-        if all(a.shape[0] == n for a in arrays):
-            return
+        n = max(frame_steps(n_steps, save_every).size, *(a.shape[0] for a in arrays))
+        steps = frame_steps(n_steps, save_every, n)
+        old = np.asarray(g["step"][:])
+        changed = np.flatnonzero(old != steps[: old.size])
+        if changed.size:
+            g["saved"][int(changed[0]) :] = False
         for a in arrays:
             if a.shape[0] != n:
                 a.resize((n, *a.shape[1:]))
-        steps = np.arange(n, dtype=np.int64) * save_every
-        g["step"][:] = steps
-        g["time"][:] = steps * dt
+        if changed.size or old.size != n:
+            g["step"][:] = steps
+            g["time"][:] = steps * dt
 
     # --- trajectory --------------------------------------------------------------------------
     def write_frames(self, start: int, frames: list[dict[str, np.ndarray]]) -> None:
