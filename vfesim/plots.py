@@ -18,10 +18,13 @@ __all__ = [
     "plot_beliefs",
     "plot_frames",
     "rotation_angle",
+    "attention_entropy",
 ]
 
 MAX_PATHS = 200
 MAX_ATTENTION = 600
+MAX_ENTROPY_FRAMES = 60
+MAX_ENTROPY_AGENTS = 4096
 
 
 def _plt():
@@ -97,47 +100,102 @@ def _pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean, axes
 
 
-def _final_arrays(ds) -> dict[str, np.ndarray]:
-    last = ds.isel(time=-1)
-    return {k: last[k].values for k in ds.data_vars if "agent" in last[k].dims}
+def _frame_arrays(ds, i: int) -> dict[str, np.ndarray]:
+    frame = ds.isel(time=i)
+    return {k: frame[k].values for k in ds.data_vars if "agent" in frame[k].dims}
+
+
+def _dense_attention(arrays: dict[str, np.ndarray], cfg: ModelConfig) -> np.ndarray:
+    """Belief attention beta (N, N) of one frame; pairs that are not neighbours are 0."""
+    beta = np.asarray(family_of(cfg).attention(arrays, cfg, "belief"))
+    if cfg.dense:
+        return beta
+    n, nb = beta.shape[0], cfg.neighbours
+    dense = np.zeros((n, n))
+    rows = np.repeat(np.arange(n)[:, None], nb.width, axis=1)
+    dense[rows[nb.mask], nb.index[nb.mask]] = beta[nb.mask]
+    return dense
+
+
+def attention_entropy(beta: np.ndarray, n_neighbours: np.ndarray) -> np.ndarray:
+    """Normalised attention entropy per receiver, H_i / log(n_i) in [0, 1]: 1 when agent i attends
+    to all its n_i neighbours equally, 0 when it attends to one. beta (N, N) or (N, k); NaN where
+    n_i < 2."""
+    logb = np.log(np.where(beta > 0, beta, 1.0))
+    H = -np.sum(beta * logb, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(n_neighbours >= 2, H / np.log(n_neighbours), np.nan)
+
+
+def _entropy_over_time(ds, cfg: ModelConfig, max_frames: int) -> tuple[np.ndarray, np.ndarray]:
+    """Times (T,) and normalised attention entropy (T, N) on at most ``max_frames`` frames."""
+    T = ds.sizes["time"]
+    frames = np.unique(np.linspace(0, T - 1, min(T, max_frames)).astype(int))
+    n = ds.sizes["agent"]
+    counts = np.full(n, n - 1) if cfg.dense else cfg.neighbours.mask.sum(axis=1)
+    H = []
+    for f in frames:
+        arrays = _frame_arrays(ds, int(f))
+        beta = np.asarray(family_of(cfg).attention(arrays, cfg, "belief"))
+        H.append(attention_entropy(beta, counts))
+    return ds["time"].values[frames], np.array(H)
 
 
 def plot_attention(ds, cfg: ModelConfig, path: Path) -> Path:
-    """Final belief attention beta_ij, agents ordered by their final belief's first PC."""
+    """Belief attention beta_ij at the first and last frame (agents sorted by that frame's belief PC1,
+    one colour scale), and the normalised attention entropy of every agent over time."""
     plt = _plt()
-    arrays = _final_arrays(ds)
-    beta = np.asarray(family_of(cfg).attention(arrays, cfg, "belief"))
-    n = arrays["mu_q"].shape[0]
-    if not cfg.dense:
-        nb = cfg.neighbours
-        dense = np.zeros((n, n))
-        rows = np.repeat(np.arange(n)[:, None], nb.width, axis=1)
-        dense[rows[nb.mask], nb.index[nb.mask]] = beta[nb.mask]
-        beta = dense
-    mean, axes = _pca(arrays["mu_q"])
-    order = np.argsort((arrays["mu_q"] - mean) @ axes[0], kind="stable")
-    if n > MAX_ATTENTION:
-        order = order[:: int(np.ceil(n / MAX_ATTENTION))]
-    b = beta[np.ix_(order, order)]
-    fig, ax = plt.subplots(figsize=(6.4, 5.4), constrained_layout=True)
     from matplotlib.colors import PowerNorm
 
-    off = b[b > 0]
+    n = ds.sizes["agent"]
+    panels = []
+    for i in (0, -1):
+        arrays = _frame_arrays(ds, i)
+        beta = _dense_attention(arrays, cfg)
+        mean, axes = _pca(arrays["mu_q"])
+        order = np.argsort((arrays["mu_q"] - mean) @ axes[0], kind="stable")
+        if n > MAX_ATTENTION:
+            order = order[:: int(np.ceil(n / MAX_ATTENTION))]
+        panels.append(beta[np.ix_(order, order)])
+    off = np.concatenate([b[b > 0] for b in panels])
     # A few near-one weights would flatten the colour scale: clip at the 99th percentile. Pairs that
     # are not neighbours (the diagonal, sparse gaps) are drawn grey rather than as weight 0.
     vmax = float(np.quantile(off, 0.99)) if off.size else 1.0
     vmin = float(np.quantile(off, 0.01)) if off.size else 0.0
     vmin = 0.0 if vmin < 0.5 * vmax else vmin
-    shown_b = np.where(b > 0, b, np.nan)
     cmap = plt.get_cmap("magma").with_extremes(bad="0.75")
     norm = PowerNorm(0.5, vmin=vmin, vmax=vmax)
-    im = ax.imshow(shown_b, cmap=cmap, interpolation="nearest", norm=norm)
+
+    fig = plt.figure(figsize=(11, 9), constrained_layout=True)
+    grid = fig.add_gridspec(2, 2, height_ratios=(1.25, 1))
+    shown = f"{len(panels[0])} of {n}" if len(panels[0]) < n else f"{n}"
+    t0, t1 = ds["time"].values[[0, -1]]
+    for j, (b, t) in enumerate(zip(panels, (t0, t1), strict=True)):
+        ax = fig.add_subplot(grid[0, j])
+        im = ax.imshow(np.where(b > 0, b, np.nan), cmap=cmap, interpolation="nearest", norm=norm)
+        ax.set_title(f"belief attention at t = {t:g}\n({shown} agents, sorted by belief PC1)", fontsize=10)
+        ax.set_xlabel("sender j")
+        ax.set_ylabel("receiver i")
     extend = "max" if off.size and off.max() > vmax else "neither"
-    fig.colorbar(im, ax=ax, extend=extend, label="beta_ij (row i attends to column j)")
-    shown = f"{len(order)} of {n}" if len(order) < n else f"{n}"
-    ax.set_title(f"final belief attention ({shown} agents, sorted by belief PC1)", fontsize=10)
-    ax.set_xlabel("sender j")
-    ax.set_ylabel("receiver i")
+    fig.colorbar(im, ax=fig.axes, extend=extend, label="beta_ij (row i attends to column j)", shrink=0.8)
+
+    ax = fig.add_subplot(grid[1, :])
+    if n <= MAX_ENTROPY_AGENTS:
+        times, H = _entropy_over_time(ds, cfg, MAX_ENTROPY_FRAMES)
+    else:  # every frame costs an N x N attention matrix
+        times, H = np.zeros(0), np.zeros((0, n))
+        ax.text(0.5, 0.5, f"not computed for {n} > {MAX_ENTROPY_AGENTS} agents", ha="center")
+    if np.isfinite(H).any():
+        lo, med, hi = np.nanpercentile(H, [10, 50, 90], axis=1)
+        ax.fill_between(times, lo, hi, alpha=0.3, label="10-90% of agents")
+        ax.plot(times, med, lw=1.8, label="median agent")
+        ax.legend(loc="best")
+    ax.set_xlabel("time (step * dt)")
+    ax.set_ylabel("H(beta_i.) / log(neighbours)")
+    ax.set_title(
+        "attention entropy per agent (1: attends to all neighbours equally; lower: to a few)", fontsize=10
+    )
+    ax.grid(alpha=0.3)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
