@@ -13,7 +13,7 @@ from vfesim import ConfigError, ModelConfig, SparseNeighbours
 def test_defaults_and_resolved_irreps():
     cfg = ModelConfig(K=5)
     assert cfg.irreps == (2,) and cfg.K == 5
-    assert cfg.aggregator == "expected" and cfg.dtype == "float64" and cfg.jitter == 0.0
+    assert cfg.aggregator == "expected" and cfg.dtype is None and cfg.jitter == 0.0
     assert cfg.dense and cfg.obs_dim == 0
     multi = ModelConfig(irreps=[1, 0])
     assert multi.K == 4 and multi.irreps == (1, 0)
@@ -109,6 +109,37 @@ def test_numpy_dtype_normalised_or_rejected():
         return
     assert cfg.dtype == "float32" and isinstance(cfg.dtype, str)
     assert ModelConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_state_dtype_must_match_an_explicit_config_dtype():
+    """dtype None (default): the state's dtype is used; an explicit dtype refuses the other one."""
+    import vfesim
+
+    st32 = vfesim.random_state(ModelConfig(K=3), n_agents=3, dtype="float32")
+    assert vfesim.random_state(ModelConfig(K=3), n_agents=3)["mu_q"].dtype == np.float64
+    terms, grads = vfesim.energy_and_gradient(st32, ModelConfig(K=3))
+    assert grads["mu_q"].dtype == np.float32
+    cfg64 = ModelConfig(K=3, dtype="float64")
+    with pytest.raises(
+        vfesim.StateError, match=r"^mu_q: dtype float32 differs from the config's dtype float64"
+    ):
+        vfesim.energy_and_gradient(st32, cfg64)
+    with pytest.raises(vfesim.StateError, match="dtype float32 differs"):
+        vfesim.run_dynamics(st32, cfg64, "gradient_flow", 0.01, 1)
+    vfesim.energy_and_gradient(st32, ModelConfig(K=3, dtype="float32"))
+
+
+def test_api_rejects_a_dict_for_a_state():
+    import vfesim
+
+    cfg = ModelConfig(K=3)
+    arrays = {k: v.values for k, v in vfesim.random_state(cfg, n_agents=3).data_vars.items()}
+    with pytest.raises(TypeError, match=r"^state: expected an xarray.Dataset .* got builtins.dict"):
+        vfesim.energy_and_gradient(arrays, cfg)
+    with pytest.raises(TypeError, match=r"^state: expected an xarray.Dataset"):
+        vfesim.run_dynamics(arrays, cfg, "verlet", 0.01, 1)
+    with pytest.raises(TypeError, match=r"^scenario: expected a Scenario, a TOML file path or a dict"):
+        vfesim.simulate(vfesim.random_state(cfg, n_agents=3), out="unused.zarr")
 
 
 # --- observation model ---------------------------------------------------------------------

@@ -97,6 +97,37 @@ def test_toml_errors(tmp_path):
         load_scenario(tmp_path / "missing.toml")
 
 
+def test_binary_scenario_file_is_named(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(
+        ScenarioError, match=r"model.bin: not a text \(UTF-8\) TOML file: byte 0x80 at offset 128"
+    ):
+        load_scenario(binary)
+
+
+def test_population_too_large_for_memory_names_the_key(monkeypatch):
+    import vfesim.scenario as sc
+
+    monkeypatch.setattr(sc, "physical_memory", lambda: 16 * 2**30)
+    with pytest.raises(ScenarioError, match=r"^model.K: 5 agents with K = 100001 .* need at least 2.4 TiB"):
+        Scenario.from_dict(with_("model", K=100001))
+    with pytest.raises(ScenarioError, match=r"^population.n_agents: 10000000000 agents with K = 3 .* 16 GiB"):
+        Scenario.from_dict(with_("population", n_agents=10**10))
+    assert sc.run_memory_bytes(5, 3, 0, "float64") < 2**20
+    Scenario.from_dict(with_("population", n_agents=10**6))  # 0.5 GiB: fits
+
+
+@pytest.mark.parametrize(
+    "key, value, variable",
+    [("mu_scale", 1e308, "mu_q"), ("prior_mu_scale", 1e308, "mu_p"), ("eig_range", [1.0, 1e308], "sigma_q")],
+)
+def test_bad_population_scale_blames_the_key_written(key, value, variable):
+    s = Scenario.from_dict(with_("population", n_agents=50, **{key: value}))
+    with pytest.raises(ScenarioError, match=rf"^population.{key}: {key} = .* gives {variable}\[agent="):
+        s.initial_state()
+
+
 def test_ring_and_camps_build_the_population():
     s = Scenario.from_dict(
         with_(

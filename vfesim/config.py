@@ -139,6 +139,9 @@ class ModelConfig:
     W (obs_dim, K), R (obs_dim, obs_dim) SPD: the linear Gaussian observation model, needed when
     ``lambda_obs > 0``.
     jitter: explicit eps added as eps*I to every covariance before the energy (default 0: none).
+    dtype: None (default): states of any float dtype are accepted and computed in their own dtype
+    (``random_state`` makes float64); "float32" / "float64": states must have that dtype, and a state
+    of the other one is refused naming the variable and both dtypes (cast it with ``state.astype``).
     """
 
     K: int | None = None
@@ -153,7 +156,7 @@ class ModelConfig:
     neighbours: Any = "dense"
     W: np.ndarray | None = None
     R: np.ndarray | None = None
-    dtype: str = "float64"
+    dtype: str | None = None
     jitter: float = 0.0
 
     def __post_init__(self) -> None:
@@ -170,8 +173,8 @@ class ModelConfig:
                 s("dtype", np.dtype(self.dtype).name)
             except TypeError:
                 raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}") from None
-        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
-            raise ConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype is not None and (not isinstance(self.dtype, str) or self.dtype not in DTYPES):
+            raise ConfigError("dtype", f"must be None or one of {DTYPES}, got {self.dtype!r}")
         self._resolve_irreps()
         self._resolve_neighbours()
         self._resolve_observation()

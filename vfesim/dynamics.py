@@ -10,6 +10,7 @@ import xarray as xr
 from .config import ModelConfig
 from .family import family_of
 from .integrators import is_hamiltonian, make_integrator
+from .state import require_dataset
 
 __all__ = ["run_dynamics"]
 
@@ -41,6 +42,7 @@ def run_dynamics(
     for key, v in (("n_steps", n_steps), ("record_every", record_every)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (0 if key == "n_steps" else 1):
             raise ValueError(f"{key} must be an integer >= {0 if key == 'n_steps' else 1}, got {v!r}")
+    require_dataset(state)
     integ = make_integrator(method, cfg, dt, backend=backend, friction=friction, seed=seed, **options)
     names = ["total", *family_of(cfg).terms] + (["kinetic", "hamiltonian"] if is_hamiltonian(method) else [])
     on_host = all(isinstance(state[k].data, np.ndarray) for k in state.data_vars)

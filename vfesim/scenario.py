@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from .backends import names as backend_names
 from .config import ConfigError, ModelConfig, SparseNeighbours, _check_real
 from .state import StateError, make_state, random_state
 
-__all__ = ["ScenarioError", "Scenario", "load_scenario", "read_toml", "BACKENDS"]
+__all__ = ["ScenarioError", "Scenario", "load_scenario", "read_toml", "BACKENDS", "run_memory_bytes"]
 
 BACKENDS = (*backend_names(), "auto")
 
@@ -202,6 +203,49 @@ def _output(d: dict) -> dict:
     return p
 
 
+# A run holds at least the state, its gradient and the integrator's copy (momenta or moments).
+RUN_COPIES = 3
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory of this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def run_memory_bytes(n_agents: int, K: int, obs_dim: int, dtype: str) -> int:
+    """Lower bound on a run's memory: RUN_COPIES copies of the Gaussian state (mu_q, mu_p (N, K);
+    sigma_q, sigma_p (N, K, K); phi (N, 3); obs (N, obs_dim)) and the float64 generators (3, K, K)."""
+    per_agent = 2 * K + 2 * K * K + 3 + obs_dim
+    return RUN_COPIES * n_agents * per_agent * np.dtype(dtype).itemsize + 3 * K * K * 8
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.3g} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _check_memory(model: ModelConfig, pop: dict, dtype: str) -> None:
+    """Refuse, before anything is allocated, a population that cannot fit in this machine's memory;
+    name the key that makes it too large (model.K when even two agents do not fit)."""
+    have = physical_memory()
+    n, K = pop["n_agents"], model.K
+    need = run_memory_bytes(n, K, model.obs_dim, dtype)
+    if have is None or need <= have:
+        return
+    key = "model.K" if run_memory_bytes(2, K, model.obs_dim, dtype) > have else "population.n_agents"
+    raise ScenarioError(
+        key,
+        f"{n} agents with K = {K} in {dtype} need at least {_size(need)} (state, gradient and "
+        f"integrator copy), more than this machine's {_size(have)} of memory",
+    )
+
+
 def _model(d: dict, pop: dict, dtype: str) -> ModelConfig:
     d = dict(d)
     if "dtype" in d:
@@ -248,6 +292,7 @@ class Scenario:
         if "K" not in sec["model"] and "irreps" not in sec["model"]:
             raise ScenarioError("model.K", "is required (or model.irreps)")
         model = _model(sec["model"], pop, run["dtype"])
+        _check_memory(model, pop, run["dtype"])
         if pop["camps"] > 1 and pop["camp_offset"] == 0:
             raise ScenarioError("population.camp_offset", "must be > 0 when camps > 1")
         return cls(model, pop, integ, run, out, name)
@@ -302,12 +347,27 @@ class Scenario:
         if self.model.obs_dim:
             kw["obs_scale"] = p["obs_scale"]
         try:
-            state = random_state(self.model, p["n_agents"], seed=p["seed"], dtype=self.run["dtype"], **kw)
+            # A scale too large for the dtype overflows: validation below names the key, not a warning.
+            with np.errstate(over="ignore", invalid="ignore"):
+                state = random_state(self.model, p["n_agents"], seed=p["seed"], dtype=self.run["dtype"], **kw)
         except StateError as e:
-            raise ScenarioError(f"population.{e.variable}", str(e)) from None
+            key = self._population_key(e.variable)
+            raise ScenarioError(f"population.{key}", f"{key} = {p[key]!r} gives {e}") from None
         if p["camps"] > 1:
             state = _prior_camps(state, self.model, p["camps"], p["camp_offset"])
         return state
+
+    def _population_key(self, variable: str) -> str:
+        """The population key that sets a state variable (what to blame when it comes out bad)."""
+        p = self.population
+        return {
+            "mu_q": "mu_scale",
+            "mu_p": "mu_scale" if p["prior_mu_scale"] is None else "prior_mu_scale",
+            "sigma_q": "eig_range",
+            "sigma_p": "eig_range" if p["prior_eig_range"] is None else "prior_eig_range",
+            "phi": "phi_radius",
+            "obs": "obs_scale",
+        }.get(variable, "n_agents")
 
 
 def _prior_camps(state: xr.Dataset, cfg: ModelConfig, camps: int, offset: float) -> xr.Dataset:
@@ -331,6 +391,11 @@ def _prior_camps(state: xr.Dataset, cfg: ModelConfig, camps: int, offset: float)
 
 def read_toml(path: str | Path) -> dict:
     """The raw nested dict of a TOML file (not yet validated)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            "scenario: expected a Scenario, a TOML file path or a dict of sections (simulate also "
+            f"takes a ModelConfig), got {type(path).__module__}.{type(path).__name__}"
+        )
     path = Path(path)
     try:
         with path.open("rb") as f:
@@ -339,8 +404,14 @@ def read_toml(path: str | Path) -> dict:
         raise ScenarioError(str(path), "scenario file not found") from None
     except IsADirectoryError:
         raise ScenarioError(str(path), "is a directory, not a scenario file") from None
+    except UnicodeDecodeError as e:
+        raise ScenarioError(
+            str(path), f"not a text (UTF-8) TOML file: byte {e.object[e.start]:#04x} at offset {e.start}"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(str(path), f"invalid TOML: {e}") from None
+    except OSError as e:
+        raise ScenarioError(str(path), f"cannot be read ({e.strerror or e})") from None
 
 
 def load_scenario(source: str | Path | dict | Scenario) -> Scenario:

@@ -123,7 +123,7 @@ def simulate(
     name = "scenario"
     if isinstance(scenario_or_config, ModelConfig):
         model = scenario_or_config.to_dict()
-        if model.pop("dtype") != "float64":
+        if model.pop("dtype") is not None:
             sections.setdefault("run", {}).setdefault("dtype", scenario_or_config.dtype)
         if not isinstance(model.pop("neighbours"), str):
             raise ScenarioError("model.neighbours", "sparse neighbours: use population.neighbours")

@@ -24,6 +24,7 @@ __all__ = [
     "state_dims",
     "check_spd_batch",
     "cholesky_named",
+    "require_dataset",
 ]
 
 
@@ -35,6 +36,15 @@ class StateError(ValueError):
         self.agent = agent
         where = variable if agent is None else f"{variable}[agent={agent}]"
         super().__init__(f"{where}: {message}")
+
+
+def require_dataset(state: Any, name: str = "state") -> None:
+    """TypeError naming the argument unless ``state`` is an xarray Dataset (e.g. a dict of arrays)."""
+    if not isinstance(state, xr.Dataset):
+        raise TypeError(
+            f"{name}: expected an xarray.Dataset (make one with vfesim.make_state or "
+            f"vfesim.random_state), got {type(state).__module__}.{type(state).__name__}"
+        )
 
 
 def _family(cfg):

@@ -20,7 +20,7 @@ import numpy as np
 import xarray as xr
 
 from ..family import family_of
-from ..state import validate_state
+from ..state import require_dataset, validate_state
 
 __all__ = [
     "Backend",
@@ -128,6 +128,7 @@ def energy_and_gradient(
     "prior_align", "observation", "total". grads: same variables, dims and dtype as ``state``;
     covariance gradients are symmetric.
     """
+    require_dataset(state)
     if validate:
         validate_state(state, cfg)
     be = get(backend)

@@ -88,7 +88,7 @@ def random_state(
     and Haar-random Q; frames uniform in the ball |phi| <= phi_radius (< pi: the principal ball);
     observations ~ N(0, obs_scale^2) when the config has an observation model.
     """
-    dtype = cfg.dtype if dtype is None else dtype
+    dtype = dtype or cfg.dtype or "float64"
     if dtype not in ("float32", "float64"):
         raise StateError("dtype", f"must be 'float32' or 'float64', got {dtype!r}")
     if isinstance(n_agents, bool) or not isinstance(n_agents, (int, np.integer)) or n_agents < 1:
@@ -149,6 +149,12 @@ def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: 
     dtype = np.dtype(get("mu_q").dtype)
     if dtype not in (np.float32, np.float64):
         raise StateError("mu_q", f"dtype must be float32 or float64, got {dtype}")
+    if cfg.dtype is not None and dtype != cfg.dtype:
+        raise StateError(
+            "mu_q",
+            f"dtype {dtype} differs from the config's dtype {cfg.dtype} (cast the state with "
+            f".astype('{cfg.dtype}'), or use a config with dtype={dtype.name!r} or None)",
+        )
     for k in sorted(names, key=list(VARIABLES).index):
         a = get(k)
         if isinstance(state, xr.Dataset) and state[k].dims != VARIABLES[k]:

@@ -16,10 +16,11 @@ __all__ = ["open_run"]
 def open_run(path: str | Path, *, chunks: dict | str | None = "auto") -> xr.Dataset:
     """The trajectory of a run, lazily (Dask when installed), trimmed to the frames written so far.
 
-    Dims: ``time`` (one frame per ``save_every`` steps and one at the last step; coordinates ``time`` = step * dt and
-    ``step``), ``agent``, ``latent``, ``latent_b``, ``gauge``. Variables: ``mu_q, sigma_q, mu_p,
-    sigma_p, phi``, ``system_free_energy``, ``system_energy_<term>`` and ``saved``. attrs: the
-    scenario and model config as JSON, ``vfesim_version``, ``dtype``, ``backend``, ``status``.
+    Dims: ``time`` (one frame per ``save_every`` steps and one at the last step; coordinates
+    ``time`` = step * dt and ``step``), ``agent``, ``latent``, ``latent_b``, ``gauge``. Variables:
+    ``mu_q, sigma_q, mu_p, sigma_p, phi``, ``system_free_energy``, ``system_energy_<term>`` and
+    ``saved``. attrs: the scenario and model config as JSON, ``vfesim_version``, ``dtype``,
+    ``backend``, ``status``.
     The same store opens with ``xr.open_zarr(path)``, showing NaN for frames not yet written.
     """
     path = Path(path)
