@@ -88,13 +88,15 @@ class Progress:
             return tqdm(total=self.total, initial=self.initial, unit="step")
         from tqdm import tqdm
 
-        columns = min(MAX_COLUMNS, shutil.get_terminal_size((MAX_COLUMNS, 24)).columns)
+        # shutil falls back to 80 x 24 where the terminal reports no size (tqdm would draw nothing).
+        size = shutil.get_terminal_size((MAX_COLUMNS, 24))
         return tqdm(
             total=self.total,
             initial=self.initial,
             unit="step",
             file=self.stream,
-            ncols=columns,
+            ncols=min(MAX_COLUMNS, size.columns),
+            nrows=size.lines,
         )
 
     def text(self) -> str:
