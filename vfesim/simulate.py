@@ -117,7 +117,8 @@ def simulate(
 
     scenario_or_config: a :class:`Scenario`, a TOML path, a nested dict, or a ModelConfig (then give
     ``population={...}, integrator={...}, run={...}`` as keyword sections). Keyword sections also
-    override a scenario's. ``progress``: None -> bar on a TTY / log lines when logging shows INFO.
+    override a scenario's. ``progress``: None -> a tqdm bar on a terminal or in Jupyter, else log
+    lines when logging shows INFO; False -> silent.
     Returns a :class:`Run`; ``Run.open()`` is the lazy trajectory Dataset.
     """
     name = "scenario"
