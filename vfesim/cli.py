@@ -81,8 +81,17 @@ def _verify(path: str) -> int:
             f"note: {unchecked} arrays were written without checksums (an older vfesim): "
             "they decode, but a flipped bit in them cannot be detected"
         )
-    n = sum(len(r.damage) for r in bad)
-    lines.append(f"{path}: " + (f"{n} damaged items in {len(bad)} parts" if bad else "intact"))
+    if bad:
+        n = sum(len(r.damage) for r in bad)
+        head = "checkpoint step-"
+        steps = [r.name.removeprefix(head) for r in reports if r.intact and r.name.startswith(head)]
+        if any(r.name in ("store", "trajectory") for r in bad) or not steps:
+            after = "`vfesim resume` refuses to continue it"
+        else:
+            after = f"`vfesim resume` continues from step {int(steps[-1])}"
+        lines.append(f"{path}: DAMAGED ({n} damaged items; {after})")
+    else:
+        lines.append(f"{path}: intact")
     _out("\n".join(lines))
     return 5 if bad else 0
 
