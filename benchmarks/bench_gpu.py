@@ -7,9 +7,15 @@ device-to-device copy); and the ratio to benchmarks/torch_baseline.py, which mat
 
     python benchmarks/bench_gpu.py [--quick] [--tune] [--out DIR]
     python benchmarks/bench_gpu.py --steps [--step-sizes N ...] [--dtypes ...] [--out DIR]
+    python benchmarks/bench_gpu.py --api [--out DIR]
+    python benchmarks/bench_gpu.py --cold-start [--out DIR]
 
 Writes DIR/gpu_bench.jsonl (one record per measurement) and DIR/gpu_bench.txt (the table, also printed).
 ``--steps`` instead times full integrator steps (``step_sweep``): DIR/gpu_steps.jsonl and gpu_steps.txt.
+``--api`` compares the public ``energy_and_gradient`` (NumPy- and CuPy-backed Datasets, with and without
+validation) with the kernels alone (``api_sweep``): DIR/gpu_api.jsonl and gpu_api.txt.
+``--cold-start`` times fresh processes to their first energy and first integrator step, with empty and
+with warm kernel caches (``cold_start``): DIR/gpu_cold.jsonl and gpu_cold.txt.
 """
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -177,11 +187,21 @@ def main(argv=None):
     ap.add_argument("--min-n", type=int, default=0, help="measure only sizes >= this")
     ap.add_argument("--steps", action="store_true", help="only the full-step sweep (step_sweep below)")
     ap.add_argument("--step-sizes", type=int, nargs="*", default=STEP_SIZES)
+    ap.add_argument("--api", action="store_true", help="only the public-API overhead sweep (api_sweep)")
+    ap.add_argument("--cold-start", action="store_true", help="only the fresh-process sweep (cold_start)")
+    ap.add_argument("--cold-child", nargs=4, metavar=("N", "K", "DTYPE", "T"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.cold_child:
+        n, k, dtype, launched = args.cold_child
+        return cold_child(int(n), int(k), dtype, float(launched))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.steps:
         return step_sweep(out, args.step_sizes, args.dtypes)
+    if args.api:
+        return api_sweep(out)
+    if args.cold_start:
+        return cold_start(out)
     rows: list[dict] = []
     dev = cp.cuda.runtime.getDeviceProperties(0)
     info = dict(kind="device", name=dev["name"].decode(), sms=dev["multiProcessorCount"],
@@ -349,6 +369,165 @@ def format_steps(rows) -> str:
                 f"{r['dtype']:>7} {r['method']:>13} {r['N']:7d} {r['t_s'] * 1e3:10.2f} {r['evals']:5d} "
                 f"{r['energy_t_s'] * 1e3:10.2f} {r['other_t_s'] * 1e3:9.2f}"
             )
+    return "\n".join(lines) + "\n"
+
+
+def write_rows(out: Path, name: str, rows: list[dict], table: str) -> None:
+    with open(out / f"{name}.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    (out / f"{name}.txt").write_text(table)
+    print(table)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public-API overhead (--api): vfesim.energy_and_gradient(Dataset, backend="cuda") against the kernels
+# alone on arrays already on the device (energy_and_gradient_arrays).
+# ------------------------------------------------------------------------------------------------
+API_CASES = [(3, 65536, "float32"), (3, 65536, "float64"), (21, 16384, "float32")]
+
+
+def api_row(K: int, N: int, dtype: str, dev: str) -> dict:
+    from vfesim.backends import energy_and_gradient_arrays
+
+    cb.clear_cache()
+    cp.get_default_memory_pool().free_all_blocks()
+    cfg = config(K, "belief")
+    host = vfesim.random_state(cfg, n_agents=N, seed=0, dtype=dtype)
+    on_dev = host.copy(data={k: cp.asarray(host[k].values) for k in host.data_vars})
+    arrays = {k: on_dev[k].data for k in on_dev.data_vars}
+    eg = vfesim.energy_and_gradient
+    fns = {
+        "numpy": lambda: eg(host, cfg, backend="cuda"),
+        "numpy_novalidate": lambda: eg(host, cfg, backend="cuda", validate=False),
+        "cupy": lambda: eg(on_dev, cfg, backend="cuda"),
+        "cupy_novalidate": lambda: eg(on_dev, cfg, backend="cuda", validate=False),
+        "kernels": lambda: energy_and_gradient_arrays(arrays, cfg, backend="cuda"),
+        "transfers": lambda: cb.to_host(cb.to_device({k: host[k].values for k in host.data_vars})),
+    }
+    row = dict(kind="api", device=dev, K=K, N=N, dtype=dtype)
+    for name, fn in fns.items():
+        row[name] = timeit(fn, min_reps=5, max_reps=30, target_s=1.0)[0]
+    return row
+
+
+def api_sweep(out: Path) -> None:
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    rows = []
+    for K, N, dtype in API_CASES:
+        rows.append(api_row(K, N, dtype, dev))
+        log(json.dumps(rows[-1]))
+    write_rows(out, "gpu_api", rows, format_api(rows))
+
+
+def format_api(rows) -> str:
+    cols = ["numpy", "numpy_novalidate", "cupy", "cupy_novalidate", "kernels", "transfers"]
+    lines = [
+        f"# {rows[0]['device']}: one vfesim.energy_and_gradient(Dataset, backend='cuda'), median ms.",
+        "# numpy/cupy: where the Dataset's arrays live; _novalidate: validate=False; kernels:",
+        "# energy_and_gradient_arrays on device arrays; transfers: the state host->device and the",
+        "# gradients device->host.",
+        f"{'K':>3} {'N':>7} {'dtype':>7} "
+        + " ".join(f"{c:>16}" for c in cols)
+        + f" {'numpy/kern':>10} {'cupy/kern':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['K']:3d} {r['N']:7d} {r['dtype']:>7} "
+            + " ".join(f"{r[c] * 1e3:16.2f}" for c in cols)
+            + f" {r['numpy'] / (r['kernels'] + r['transfers']):10.2f} {r['cupy'] / r['kernels']:9.2f}"
+        )
+    lines.append("# numpy/kern = numpy / (kernels + transfers); cupy/kern = cupy / kernels.")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Cold start (--cold-start): fresh processes, each timing import, the first and second energy call
+# and the first and second integrator step; first with empty kernel caches (numba and CuPy), then warm.
+# ------------------------------------------------------------------------------------------------
+COLD_CASE = (65536, 3, "float32")
+
+
+def cold_child(N: int, K: int, dtype: str, launched: float) -> None:
+    """One fresh process: phase times and where kernel compilation went, as one JSON line on stdout.
+    ``launched``: the parent's time.time() at the launch (the import phase includes interpreter start)."""
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    from vfesim.integrators import make_integrator
+
+    t = {"import": time.time() - launched}
+    t0 = time.perf_counter() - t["import"]
+    compiles: dict[str, float] = {}
+    compile_kernel = CUDADispatcher.compile
+
+    def timed_compile(self, sig):  # compile or load from the disk cache (in-memory hits are not counted)
+        t1 = time.perf_counter()
+        r = compile_kernel(self, sig)
+        dt = time.perf_counter() - t1
+        if dt > 1e-3:
+            qn = self.py_func.__qualname__.replace(".<locals>", "")
+            compiles[qn] = compiles.get(qn, 0.0) + dt
+        return r
+
+    CUDADispatcher.compile = timed_compile
+    cfg = config(K, "belief")
+    state = vfesim.random_state(cfg, n_agents=N, seed=0, dtype=dtype)
+
+    def phase(name, fn):
+        t1 = time.perf_counter()
+        r = fn()
+        cp.cuda.Device().synchronize()
+        t[name] = time.perf_counter() - t1
+        return r
+
+    phase("energy_1", lambda: vfesim.energy_and_gradient(state, cfg, backend="cuda"))
+    phase("energy_2", lambda: vfesim.energy_and_gradient(state, cfg, backend="cuda"))
+    integ = phase("integrator", lambda: make_integrator("verlet", cfg, 0.005, backend="cuda", seed=1))
+    carry = phase("init", lambda: integ.init(state))
+    carry = phase("step_1", lambda: integ.step(carry))
+    phase("step_2", lambda: integ.step(carry))
+    t["to_first_step"] = time.perf_counter() - t0  # from the launch, imports included
+    print(json.dumps(dict(times=t, compiles=compiles)), flush=True)
+
+
+def cold_start(out: Path) -> None:
+    N, K, dtype = COLD_CASE
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, NUMBA_CACHE_DIR=f"{tmp}/numba", CUPY_CACHE_DIR=f"{tmp}/cupy")
+        for run in ("first ever", "second", "third"):
+            t0 = time.perf_counter()
+            cmd = [sys.executable, __file__, "--cold-child", str(N), str(K), dtype, repr(time.time())]
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            wall = time.perf_counter() - t0
+            rec = json.loads(p.stdout.strip().splitlines()[-1])
+            rows.append(dict(kind="cold", device=dev, run=run, N=N, K=K, dtype=dtype, wall_s=wall, **rec))
+            log(json.dumps(rows[-1]))
+    write_rows(out, "gpu_cold", rows, format_cold(rows))
+
+
+def format_cold(rows) -> str:
+    r0 = rows[0]
+    phases = ["import", "energy_1", "energy_2", "init", "step_1", "step_2", "to_first_step"]
+    lines = [
+        f"# {r0['device']}: fresh processes, N = {r0['N']}, K = {r0['K']}, {r0['dtype']}, backend cuda,",
+        "# verlet;",
+        "# seconds per phase (energy_1: first vfesim.energy_and_gradient; step_1: first integrator step),",
+        "# wall = the whole process; compile = numba kernel compilation (or loading from the disk cache).",
+        f"{'run':>10} " + " ".join(f"{p:>13}" for p in phases) + f" {'wall':>7} {'compile':>8}",
+    ]
+    for r in rows:
+        tt = r["times"]
+        lines.append(
+            f"{r['run']:>10} "
+            + " ".join(f"{tt[p]:13.3f}" for p in phases)
+            + f" {r['wall_s']:7.2f} {sum(r['compiles'].values()):8.2f}"
+        )
+    for r in rows:
+        if r["compiles"]:
+            top = sorted(r["compiles"].items(), key=lambda kv: -kv[1])
+            lines.append(f"# compiled in '{r['run']}': " + ", ".join(f"{k} {v:.2f} s" for k, v in top))
     return "\n".join(lines) + "\n"
 
 

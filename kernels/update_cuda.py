@@ -27,6 +27,7 @@ from numba import cuda, float64
 from numba.core import config as _numba_config
 
 from . import update_math as _um
+from .cuda.core import compile_kernels
 
 __all__ = ["SIMULATOR", "BLOCK", "device_view", "make_update_kernels", "kernel_signatures", "launch_blocks"]
 
@@ -173,7 +174,7 @@ def make_update_kernels(K: int) -> dict:
         "theta_to_sigma": theta_to_sigma,
         "adam": adam,
     }
-    return {name: cuda.jit(fn) for name, fn in pyfuncs.items()} | {"_py": pyfuncs}
+    return compile_kernels(pyfuncs)
 
 
 def kernel_signatures(dtype: str) -> dict[str, str]:

@@ -80,6 +80,7 @@ def test_last_step_off_the_save_grid_is_saved_and_resumed(tmp_path):
         assert ds["step"].values.tolist() == want
         for k in ("mu_q", "sigma_q", "phi", "system_free_energy", "time"):
             np.testing.assert_array_equal(ds[k].values, ref[k].sel(step=want).values, err_msg=k)
+    assert main(["verify", str(out), "-q"]) == 0  # every chunk intact after the relabelling
 
 
 def test_bad_scenario_exits_2_naming_the_key(tmp_path):

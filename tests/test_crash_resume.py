@@ -181,6 +181,12 @@ def test_kill_during_creation_leaves_no_store(tmp_path):
     rc, _ = _cli(["run", str(toml), "--out", str(out)], kill_at=3)
     assert rc == -signal.SIGKILL
     assert not out.exists()
+    rc, err = _cli(["resume", str(out)])
+    assert rc == 4 and "killed before its first checkpoint" in err
+    assert not list(tmp_path.glob(".run.zarr.creating-*"))  # the leftover is cleaned up
+    rc, _ = _cli(["run", str(toml), "--out", str(out)], kill_at=3)
     rc, err = _cli(["run", str(toml), "--out", str(out)])
     assert rc == 0, err
+    assert "killed before its first checkpoint" in err
     assert open_run(out).attrs["status"] == "complete"
+    assert not list(tmp_path.glob(".run.zarr.creating-*"))

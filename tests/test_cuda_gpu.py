@@ -109,6 +109,37 @@ def test_public_api_backend_cuda():
         )
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["numpy-state", "cupy-state"])
+@pytest.mark.parametrize("K", [3, 21])
+def test_public_api_validates_on_the_device(on_device, K):
+    """backend="cuda" checks a state where it will be used; each fault names the variable and agent as
+    the host checks do."""
+    import cupy
+
+    cfg = vfesim.ModelConfig(K=K, **BASE)
+    st = vfesim.random_state(cfg, n_agents=300, seed=4, dtype="float32")
+    faults = {
+        "nan": ("mu_p", 17, "contains NaN or Inf"),
+        "asym": ("sigma_q", 41, "is not symmetric"),
+        "indefinite": ("sigma_p", 299, "is not positive definite"),
+    }
+    for fault, (var, agent, msg) in faults.items():
+        bad = st.copy(deep=True)
+        a = bad[var].values
+        if fault == "nan":
+            a[agent, 1] = np.nan
+        elif fault == "asym":
+            a[agent, 0, 1] += 0.5
+        else:
+            a[agent] = -a[agent]
+        if on_device:
+            bad = bad.copy(data={k: cupy.asarray(bad[k].values) for k in bad.data_vars})
+        with pytest.raises(vfesim.StateError, match=rf"{var}\[agent={agent}\]: {msg}"):
+            vfesim.energy_and_gradient(bad, cfg, backend="cuda")
+        with pytest.raises(vfesim.StateError, match=rf"{var}\[agent={agent}\]: {msg}"):
+            vfesim.energy_and_gradient(bad.as_numpy(), cfg, backend="numpy")
+
+
 # ------------------------------------------------------------------------------------------------
 # Large K: block-per-agent kernels with GEMM pairs (and the batched fallback)
 # ------------------------------------------------------------------------------------------------

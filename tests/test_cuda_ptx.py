@@ -21,7 +21,8 @@ CASES = [(3, "float64"), (3, "float32"), (21, "float32")]
 
 
 def _families(K, dtype):
-    fams = [("agent", kc.make_agent_kernels(K, dtype))]
+    checks = kc.checks.make_check_kernels(K, dtype, K >= kc.checks.WARP_FROM_K)
+    fams = [("agent", kc.make_agent_kernels(K, dtype)), ("checks", checks)]
     for agg in ("expected", "softmin"):
         fams.append((f"dense-{agg}", kc.make_dense_kernels(kc.feature_dim(K), dtype, agg)))
         fams.append((f"sparse-{agg}", kc.make_sparse_kernels(kc.feature_dim(K), dtype, agg)))

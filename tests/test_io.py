@@ -98,7 +98,7 @@ def test_damaged_newest_checkpoint_falls_back(run, tmp_path, caplog):
     shutil.rmtree(newest / "mu_q")
     ckpt = store.latest_checkpoint()
     assert ckpt.step == 8
-    assert "step 12 is unreadable" in caplog.text
+    assert "step 12 is damaged: checkpoints/step-000000000012/mu_q zarr.json: missing" in caplog.text
 
 
 def test_zarr_local_store_replaces_files_atomically(tmp_path, monkeypatch):

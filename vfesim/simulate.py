@@ -10,9 +10,12 @@ A resumed run loads its checkpoint back onto the device. ``Run.state`` is on the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +25,49 @@ import xarray as xr
 from ._version import __version__
 from .config import ModelConfig
 from .family import family_of
+from .io.lock import store_lock
 from .io.reader import open_run
 from .io.store import RunStore, StoreError, frame_steps, term_var
 from .progress import Progress, log
 from .scenario import Scenario, ScenarioError, load_scenario, read_toml
 
-__all__ = ["Run", "simulate", "resume", "RunError", "frame_bytes"]
+__all__ = ["Run", "simulate", "resume", "RunError", "Terminated", "frame_bytes"]
 
 TARGET_CHUNK_BYTES = 16 * 2**20
+# A run holds one time chunk of frames in memory, and zstd compresses one chunk in one call.
+MAX_CHUNK_BYTES = 2**31 - 1
 
 
 class RunError(RuntimeError):
     """A run cannot be started or resumed (incompatible store, version or config)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during ``simulate``/``resume``: raised like Ctrl-C, so the run stops the same way."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """Turn SIGTERM into :class:`Terminated` for the block (main thread, default handler only)."""
+    mine = threading.current_thread() is threading.main_thread()
+    if not mine or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _reported(e: BaseException) -> BaseException:
+    """Mark ``e`` as already reported to the log (the CLI then adds nothing)."""
+    e.vfesim_reported = True
+    return e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +178,25 @@ def simulate(
     path = scn.output["path"]
     if path is None:
         raise ScenarioError("output.path", "give out=... (or --out, or [output] path)")
-    RunStore.probe(path, overwrite)
+    RunStore.probe(path, overwrite)  # before the lock: a bad path makes no lock file
+    with store_lock(path), _sigterm_as_interrupt():
+        RunStore.remove_stale_creating(path)
+        RunStore.probe(path, overwrite)  # again: another run may have finished there meanwhile
+        return _simulate(scn, Path(path), overwrite, progress)
 
+
+def _check_time_chunk(chunk: int, frame: int) -> None:
+    """A chunk of frames must fit in memory (the run buffers one) and in one zstd call."""
+    if chunk * frame > MAX_CHUNK_BYTES:
+        raise ScenarioError(
+            "output.time_chunk",
+            f"{chunk} frames of {frame} bytes are {chunk * frame / 2**30:.3g} GiB per Zarr chunk, "
+            f"more than the 2 GiB a chunk may hold (a run keeps one chunk of frames in memory); "
+            f"use at most {max(1, MAX_CHUNK_BYTES // frame)}",
+        )
+
+
+def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None) -> Run:
     backend_name = _resolve_backend(scn.run["backend"])
     state0 = scn.initial_state()
     integ = _make_integrator(scn, backend_name)
@@ -154,8 +205,11 @@ def simulate(
     n_frames = frame_steps(run["n_steps"], run["save_every"]).size
     fpc = max(1, run["checkpoint_every"] // run["save_every"])
     trajectory = family_of(scn.model).trajectory
-    by_size = max(1, TARGET_CHUNK_BYTES // max(1, frame_bytes(state0, trajectory)))
+    fbytes = max(1, frame_bytes(state0, trajectory))
+    by_size = max(1, TARGET_CHUNK_BYTES // fbytes)
     chunk = scn.output["time_chunk"] or min(fpc, by_size, n_frames)
+    if scn.output["time_chunk"]:
+        _check_time_chunk(chunk, fbytes)
     attrs = {
         "scenario": scn.to_json(),
         "model_config": scn.model.to_json(),
@@ -181,10 +235,13 @@ def simulate(
     buf = [_frame(carry, trajectory)]
     try:
         _checkpoint(store, scn, carry, buf, 0, backend_name)
-    except StoreError:
-        shutil.rmtree(store.path, ignore_errors=True)
+        store = store.publish(path, overwrite)
+    except BaseException as e:
+        shutil.rmtree(store.path, ignore_errors=True)  # the hidden store this call made, only
+        if isinstance(e, KeyboardInterrupt):
+            log.error("interrupted before the first checkpoint: no run store was made at %s", path)
+            _reported(e)
         raise
-    store = store.publish(path)
     return _advance(store, scn, integ, carry, buf, 0, backend_name, progress)
 
 
@@ -247,9 +304,20 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
         log.error(msg)
         _mark(store, f"failed: {e}")
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         bar.close()
         _mark(store, "interrupted")
+        last = store.checkpoint_steps()
+        log.error(
+            "%s at step %d; the last checkpoint is at step %s: "
+            "`vfesim resume %s --steps %d` continues the run",
+            "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted",
+            carry.step,
+            last[-1] if last else "none",
+            store.path,
+            n_steps,
+        )
+        _reported(e)
         raise
     except Exception as e:
         bar.close()
@@ -295,23 +363,61 @@ def resume(
 
     scenario: if given, it must equal the stored one (except run.n_steps, run.backend, output.path).
     A store written by another vfesim version is refused unless ``allow_version_change``.
+
+    Before anything in the store changes, every chunk of every checkpoint and of the trajectory is
+    verified. A damaged checkpoint is named (array and chunk), kept as ``damaged-step-…`` and the
+    previous intact one is used; no intact checkpoint, or a damaged trajectory, is a RunError.
+    The store is locked against other vfesim processes for the whole call.
     """
-    store = RunStore(path)
-    if not RunStore.is_run(path):
-        raise StoreError(f"{path}: not a vfesim run store")
-    attrs = store.attrs
-    if attrs["vfesim_version"] != __version__:
+    path = Path(path)
+    leftovers = list(path.absolute().parent.glob(f".{path.name}.creating-*"))
+    if not path.exists() and not path.is_symlink() and not leftovers:
+        raise StoreError(f"{path}: not a vfesim run store (it does not exist)")
+    with store_lock(path), _sigterm_as_interrupt():
+        if RunStore.remove_stale_creating(path) and not path.exists():
+            raise StoreError(
+                f"{path}: no run store here: the run on this path was killed before its first "
+                "checkpoint (its unfinished store was removed); start it again with `vfesim run`"
+            )
+        return _resume(RunStore(path), steps, backend, scenario, progress, allow_version_change)
+
+
+def _resume(store: RunStore, steps, backend, scenario, progress, allow_version_change) -> Run:
+    path = store.path
+    version = store.attr("vfesim_version")  # a missing or damaged zarr.json is named here
+    store.check_entries()
+    if version != __version__:
         msg = (
-            f"{path} was written by vfesim {attrs['vfesim_version']}, this is {__version__}; "
+            f"{path} was written by vfesim {version}, this is {__version__}; "
             "a resumed run may differ from an uninterrupted one"
         )
         if not allow_version_change:
             raise RunError(msg + " (pass allow_version_change=True / --allow-version-change)")
         log.warning(msg)
-    store.clean()
-    ckpt = store.latest_checkpoint()
+    # Verify and load everything before changing anything in the store.
+    ckpt, damaged = store.intact_checkpoint()
     if ckpt is None:
-        raise RunError(f"{path}: no readable checkpoint to resume from")
+        where = "; ".join(f"step {s}: {r.summary(1)}" for s, r in sorted(damaged.items()))
+        raise RunError(
+            f"{path}: no intact checkpoint to resume from ({where or 'there are none'}); "
+            f"the store is left as it is (`vfesim verify {path}` lists the damage)"
+        )
+    traj = store.verify_trajectory(int(ckpt.attrs.get("frames_saved", 0)))
+    if not traj.intact:
+        raise RunError(
+            f"{path}: the trajectory is damaged: {traj.summary()}; refusing to resume, the frames "
+            f"cannot be recomputed from the kept checkpoints. The store is left as it is "
+            f"(`vfesim verify {path}` lists the damage)"
+        )
+    unchecked = traj.unchecksummed  # checkpoints were written by the same vfesim as the trajectory
+    if unchecked:
+        log.warning(
+            "%s was written without chunk checksums (an older vfesim): its chunks decode, but a "
+            "flipped bit cannot be detected (%d arrays, e.g. %s)",
+            path,
+            len(unchecked),
+            unchecked[0],
+        )
     scn = Scenario.from_json(ckpt.attrs["scenario"])
     if scenario is not None:
         other = load_scenario(scenario)
@@ -330,10 +436,17 @@ def resume(
     run = scn.run
     if run["n_steps"] < ckpt.step:
         raise ScenarioError("run.n_steps", f"must be >= the checkpoint step {ckpt.step}")
-    store.extend(run["n_steps"], run["save_every"], scn.integrator["dt"])
-    store.set_attrs(scenario=scn.to_json())
     integ = _make_integrator(scn, backend_name)
     carry = integ.restore(ckpt.state, ckpt.step, ckpt.aux, ckpt.rng_state)
+    # From here on the store changes.
+    for step in sorted(damaged):
+        aside = store.set_aside(step)
+        log.warning("kept the damaged checkpoint of step %d as %s (not used, not pruned)", step, aside.name)
+    if damaged:
+        log.warning("resuming from the checkpoint at step %d, the newest intact one", ckpt.step)
+    store.clean()
+    store.extend(run["n_steps"], run["save_every"], scn.integrator["dt"])
+    store.set_attrs(scenario=scn.to_json())
     # The first frame after the checkpoint's step. An old last step off the save grid had a frame of
     # its own at this index; the new run's frame replaces it (extend marked it unsaved).
     next_frame = ckpt.step // run["save_every"] + 1
@@ -350,10 +463,8 @@ def resume(
 def run_info(path: str | Path) -> dict:
     """What ``vfesim inspect`` shows: config, status, steps done, energies, checkpoints."""
     store = RunStore(path)
-    if not RunStore.is_run(path):
-        raise StoreError(f"{path}: not a vfesim run store")
     attrs = store.attrs
-    scn = json.loads(attrs["scenario"])
+    scn = json.loads(store.attr("scenario"))
     steps = store.checkpoint_steps()
     ds = open_run(path)
     last = (
@@ -366,9 +477,9 @@ def run_info(path: str | Path) -> dict:
         "name": scn["name"],
         "scenario": scn["scenario"],
         "status": attrs.get("status"),
-        "vfesim_version": attrs["vfesim_version"],
-        "backend": attrs["backend"],
-        "dtype": attrs["dtype"],
+        "vfesim_version": store.attr("vfesim_version"),
+        "backend": attrs.get("backend"),
+        "dtype": attrs.get("dtype"),
         "n_agents": ds.sizes["agent"],
         "n_steps": scn["scenario"]["run"]["n_steps"],
         "frames_saved": int(ds.sizes["time"]),

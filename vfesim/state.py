@@ -82,23 +82,43 @@ def state_arrays(state: xr.Dataset) -> dict[str, Any]:
 
 
 def check_spd_batch(S, name: str) -> None:
-    """Symmetric to rounding and Cholesky-factorisable, per agent; raise naming the first failure."""
+    """Symmetric to rounding and Cholesky-factorisable, per agent; raise naming the first failure.
+
+    NumPy arrays are checked on the host; device (CuPy) arrays by one kernel on the device
+    (:mod:`vfesim_kernels.cuda.checks`), with only the first failing agent brought to the host.
+    """
     xp = array_module(S)
-    scale = xp.abs(S).reshape(S.shape[0], -1).max(axis=1)
-    asym = xp.abs(S - xp.swapaxes(S, 1, 2)).reshape(S.shape[0], -1).max(axis=1)
     tol = 64 * np.finfo(S.dtype).eps
+    if xp is not np:
+        _check_spd_device(S, name, tol)
+        return
+    scale = np.abs(S).reshape(S.shape[0], -1).max(axis=1)
+    asym = np.abs(S - np.swapaxes(S, 1, 2)).reshape(S.shape[0], -1).max(axis=1)
     bad = asym > tol * scale
     if bool(bad.any()):
-        i = int(xp.argmax(bad))
-        raise StateError(name, f"is not symmetric (max |S - S^T| = {float(asym[i]):.3g})", agent=i)
-    if xp is np:
-        _cholesky_or_raise(S, name)
-        return
-    # CuPy's batched Cholesky fills NaN instead of raising.
-    L = xp.linalg.cholesky(S)
-    bad = ~xp.isfinite(L).reshape(S.shape[0], -1).all(axis=1)
+        _raise_spd(S[int(np.argmax(bad))], name, int(np.argmax(bad)), tol)
+    _cholesky_or_raise(S, name)
+
+
+def _check_spd_device(S, name: str, tol: float) -> None:
+    from vfesim_kernels.cuda.checks import spd_codes
+
+    code = spd_codes(S, tol)
+    bad = code != 0
     if bool(bad.any()):
-        raise StateError(name, "is not positive definite (Cholesky failed)", agent=int(xp.argmax(bad)))
+        i = int(bad.argmax())
+        _raise_spd(S[i].get(), name, i, tol)
+
+
+def _raise_spd(Si: np.ndarray, name: str, i: int, tol: float):
+    """The StateError for agent i's matrix Si (host), which failed a check."""
+    if not np.isfinite(Si).all():
+        raise StateError(name, "contains NaN or Inf", agent=i)
+    asym = float(np.abs(Si - Si.T).max())
+    if asym > tol * float(np.abs(Si).max()):
+        raise StateError(name, f"is not symmetric (max |S - S^T| = {asym:.3g})", agent=i)
+    w = np.linalg.eigvalsh(Si.astype(np.float64))
+    raise StateError(name, f"is not positive definite (smallest eigenvalue {w[0]:.3g})", agent=i)
 
 
 def cholesky_named(S, name: str):

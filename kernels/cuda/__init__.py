@@ -5,6 +5,7 @@
   device functions;
 - :mod:`.pairwise`: family-free pairwise kernels over feature rows (dense streaming, sparse, GEMM rows),
   keyed by the feature width D;
+- :mod:`.checks`: input checks of a state on the device (SPD batches);
 - :mod:`.gaussian`: Gaussian per-agent stages, one source for two launch shapes: one thread per agent
   (small K) and one thread block per agent (large K).
 Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run on NumPy arrays.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import gaussian
+from . import checks, gaussian
 from .core import (
     BLOCK,
     PAIR_OPT,
@@ -23,6 +24,7 @@ from .core import (
     SIMULATOR,
     TARGET_BLOCKS,
     as_device_view,
+    compile_report,
     cuda,
     feature_dim,
 )
@@ -37,10 +39,12 @@ from .gaussian import (
 from .pairwise import ROW_THREADS, dense_splits, make_dense_kernels, make_gemm_row_kernel, make_sparse_kernels
 
 __all__ = [
+    "checks",
     "gaussian",
     "SIMULATOR",
     "cuda",
     "as_device_view",
+    "compile_report",
     "feature_dim",
     "dense_splits",
     "make_agent_kernels",
@@ -81,6 +85,7 @@ def kernel_signatures(K: int, dtype: str) -> dict[str, str]:
         "grads": f"void({a3}, {a3}, {a2}, {a2}, {a2}, {a2}, {i}, {i}, {a4}, {a4})",
         "rows": f"void({a3}, {a3}, {a2}, {i}[:, ::1], boolean[:, ::1], {a1}, {i}, {a3}, {a2}, {a4})",
         "senders": f"void({a3}, {a3}, {i}[::1], {i}[::1], {i}[::1], {i}, {a4})",
+        "spd": f"void({a3}, {f}, int32[::1])",
     }
 
 

@@ -24,6 +24,8 @@ __all__ = [
     "SHARED_BYTES",
     "NB_TYPES",
     "device",
+    "compile_kernels",
+    "compile_report",
     "feature_dim",
     "as_device_view",
 ]
@@ -53,6 +55,26 @@ def device(fn):
     separately compiled device function would ask the driver for the current device.
     """
     return cuda.jit(device=True, inline="always")(fn)
+
+
+def compile_kernels(pyfuncs: dict, **opts) -> dict:
+    """A factory's kernels as ``cuda.jit`` dispatchers, name -> kernel, plus the Python functions under
+    ``"_py"`` (for ``compile_ptx``). Compiled at first launch and cached on disk (``cache=True``): a later
+    process loads the compiled code instead of compiling again (see :mod:`vfesim_kernels` for where)."""
+    return {name: cuda.jit(fn, cache=True, **opts) for name, fn in pyfuncs.items()} | {"_py": pyfuncs}
+
+
+def compile_report(*kernel_sets: dict) -> tuple[int, int]:
+    """(compiled, loaded from the disk cache) so far over the kernels of the given factory outputs."""
+    compiled = loaded = 0
+    if SIMULATOR:
+        return compiled, loaded
+    for ks in kernel_sets:
+        for name, k in ks.items():
+            if name != "_py" and hasattr(k, "stats"):
+                compiled += sum(k.stats.cache_misses.values())
+                loaded += sum(k.stats.cache_hits.values())
+    return compiled, loaded
 
 
 pair_kl = device(_pm.pair_kl)

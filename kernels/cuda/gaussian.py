@@ -34,7 +34,7 @@ import math
 
 import numpy as np
 
-from .core import _NB, SIMULATOR, cuda, device, feature_dim, jr_coeffs, jr_transpose_apply
+from .core import _NB, SIMULATOR, compile_kernels, cuda, device, feature_dim, jr_coeffs, jr_transpose_apply
 
 __all__ = [
     "make_agent_kernels",
@@ -561,7 +561,7 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
 
     pyfuncs = {"prep": prep, "self_kl": self_kl, "features": features, "adjoint": adjoint}
     opts = {} if max_registers is None or SIMULATOR or not blockwise else {"max_registers": max_registers}
-    return {name: cuda.jit(fn, **opts) for name, fn in pyfuncs.items()} | {"_py": pyfuncs}
+    return compile_kernels(pyfuncs, **opts)
 
 
 def make_agent_kernels(K: int, dtype: str):

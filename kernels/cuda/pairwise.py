@@ -33,6 +33,7 @@ from .core import (
     SIMULATOR,
     TARGET_BLOCKS,
     accumulate_row,
+    compile_kernels,
     cuda,
     device,
     lse_merge,
@@ -135,7 +136,7 @@ def make_gemm_row_kernel(dtype: str, aggregator: str):
             wsum[i] = ws
             e_rows[i] = abar if expected else mn - math.log(s)
 
-    return {"rows": cuda.jit(rows), "_py": {"rows": rows}}
+    return compile_kernels({"rows": rows})
 
 
 def _tile_rows(D: int, itemsize: int, threads: int) -> int:
@@ -313,8 +314,7 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
                     gAr[sl, f, i, D] = accw[o]
 
     pyfuncs = {"stats": stats, "merge": merge, "grads": grads}
-    out = {name: cuda.jit(fn) for name, fn in pyfuncs.items()}
-    return out | {"_py": pyfuncs, "tile": TS, "threads": NT, "opt": OPT}
+    return compile_kernels(pyfuncs) | {"tile": TS, "threads": NT, "opt": OPT}
 
 
 @functools.cache
@@ -385,4 +385,4 @@ def make_sparse_kernels(D: int, dtype: str, aggregator: str):
             gBs[0, f, j, d] = acc[0, d]
 
     pyfuncs = {"rows": rows, "senders": senders}
-    return {name: cuda.jit(fn) for name, fn in pyfuncs.items()} | {"_py": pyfuncs}
+    return compile_kernels(pyfuncs)

@@ -228,3 +228,40 @@ def test_block_kernels_deterministic(monkeypatch):
     assert t1 == t2
     for k in g1:
         assert np.array_equal(g1[k], g2[k]), k
+
+
+@pytest.mark.parametrize("K", [3, 10])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_spd_check_kernel_classifies_like_numpy(dtype, K):
+    """The device SPD check (kernels/cuda/checks.py; a thread per matrix at K = 3, a block per matrix at
+    K = 10) gives each matrix the verdict of the host checks."""
+    from vfesim_kernels.cuda import checks
+
+    rng = np.random.default_rng(0)
+    L = rng.standard_normal((8, K, K))
+    S = (L @ L.transpose(0, 2, 1) + 0.1 * np.eye(K)).astype(dtype)
+    S[1, 0, 2] = np.nan  # non-finite
+    S[2, 0, 1] += 1e-2  # not symmetric
+    S[3] = np.diag(np.r_[1.0, -1e-3, np.full(K - 2, 2.0)])  # indefinite
+    S[4] = np.diag(np.r_[1.0, 0.0, np.full(K - 2, 2.0)])  # singular: the Cholesky pivot is 0
+    S[5, 1, 0] = S[5, 0, 1] = 0.0  # a symmetric edit: stays SPD or not, whatever NumPy says
+    tol = 64 * np.finfo(dtype).eps
+    S[6, K - 1, K - 2] = S[6, K - 2, K - 1] = 50.0  # symmetric, indefinite only at the last pivot
+    code = np.full(8, -1, np.int32)
+    blockwise, blocks, threads = checks.spd_launch(8, K)
+    assert blockwise == (K >= checks.WARP_FROM_K)
+    checks.make_check_kernels(K, dtype, blockwise)["spd"][blocks, threads](S, S.dtype.type(tol), code)
+    expect = []
+    for Si in S:
+        if not np.isfinite(Si).all():
+            expect.append(checks.SPD_NONFINITE)
+        elif np.abs(Si - Si.T).max() > tol * np.abs(Si).max():
+            expect.append(checks.SPD_ASYMMETRIC)
+        else:
+            try:
+                np.linalg.cholesky(Si)
+                expect.append(checks.SPD_OK)
+            except np.linalg.LinAlgError:
+                expect.append(checks.SPD_INDEFINITE)
+    assert code.tolist() == expect
+    assert code[[1, 2, 3, 4, 6]].tolist() == [1, 2, 3, 3, 3]

@@ -129,10 +129,12 @@ def energy_and_gradient(
     covariance gradients are symmetric.
     """
     require_dataset(state)
-    if validate:
-        validate_state(state, cfg)
     be = get(backend)
     arrays = be.to_device({k: state[k].data for k in state.data_vars})
+    if validate:
+        # Where the arrays will be used: on a GPU, one transfer and device-side checks.
+        on_device = any(a is not state[k].data for k, a in arrays.items())
+        validate_state(state.copy(data=arrays) if on_device else state, cfg)
     terms, grads = be.energy_and_gradient(arrays, cfg)
     grads = be.to_host(grads) if isinstance(state[next(iter(state.data_vars))].data, np.ndarray) else grads
     ds = xr.Dataset({k: (state[k].dims, v) for k, v in grads.items()}, attrs=dict(state.attrs))

@@ -18,12 +18,15 @@ term (rare, cheap) is array-generic code in the assembly. Kernels: :mod:`vfesim_
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 from vfesim_kernels import cuda as kc
+from vfesim_kernels import kernel_cache_dir
 
 from ..config import ModelConfig
 from ..gaussian.energy import NUMPY_AGENT_OPS, StagedStages
@@ -42,6 +45,7 @@ __all__ = [
 ]
 
 SIMULATOR = kc.SIMULATOR
+log = logging.getLogger("vfesim")
 
 # Workspaces kept alive; one at N = 10^6, K = 3 in float64 is ~0.5 GB.
 MAX_WORKSPACES = 2
@@ -76,6 +80,34 @@ def to_device(arrays: dict) -> dict:
 def to_host(arrays: dict) -> dict:
     """Device arrays -> NumPy."""
     return {k: v if isinstance(v, np.ndarray) else v.get() for k, v in arrays.items()}
+
+
+class FirstUse:
+    """Announces (log INFO) the first use in a process of each set of CUDA kernels, and how it went: a
+    first compilation takes seconds, a later process loads the kernels from the disk cache."""
+
+    def __init__(self):
+        self.seen: set = set()
+
+    def begin(self, key, what: str) -> tuple[str, float] | None:
+        if SIMULATOR or key in self.seen:
+            return None
+        self.seen.add(key)
+        log.info("preparing CUDA kernels: %s (compiled once, cached in %s)", what, kernel_cache_dir())
+        return what, time.perf_counter()
+
+    @staticmethod
+    def end(token: tuple[str, float] | None, *kernel_sets: dict) -> None:
+        if token is None:
+            return
+        compiled, loaded = kc.compile_report(*kernel_sets)
+        log.info(
+            "CUDA kernels ready in %.1f s: %s (%d compiled, %d loaded from the cache)",
+            time.perf_counter() - token[1], token[0], compiled, loaded,
+        )  # fmt: skip
+
+
+FIRST_USE = FirstUse()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -261,6 +293,10 @@ class FusedStages:
         else:
             self.kern = kc.make_agent_kernels(K, dtype.name)
             self.per_agent, self.nt = (self.nblk, kc.BLOCK), kc.BLOCK
+        self.pair_kern: dict = {}
+        pairs = "dense" if width is None else "sparse"
+        what = f"gaussian agents, K={K}, {dtype.name}, {pairs} pairs ({cfg.aggregator})"
+        self.first_use = FIRST_USE.begin((key, cfg.aggregator), what)
         self.grads = {
             "mu_q": b["g_mu"][0],
             "sigma_q": b["g_sigma"][0],
@@ -311,7 +347,7 @@ class FusedStages:
                 )  # fmt: skip
                 b["energy"][f] *= b["kappa"][f]
         elif ws.dense:
-            k = kc.make_dense_kernels(D, dt, cfg.aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+            k = self.pair_kern = kc.make_dense_kernels(D, dt, cfg.aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
             nt = k["threads"]
             nb = _cdiv(N, nt * k["opt"])
             k["stats"][(nb, ws.S, nf), nt](d["A"], d["B"], d["c"], f0, ws.chunk, d["pm"], d["ps"], d["pt"])
@@ -322,7 +358,7 @@ class FusedStages:
                 d["A"], d["B"], d["c"], d["m"], d["inv_s"], d["abar"], f0, ws.chunk, d["gAr"], d["gBs"]
             )
         else:
-            k = kc.make_sparse_kernels(D, dt, cfg.aggregator)
+            k = self.pair_kern = kc.make_sparse_kernels(D, dt, cfg.aggregator)
             nbr = _neighbour_lists(cfg.neighbours).dev
             k["rows"][(nblk, nf), blk](
                 d["A"], d["B"], d["c"], nbr["index"], nbr["mask"], d["kappa"], f0,
@@ -344,6 +380,8 @@ class FusedStages:
             return {}
         stacked = self.xp.stack([v for _, v in values])
         host = stacked if isinstance(stacked, np.ndarray) else stacked.get()
+        FIRST_USE.end(self.first_use, self.kern, self.pair_kern)
+        self.first_use = None
         return {name: float(v) for (name, _), v in zip(values, host.tolist(), strict=True)}
 
     def result(self) -> dict:

@@ -40,6 +40,7 @@ class Device:
         from ..backends import cuda_backend as cb
 
         self.uc = uc
+        self.cb = cb
         self.xp = cb.array_module()
         self.sim = self.xp is np
         self.k = uc.make_update_kernels(K)
@@ -72,7 +73,10 @@ class Device:
     def _launch(self, name: str, n: int, *args) -> None:
         v = self.uc.device_view
         args = tuple(v(a) if hasattr(a, "shape") else a for a in args)
+        what = f"{name} update, K={self.K}, {args[0].dtype}"
+        first = self.cb.FIRST_USE.begin(("update", what), what)
         self.k[name][self.uc.launch_blocks(n), self.uc.BLOCK](*args)
+        self.cb.FIRST_USE.end(first, {name: self.k[name]})
 
     def gradient_flow(self, arrays, direc, eta_dev, mode: int, fields: tuple[str, ...]) -> dict:
         """New arrays of ``fields`` after one fused gradient-flow step (eta_dev: (5,) float64 on device)."""

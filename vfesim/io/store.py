@@ -23,6 +23,14 @@ from its start and rewritten when it fills. Zarr's local store replaces each chu
 so a kill mid-write leaves the old or the new chunk, never a torn one, and nothing is ever appended
 (no metadata change while running). Checkpoints are written to ``checkpoints/.tmp-*`` and moved into
 place with ``os.replace``; the newest ``keep_checkpoints`` are kept.
+
+Integrity (:mod:`.integrity`): every chunk carries a CRC-32C and every chunk is written, so
+:meth:`RunStore.verify` finds flipped, truncated and missing chunks and damaged metadata. A resume
+verifies before it changes anything: a damaged checkpoint is renamed ``checkpoints/damaged-step-*``
+(kept, never pruned) and the previous intact one is used; damaged trajectory chunks stop the resume.
+Nothing in a store may be a symbolic link, and every delete stays inside the store's real path.
+A run being created lives at the hidden ``.NAME.creating-*`` beside ``NAME`` until its first
+checkpoint is written; one left by a killed run is removed by the next run or resume of ``NAME``.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import zarr
 
 from .._version import __version__
 from ..family import family_named
+from .integrity import Damage, GroupReport, check_array, checksummed_encoding
 
 __all__ = ["StoreError", "RunStore", "Checkpoint", "FORMAT", "term_var", "frame_steps"]
 
@@ -49,6 +58,8 @@ FORMAT = "vfesim-run/1"
 # Trajectory variables of stores written before the attribute existed (all Gaussian).
 _LEGACY_TRAJECTORY = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
 _CKPT = re.compile(r"^step-(\d{12})$")
+_DAMAGED = re.compile(r"^damaged-step-\d{12}(-[0-9a-f]{8})?$")
+_LEFTOVER = (".tmp-", ".trash-")
 log = logging.getLogger("vfesim")
 
 
@@ -78,6 +89,15 @@ def _zkw() -> dict:
     return {"zarr_format": 3, "consolidated": False}
 
 
+def _why(e: OSError) -> str:
+    """The reason of an OSError without its file name (which may be a hidden temporary path)."""
+    return e.strerror or str(e)
+
+
+def _creating_prefix(path: Path) -> str:
+    return f".{path.name}.creating-"
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """Everything needed to continue a run bitwise: state, integrator aux, RNG state, step."""
@@ -92,10 +112,15 @@ class Checkpoint:
 
 
 class RunStore:
-    """A run's Zarr store; see the module docstring for the layout."""
+    """A run's Zarr store; see the module docstring for the layout.
 
-    def __init__(self, path: str | Path):
+    shown: the path named in messages (the user's path while the store is still being created at
+    its hidden temporary path).
+    """
+
+    def __init__(self, path: str | Path, shown: str | Path | None = None):
         self.path = Path(path)
+        self.shown = Path(shown) if shown is not None else self.path
         self.ckpt_dir = self.path / "checkpoints"
         self._dims: dict[str, tuple[str, ...]] | None = None
 
@@ -104,7 +129,7 @@ class RunStore:
     def probe(path: str | Path, overwrite: bool = False) -> None:
         """Fail early, before any computing, if ``path`` cannot hold a new run."""
         path = Path(path)
-        if path.exists():
+        if path.exists() or path.is_symlink():
             if not overwrite:
                 raise StoreError(f"{path}: already exists (pass overwrite / --overwrite, or resume)")
             if not RunStore.is_run(path):
@@ -116,7 +141,7 @@ class RunStore:
             probe.mkdir()
             probe.rmdir()
         except OSError as e:
-            raise StoreError(f"{path}: output location is not writable ({e.strerror or e})") from e
+            raise StoreError(f"{path}: output location is not writable ({_why(e)})") from e
 
     @staticmethod
     def is_run(path: str | Path) -> bool:
@@ -124,7 +149,29 @@ class RunStore:
             meta = json.loads((Path(path) / "zarr.json").read_text())
         except (OSError, ValueError):
             return False
-        return meta.get("attributes", {}).get("format") == FORMAT
+        return isinstance(meta, dict) and meta.get("attributes", {}).get("format") == FORMAT
+
+    @staticmethod
+    def remove_stale_creating(path: str | Path) -> list[str]:
+        """Remove ``.NAME.creating-*`` stores left beside ``path`` by runs killed before their first
+        checkpoint; returns their names. Call it holding the store's lock: every creator holds it
+        while it creates, so a creating store found then belongs to a process that is gone."""
+        path = Path(path).absolute()
+        if not path.parent.is_dir():
+            return []
+        gone = []
+        for p in sorted(path.parent.glob(_creating_prefix(path) + "*")):
+            if p.is_symlink() or not p.is_dir():
+                raise StoreError(f"{p}: not a directory vfesim made; remove it by hand")
+            shutil.rmtree(p)
+            gone.append(p.name)
+            log.warning(
+                "%s: a run on this path was killed before its first checkpoint; "
+                "removed its unfinished store %s",
+                path,
+                p.name,
+            )
+        return gone
 
     @classmethod
     def create(
@@ -145,11 +192,12 @@ class RunStore:
         of ``state`` are written once) and an empty checkpoints group.
 
         The store is built at a hidden temporary path beside ``path``; :meth:`publish` moves it into
-        place, so a run killed before its first checkpoint leaves no half-made store behind.
+        place, so a run killed before its first checkpoint leaves no half-made store at ``path``. A
+        failure here (disk full, no memory) removes the temporary store and names ``path``.
         """
         cls.probe(path, overwrite)
         final = Path(path)
-        path = final.absolute().parent / f".{final.name}.creating-{uuid.uuid4().hex[:8]}"
+        tmp = final.absolute().parent / f"{_creating_prefix(final)}{uuid.uuid4().hex[:8]}"
         steps = frame_steps(n_steps, save_every)
         n_frames = steps.size
         coords = {
@@ -168,8 +216,9 @@ class RunStore:
             arrays[term_var(t)] = ((n_frames,), ("time",), np.float64, np.nan)
         arrays["saved"] = ((n_frames,), ("time",), np.bool_, False)
         try:
-            base.to_zarr(path, mode="w", **_zkw())
-            g = zarr.open_group(path, mode="r+", zarr_format=3)
+            enc = checksummed_encoding(base.variables)
+            base.to_zarr(tmp, mode="w", encoding=enc, write_empty_chunks=True, **_zkw())
+            g = zarr.open_group(tmp, mode="r+", zarr_format=3)
             for name, (shape, dims, dtype, fill) in arrays.items():
                 g.create_array(
                     name,
@@ -177,40 +226,98 @@ class RunStore:
                     chunks=(time_chunk, *shape[1:]),
                     dtype=dtype,
                     fill_value=fill,
+                    compressors=checksummed_encoding([name])[name]["compressors"],
                     dimension_names=dims,
                     attributes={"coordinates": "step"},
                 )
             g["saved"].attrs["description"] = "frame written (open_run keeps only these)"
-            zarr.open_group(path / "checkpoints", mode="w", zarr_format=3)
-        except OSError as e:
-            shutil.rmtree(path, ignore_errors=True)
-            raise StoreError(f"{final}: cannot create the run store ({e})") from e
-        return cls(path)
+            zarr.open_group(tmp / "checkpoints", mode="w", zarr_format=3)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise StoreError(f"{final}: cannot create the run store ({_why(e)})") from e
+            raise
+        return cls(tmp, shown=final)
 
-    def publish(self, path: str | Path) -> RunStore:
-        """Move a store made by :meth:`create` to ``path`` (replacing a run there) atomically."""
+    def publish(self, path: str | Path, overwrite: bool = False) -> RunStore:
+        """Move a store made by :meth:`create` to ``path`` atomically. A run store already at
+        ``path`` is replaced only with ``overwrite``; anything else there is never moved."""
         path = Path(path)
         try:
-            if path.exists():
+            if path.exists() or path.is_symlink():
+                if not overwrite or not RunStore.is_run(path):
+                    raise StoreError(
+                        f"{path}: something appeared there while this run was being created; not replacing it"
+                    )
                 trash = path.absolute().parent / f".{path.name}.trash-{uuid.uuid4().hex[:8]}"
                 os.replace(path, trash)
                 shutil.rmtree(trash, ignore_errors=True)
             os.replace(self.path, path)
         except OSError as e:
-            raise StoreError(f"{path}: cannot move the new run store into place ({e})") from e
+            raise StoreError(f"{path}: cannot move the new run store into place ({_why(e)})") from e
         return RunStore(path)
 
     # --- metadata ----------------------------------------------------------------------------
     @property
     def attrs(self) -> dict:
+        """Root attrs; a missing or damaged root zarr.json is a StoreError naming the path."""
+        f = self.path / "zarr.json"
+        if not self.path.exists():
+            raise StoreError(f"{self.shown}: not a vfesim run store (it does not exist)")
         try:
-            return dict(zarr.open_group(self.path, mode="r", zarr_format=3).attrs)
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError) as e:
-            raise StoreError(f"{self.path}: not a vfesim run store ({e})") from None
+            meta = json.loads(f.read_bytes())
+        except FileNotFoundError:
+            raise StoreError(f"{self.shown}: not a vfesim run store (no zarr.json)") from None
+        except (OSError, ValueError) as e:
+            raise StoreError(
+                f"{self.shown}: zarr.json is damaged ({e}); `vfesim verify {self.shown}` checks the rest"
+            ) from None
+        attrs = meta.get("attributes") if isinstance(meta, dict) else None
+        if not isinstance(attrs, dict) or attrs.get("format") != FORMAT:
+            raise StoreError(f"{self.shown}: not a vfesim run store (zarr.json has no format {FORMAT!r})")
+        return attrs
+
+    def attr(self, key: str) -> str:
+        """One root attribute; its absence is a StoreError naming it and the path."""
+        attrs = self.attrs
+        if key not in attrs:
+            raise StoreError(
+                f"{self.shown}: zarr.json has no attribute {key!r} (not written by vfesim, or damaged)"
+            )
+        return attrs[key]
 
     def set_attrs(self, **attrs) -> None:
         """Update root attrs (the root zarr.json is replaced atomically by the local store)."""
         zarr.open_group(self.path, mode="r+", zarr_format=3).attrs.update(attrs)
+
+    def check_entries(self) -> None:
+        """Refuse a store that holds symbolic links or foreign entries among its checkpoints: writes
+        and deletes through them would land outside the store."""
+        real = self.path.resolve()
+        for top, dirs, files in os.walk(real):
+            for name in (*dirs, *files):
+                p = Path(top) / name
+                if p.is_symlink():
+                    raise StoreError(
+                        f"{self.shown}: {p.relative_to(real)} is a symbolic link (to {os.readlink(p)}); "
+                        "a run store holds only its own files, refusing to write through it"
+                    )
+        if self.ckpt_dir.exists() and not self.ckpt_dir.is_dir():
+            raise StoreError(f"{self.shown}: checkpoints is not a directory")
+        for p in self.ckpt_dir.iterdir() if self.ckpt_dir.is_dir() else []:
+            ok = p.name == "zarr.json" or _CKPT.match(p.name) or _DAMAGED.match(p.name)
+            if not (ok or p.name.startswith(_LEFTOVER)):
+                raise StoreError(
+                    f"{self.shown}: checkpoints/{p.name} is not a vfesim checkpoint; "
+                    "refusing to write next to it (move it out of the store)"
+                )
+
+    def _remove(self, p: Path) -> None:
+        """Delete ``p``, which must be inside the store's real path and not a link."""
+        real, target = self.path.resolve(), p.resolve()
+        if p.is_symlink() or target == real or not target.is_relative_to(real):
+            raise StoreError(f"{self.shown}: refusing to delete {p}: it is not inside the store")
+        shutil.rmtree(p, ignore_errors=True)
 
     def trajectory(self) -> dict[str, tuple[str, ...]]:
         """Trajectory variable -> its dims without ``time`` (read once from the store)."""
@@ -236,20 +343,22 @@ class RunStore:
         grid) is marked unsaved, with every frame after it, before the coordinates change, so the
         store never labels a frame with a step it does not hold; resume rewrites those frames.
         Idempotent: rerun after a kill mid-way, it finishes the job."""
-        g = zarr.open_group(self.path, mode="r+", zarr_format=3)
-        arrays = [a for _, a in g.arrays() if (a.metadata.dimension_names or ("",))[0] == "time"]
-        n = max(frame_steps(n_steps, save_every).size, *(a.shape[0] for a in arrays))
-        steps = frame_steps(n_steps, save_every, n)
-        old = np.asarray(g["step"][:])
-        changed = np.flatnonzero(old != steps[: old.size])
-        if changed.size:
-            g["saved"][int(changed[0]) :] = False
-        for a in arrays:
-            if a.shape[0] != n:
-                a.resize((n, *a.shape[1:]))
-        if changed.size or old.size != n:
-            g["step"][:] = steps
-            g["time"][:] = steps * dt
+        # Every chunk is written, even one equal to the fill value (verify expects every chunk).
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            g = zarr.open_group(self.path, mode="r+", zarr_format=3)
+            arrays = [a for _, a in g.arrays() if (a.metadata.dimension_names or ("",))[0] == "time"]
+            n = max(frame_steps(n_steps, save_every).size, *(a.shape[0] for a in arrays))
+            steps = frame_steps(n_steps, save_every, n)
+            old = np.asarray(g["step"][:])
+            changed = np.flatnonzero(old != steps[: old.size])
+            if changed.size:
+                g["saved"][int(changed[0]) :] = False
+            for a in arrays:
+                if a.shape[0] != n:
+                    a.resize((n, *a.shape[1:]))
+            if changed.size or old.size != n:
+                g["step"][:] = steps
+                g["time"][:] = steps * dt
 
     # --- trajectory --------------------------------------------------------------------------
     def write_frames(self, start: int, frames: list[dict[str, np.ndarray]]) -> None:
@@ -263,12 +372,14 @@ class RunStore:
             if k not in dims:
                 data[k] = (("time",), np.array([f[k] for f in frames], np.float64))
         region = {"time": slice(start, start + n)}
+        kw = {"region": region, "write_empty_chunks": True, **_zkw()}
         try:
-            xr.Dataset(data).to_zarr(self.path, region=region, **_zkw())
+            xr.Dataset(data).to_zarr(self.path, **kw)
             # Marked saved only after every variable's chunk is in place.
-            xr.Dataset({"saved": (("time",), np.ones(n, bool))}).to_zarr(self.path, region=region, **_zkw())
+            xr.Dataset({"saved": (("time",), np.ones(n, bool))}).to_zarr(self.path, **kw)
         except OSError as e:
-            raise StoreError(f"{self.path}: writing frames {start}..{start + n - 1} failed ({e})") from e
+            what = f"writing frames {start}..{start + n - 1}"
+            raise StoreError(f"{self.shown}: {what} failed ({_why(e)})") from e
 
     def read_frames(self, start: int, stop: int) -> list[dict[str, np.ndarray]]:
         """Frames ``start .. stop-1`` back from disk (to refill a partial chunk on resume)."""
@@ -276,7 +387,7 @@ class RunStore:
             return []
         ds = xr.open_zarr(self.path, chunks=None, **_zkw()).isel(time=slice(start, stop)).load()
         if not bool(ds["saved"].all()):
-            raise StoreError(f"{self.path}: frames {start}..{stop - 1} are not all written")
+            raise StoreError(f"{self.shown}: frames {start}..{stop - 1} are not all written")
         keys = [k for k in ds.data_vars if "time" in ds[k].dims and k != "saved"]
         return [{k: ds[k].values[i] for k in keys} for i in range(stop - start)]
 
@@ -315,13 +426,14 @@ class RunStore:
         final = self.ckpt_dir / f"step-{step:012d}"
         tmp = self.ckpt_dir / f".tmp-{step:012d}-{uuid.uuid4().hex[:8]}"
         try:
-            ds.to_zarr(tmp, mode="w", **_zkw())
-            if final.exists():  # a rerun after a crash re-creates the same checkpoint
-                self._discard(final)
+            enc = checksummed_encoding(ds.variables)
+            ds.to_zarr(tmp, mode="w", encoding=enc, write_empty_chunks=True, **_zkw())
+            if final.exists():  # only a damaged checkpoint is ever rewritten: keep its bytes
+                self.set_aside(step)
             os.replace(tmp, final)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise StoreError(f"{self.path}: writing the checkpoint at step {step} failed ({e})") from e
+            raise StoreError(f"{self.shown}: writing the checkpoint at step {step} failed ({_why(e)})") from e
         for old in self.checkpoint_steps()[:-keep]:
             self._discard(self.ckpt_dir / f"step-{old:012d}")
         return final
@@ -330,16 +442,27 @@ class RunStore:
         # Rename first so a half-deleted checkpoint never looks like a complete one.
         trash = self.ckpt_dir / f".trash-{uuid.uuid4().hex[:8]}"
         os.replace(p, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        self._remove(trash)
+
+    def set_aside(self, step: int) -> Path:
+        """Rename the checkpoint at ``step`` to ``damaged-step-…``: kept as it is, never resumed
+        from or pruned (``vfesim verify`` still reports it)."""
+        src = self.ckpt_dir / f"step-{step:012d}"
+        dst = self.ckpt_dir / f"damaged-{src.name}"
+        if dst.exists():
+            dst = dst.with_name(f"{dst.name}-{uuid.uuid4().hex[:8]}")
+        os.replace(src, dst)
+        return dst
 
     def clean(self) -> None:
         """Remove leftovers of killed writes: temporary checkpoints, trash, partial chunk files."""
         if self.ckpt_dir.is_dir():
             for p in self.ckpt_dir.iterdir():
-                if p.name.startswith((".tmp-", ".trash-")):
-                    shutil.rmtree(p, ignore_errors=True)
+                if p.name.startswith(_LEFTOVER):
+                    self._remove(p)
         for p in self.path.rglob("*.partial"):
-            p.unlink(missing_ok=True)
+            if not p.is_symlink() and p.resolve().is_relative_to(self.path.resolve()):
+                p.unlink(missing_ok=True)
 
     def load_checkpoint(self, step: int) -> Checkpoint:
         p = self.ckpt_dir / f"step-{step:012d}"
@@ -364,11 +487,101 @@ class RunStore:
             attrs=dict(ds.attrs),
         )
 
-    def latest_checkpoint(self) -> Checkpoint | None:
-        """The newest checkpoint that loads completely (older ones are tried if it does not)."""
+    # --- verification ------------------------------------------------------------------------
+    def _checkpoint_attrs(self, name: str) -> dict:
+        meta = json.loads((self.ckpt_dir / name / "zarr.json").read_bytes())
+        attrs = meta["attributes"]
+        for key in ("step", "aux_names", "rng_state", "terms", "scenario"):
+            if key not in attrs:
+                raise ValueError(f"attribute {key!r} missing")
+        return attrs
+
+    def verify_checkpoint(self, name: str) -> GroupReport:
+        """Every array and chunk of the checkpoint ``checkpoints/<name>`` (``name``: ``step-…``)."""
+        node = f"checkpoints/{name}"
+        damage, expected = [], set()
+        try:
+            attrs = self._checkpoint_attrs(name)
+            family = family_named(attrs.get("agent_family", "gaussian"))
+            expected = {*family.required, *(f"aux__{n}" for n in json.loads(attrs["aux_names"]))}
+        except FileNotFoundError:
+            damage.append(Damage(node, "zarr.json", "missing"))
+        except Exception as e:  # bad JSON, a missing attribute, an unknown family
+            damage.append(Damage(node, "zarr.json", f"unreadable metadata ({e})"))
+        d = self.ckpt_dir / name
+        present = {p.name for p in d.iterdir() if p.is_dir()} if d.is_dir() else set()
+        reports = tuple(check_array(self.path, f"{node}/{k}") for k in sorted(expected | present))
+        damage += [x for r in reports for x in r.damage]
+        return GroupReport(f"checkpoint {name}", reports, tuple(damage))
+
+    def verify_trajectory(self, frames_written: int) -> GroupReport:
+        """Every array of the root group (trajectory, coordinates, variables saved once); of the
+        time-indexed ones, chunks of frames below ``frames_written`` must exist."""
+        damage, names = [], {"saved", "time", "step"}
+        try:
+            names |= set(self.trajectory())
+        except Exception as e:  # a damaged root zarr.json or array metadata: found again below
+            log.debug("trajectory variables unknown (%s)", e)
+        names |= {p.name for p in self.path.iterdir() if p.is_dir() and not p.name.startswith(".")}
+        names.discard("checkpoints")
+        reports = tuple(check_array(self.path, k, frames_written) for k in sorted(names))
+        damage += [x for r in reports for x in r.damage]
+        return GroupReport("trajectory", reports, tuple(damage))
+
+    def intact_checkpoint(self) -> tuple[Checkpoint | None, dict[int, GroupReport]]:
+        """The newest checkpoint whose every chunk verifies and that loads, and every damaged one
+        (step -> report). Logs a warning per damaged checkpoint; changes nothing."""
+        damaged: dict[int, GroupReport] = {}
+        found = None
         for step in reversed(self.checkpoint_steps()):
+            report = self.verify_checkpoint(f"step-{step:012d}")
+            if report.intact and found is None:
+                try:
+                    found = self.load_checkpoint(step)
+                except Exception as e:  # verified chunks, yet it does not load: damage all the same
+                    d = Damage(f"checkpoints/step-{step:012d}", "zarr.json", f"does not load ({e})")
+                    report = GroupReport(report.name, report.arrays, (d,))
+            if not report.intact:
+                damaged[step] = report
+                log.warning("checkpoint at step %d is damaged: %s", step, report.summary())
+        return found, damaged
+
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """The newest intact checkpoint (older ones are tried if it is damaged), or None."""
+        return self.intact_checkpoint()[0]
+
+    def frames_written(self) -> int:
+        """Frames the run wrote, as far as an undamaged record says: the longest prefix of ``saved``
+        and the ``frames_saved`` of every readable checkpoint."""
+        n = 0
+        for p in self.ckpt_dir.iterdir() if self.ckpt_dir.is_dir() else []:
             try:
-                return self.load_checkpoint(step)
-            except Exception as e:  # a damaged checkpoint: say so and fall back to the previous
-                log.warning("checkpoint at step %d is unreadable (%s); trying an older one", step, e)
-        return None
+                n = max(n, int(self._checkpoint_attrs(p.name)["frames_saved"]))
+            except Exception:  # not a checkpoint, or a damaged one: verify reports it
+                continue
+        try:
+            saved = np.asarray(zarr.open_array(self.path / "saved", mode="r", zarr_format=3)[:], bool)
+            n = max(n, int(np.argmin(saved)) if not saved.all() else saved.size)
+        except Exception as e:  # damaged: the trajectory report names it
+            log.debug("saved unreadable (%s)", e)
+        return n
+
+    def verify(self) -> list[GroupReport]:
+        """Check the whole store: root metadata, links, every array and chunk of the trajectory and
+        of every checkpoint (set-aside damaged ones included). Changes nothing."""
+        root = []
+        try:
+            _ = self.attrs
+        except StoreError as e:
+            root.append(Damage("", "zarr.json", str(e).removeprefix(f"{self.shown}: ")))
+        try:
+            self.check_entries()
+        except StoreError as e:
+            root.append(Damage("", "entries", str(e).removeprefix(f"{self.shown}: ")))
+        out = [GroupReport("store", (), tuple(root))] if root else []
+        out.append(self.verify_trajectory(self.frames_written()))
+        names = sorted(p.name for p in self.ckpt_dir.iterdir()) if self.ckpt_dir.is_dir() else []
+        for name in names:
+            if _CKPT.match(name) or _DAMAGED.match(name):
+                out.append(self.verify_checkpoint(name))
+        return out
