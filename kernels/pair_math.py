@@ -22,6 +22,7 @@ Stable API (names and signatures; all arguments positional):
     pair_logit(kl, kappa) -> float                  -kl / kappa
     lse_push(m, s, t, x, kl) -> (m, s, t)           add one logit x (with its KL) to row statistics;
                                                     start from (m, s, t) = (-inf, 0, 0)
+    lse_push_e(m, s, t, x, kl, e, one)              the same with e = exp(-|x - m|) supplied by the caller
     lse_merge(m1, s1, t1, m2, s2, t2) -> (m, s, t)  combine two partial statistics (either may be empty)
     row_abar(s, t) -> float                         t / s, or 0 for an empty row (s == 0)
     row_energy(m, s, t, kappa, agg) -> float        the aggregator A_kappa of one row; 0 when s == 0
@@ -149,3 +150,11 @@ def accumulate_row(out, i, w, X, j):
     """out[i, d] += w * X[j, d] for every d (ascending; out and X have the same width)."""
     for d in range(X.shape[1]):
         out[i, d] += w * X[j, d]
+
+
+def lse_push_e(m, s, t, x, kl, e, one):
+    """lse_push with e = exp(-|x - m|) supplied by the caller (one exponential per element, computed
+    before the branch, e.g. by a faster exponential of the target), ``one`` = 1 in the dtype of x."""
+    if x > m:
+        return x, s * e + one, t * e + kl
+    return m, s + e, t + e * kl

@@ -27,6 +27,7 @@ import numpy as np
 from .core import (
     _NB,
     AGG_CODES,
+    PAIR_EXP,
     PAIR_OPT,
     PAIR_THREADS,
     SHARED_BYTES,
@@ -38,9 +39,11 @@ from .core import (
     device,
     lse_merge,
     lse_push,
+    lse_push_e,
     pair_kl,
     pair_logit,
     pair_weight,
+    pair_weight_e,
     row_abar,
     row_energy,
 )
@@ -170,6 +173,7 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
     one = np.dtype(dtype).type(1.0)
     ninf = np.dtype(dtype).type(-np.inf)
     agg = AGG_CODES[aggregator]
+    ex = PAIR_EXP[np.dtype(dtype)]
     TS = _tile_rows(D, np.dtype(dtype).itemsize, threads)
     OPT = opt
     NT = threads
@@ -188,6 +192,7 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
         m = cuda.local.array(OPT, dt)
         s = cuda.local.array(OPT, dt)
         t = cuda.local.array(OPT, dt)
+        rw = cuda.local.array((1, D), dt)
         for o in range(OPT):
             ii = min(i0 + o * NT, N - 1)
             for d in range(D):
@@ -206,10 +211,13 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
             cuda.syncthreads()
             for jj in range(min(TS, j_end - j0)):
                 j = j0 + jj
+                for d in range(D):  # the sender's row once into registers, for all OPT owners
+                    rw[0, d] = sX[jj, d]
                 for o in range(OPT):
                     if j != i0 + o * NT:
-                        kl = pair_kl(own, o, sX, jj, oc)
-                        mm, ss, tt = lse_push(m[o], s[o], t[o], pair_logit(kl, one), kl)
+                        kl = pair_kl(own, o, rw, 0, oc)
+                        x = pair_logit(kl, one)
+                        mm, ss, tt = lse_push_e(m[o], s[o], t[o], x, kl, ex(-abs(x - m[o])), one)
                         m[o] = mm
                         s[o] = ss
                         t[o] = tt
@@ -254,6 +262,8 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
         oa = cuda.local.array(OPT, dt)
         acc = cuda.local.array((OPT, D), dt)
         accw = cuda.local.array(OPT, dt)
+        rw = cuda.local.array((1, D), dt)
+        rc = cuda.local.array(1, dt)
         for o in range(OPT):
             ii = min(i0 + o * NT, N - 1)
             for d in range(D):
@@ -285,22 +295,25 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
                         sa[r] = abar[f, k0 + r]
             cuda.syncthreads()
             nk = min(TS, k_end - k0)
-            if sender:
-                for kk in range(nk):
-                    k = k0 + kk
+            for kk in range(nk):
+                k = k0 + kk
+                for d in range(D):  # the other side's row once into registers, for all OPT owners
+                    rw[0, d] = sX[kk, d]
+                if sender:  # own = B_j; rw is receiver k's A_k with its statistics
+                    rc[0] = sc[kk]
                     for o in range(OPT):
                         if k != i0 + o * NT and i0 + o * NT < N:
-                            kl = pair_kl(sX, kk, own, o, sc)
-                            w = pair_weight(kl, sm[kk], si[kk], sa[kk], one, agg)
-                            accumulate_row(acc, o, w, sX, kk)
-            else:
-                for kk in range(nk):
-                    k = k0 + kk
+                            kl = pair_kl(rw, 0, own, o, rc)
+                            e = ex(pair_logit(kl, one) - sm[kk])
+                            w = pair_weight_e(e, kl, si[kk], sa[kk], one, agg)
+                            accumulate_row(acc, o, w, rw, 0)
+                else:  # own = A_i with its statistics; rw is sender k's B_k
                     for o in range(OPT):
                         if k != i0 + o * NT and i0 + o * NT < N:
-                            kl = pair_kl(own, o, sX, kk, oc)
-                            w = pair_weight(kl, om[o], oi[o], oa[o], one, agg)
-                            accumulate_row(acc, o, w, sX, kk)
+                            kl = pair_kl(own, o, rw, 0, oc)
+                            e = ex(pair_logit(kl, one) - om[o])
+                            w = pair_weight_e(e, kl, oi[o], oa[o], one, agg)
+                            accumulate_row(acc, o, w, rw, 0)
                             accw[o] += w
         for o in range(OPT):
             i = i0 + o * NT
