@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ConfigError", "ModelConfig", "SparseNeighbours"]
+__all__ = ["ConfigError", "JsonConfig", "ModelConfig", "SparseNeighbours", "resolve_neighbours"]
 
 AGGREGATORS = ("expected", "softmin")
 DTYPES = ("float32", "float64")
@@ -129,8 +129,74 @@ def _check_real(
     return v
 
 
+def resolve_neighbours(nb: Any) -> str | SparseNeighbours:
+    """The ``neighbours`` field of a model config: ``"dense"``, a :class:`SparseNeighbours`, or a dict
+    ``{"index": ..., "mask": ...}`` (as in JSON) turned into one; anything else is a ConfigError."""
+    if isinstance(nb, str):
+        if nb != "dense":
+            raise ConfigError("neighbours", f"must be 'dense' or SparseNeighbours, got {nb!r}")
+        return nb
+    if isinstance(nb, dict):
+        if "index" not in nb or set(nb) - {"index", "mask"}:
+            raise ConfigError("neighbours", f"a dict needs 'index' and optionally 'mask', got {sorted(nb)}")
+        mask = None if nb.get("mask") is None else np.asarray(nb["mask"])
+        return SparseNeighbours(np.asarray(nb["index"]), mask)
+    if not isinstance(nb, SparseNeighbours):
+        raise ConfigError("neighbours", f"must be 'dense' or SparseNeighbours, got {type(nb)}")
+    return nb
+
+
+class JsonConfig:
+    """Mixin of the frozen model configs: dict/JSON round trip (unknown keys are ConfigErrors naming the
+    key), ``replace``, equality by JSON. Subclasses are frozen dataclasses; ``_from_dict_fields`` may
+    adapt JSON values (lists back to tuples) before construction."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if isinstance(v, np.ndarray):
+                v = v.tolist()
+            elif isinstance(v, SparseNeighbours):
+                v = v.to_dict()
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def _from_dict_fields(cls, d: dict[str, Any]) -> dict[str, Any]:
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown model key (known: {sorted(names)})")
+        return cls(**cls._from_dict_fields(dict(d)))
+
+    @classmethod
+    def from_json(cls, s: str):
+        return cls.from_dict(json.loads(s))
+
+    def replace(self, **changes: Any):
+        """A new config with some fields changed (validated again)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        d.update(changes)
+        return type(self)(**d)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, type(self)) and self.to_json() == other.to_json()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class ModelConfig:
+class ModelConfig(JsonConfig):
     """Parameters of the Gaussian free energy (SPEC §2.2).
 
     K: latent dimension. With ``irreps=None`` K must be odd (one irrep, l = (K-1)/2); with ``irreps``
@@ -208,19 +274,7 @@ class ModelConfig:
         object.__setattr__(self, "irreps", irreps)
 
     def _resolve_neighbours(self) -> None:
-        nb = self.neighbours
-        if isinstance(nb, str):
-            if nb != "dense":
-                raise ConfigError("neighbours", f"must be 'dense' or SparseNeighbours, got {nb!r}")
-        elif isinstance(nb, dict):
-            if "index" not in nb or set(nb) - {"index", "mask"}:
-                raise ConfigError(
-                    "neighbours", f"a dict needs 'index' and optionally 'mask', got {sorted(nb)}"
-                )
-            mask = None if nb.get("mask") is None else np.asarray(nb["mask"])
-            object.__setattr__(self, "neighbours", SparseNeighbours(np.asarray(nb["index"]), mask))
-        elif not isinstance(nb, SparseNeighbours):
-            raise ConfigError("neighbours", f"must be 'dense' or SparseNeighbours, got {type(nb)}")
+        object.__setattr__(self, "neighbours", resolve_neighbours(self.neighbours))
 
     def _resolve_observation(self) -> None:
         W, R = self.W, self.R
@@ -257,45 +311,13 @@ class ModelConfig:
         return isinstance(self.neighbours, str)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """A new config with some fields changed (validated again)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """A new config with some fields changed (validated again); a new K drops the old irreps."""
         if "irreps" not in changes and "K" in changes:
-            d["irreps"] = None
-        d.update(changes)
-        return ModelConfig(**d)
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, np.ndarray):
-                v = v.tolist()
-            elif isinstance(v, SparseNeighbours):
-                v = v.to_dict()
-            elif isinstance(v, tuple):
-                v = list(v)
-            out[f.name] = v
-        return out
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
+            changes = {**changes, "irreps": None}
+        return super().replace(**changes)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ConfigError(unknown[0], f"unknown model key (known: {sorted(names)})")
-        d = dict(d)
+    def _from_dict_fields(cls, d: dict[str, Any]) -> dict[str, Any]:
         if d.get("irreps") is not None and not isinstance(d["irreps"], (int, np.integer)):
             d["irreps"] = tuple(d["irreps"])
-        return cls(**d)
-
-    @classmethod
-    def from_json(cls, s: str) -> ModelConfig:
-        return cls.from_dict(json.loads(s))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ModelConfig) and self.to_json() == other.to_json()
-
-    __hash__ = None  # type: ignore[assignment]
+        return d
