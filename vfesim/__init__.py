@@ -1,12 +1,13 @@
 """vfesim: populations of agents minimising a variational free energy, on CPU and GPU."""
 
-from . import integrators
+from . import integrators, quantum
 from ._version import __version__
 from .backends import energy_and_gradient
 from .config import ConfigError, ModelConfig, SparseNeighbours
 from .dynamics import run_dynamics
 from .family import family_of
 from .io import open_run
+from .quantum import QuantumConfig
 from .simulate import Run, simulate
 from .state import StateError, make_state, random_state, validate_state
 
@@ -14,6 +15,7 @@ __all__ = [
     "__version__",
     "ConfigError",
     "ModelConfig",
+    "QuantumConfig",
     "Run",
     "SparseNeighbours",
     "StateError",
@@ -22,6 +24,7 @@ __all__ = [
     "make_state",
     "open_run",
     "integrators",
+    "quantum",
     "random_state",
     "run_dynamics",
     "simulate",

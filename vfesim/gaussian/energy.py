@@ -111,10 +111,10 @@ class StagedStages:
         out = []
         for name, lam, kappa, kmu, ksig in active:
             A, B, c, cache = ops.features(self.arrays[kmu], self.S[ksig], R, ksig)
-            if cfg.dense:
-                E, gA, gB, gc = pairwise_dense(A, B, c, kappa, cfg.aggregator)
-            else:
-                E, gA, gB, gc = pairwise_sparse(A, B, c, *neighbours, kappa, cfg.aggregator)
+            E, gA, gB, gc = _np_pairwise.pairwise_energy(
+                A, B, c, kappa, cfg.aggregator, None if cfg.dense else neighbours,
+                dense=pairwise_dense, sparse=pairwise_sparse,
+            )  # fmt: skip
             out.append((name, lam * E))
             g_mu, g_sigma, g_Rk = ops.features_vjp(lam * gA, lam * gB, lam * gc, cache)
             grads[kmu] += g_mu

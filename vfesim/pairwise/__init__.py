@@ -14,7 +14,35 @@ The streaming CPU and CUDA kernels are :mod:`vfesim_kernels.pairwise_cpu` and
 :mod:`vfesim_kernels.cuda.pairwise`, keyed by the feature width D.
 """
 
+from collections.abc import Callable
+
 from . import blocks
 from .reference import aggregator_check, pairwise_dense, pairwise_sparse, row_weights
 
-__all__ = ["aggregator_check", "blocks", "pairwise_dense", "pairwise_sparse", "row_weights"]
+__all__ = [
+    "aggregator_check",
+    "blocks",
+    "pairwise_dense",
+    "pairwise_sparse",
+    "pairwise_energy",
+    "row_weights",
+]
+
+
+def pairwise_energy(
+    A,
+    B,
+    c,
+    kappa: float,
+    aggregator: str,
+    neighbours: tuple | None = None,
+    *,
+    dense: Callable = pairwise_dense,
+    sparse: Callable = pairwise_sparse,
+):
+    """(E, gA, gB, gc) of one alignment term: all pairs through ``dense`` when ``neighbours`` is None,
+    else the lists ``neighbours = (index, mask)`` through ``sparse`` (a backend's kernels, or the NumPy
+    reference by default)."""
+    if neighbours is None:
+        return dense(A, B, c, kappa, aggregator)
+    return sparse(A, B, c, *neighbours, kappa, aggregator)

@@ -1,0 +1,275 @@
+"""The density-matrix free energy (spec/quantum.md §2) and its exact hand-written gradient: the one
+assembly of the family, NumPy reference (vectorised, batched ``eigh``).
+
+Model. Every belief enters through its depolarising floor (spec §2.3)
+
+    x_i = (1 - eps) rho_i + eps I / d,     eps = FLOOR_EPS[dtype] (1e-12 complex128, 1e-6 complex64),
+
+so logs are finite for rank-deficient rho (no clamp). The energy is defined on x and differentiated
+exactly: F(rho) := F_0(x(rho)). Priors are Gibbs states sigma_i = exp(-H_i/T_i)/Z_i, full rank, with the
+closed-form log sigma_i = -H_i/T_i - log Z_i. Frames U_i = exp(-i phi_i . J) (:mod:`.frames`); pulled-back
+states y~_i = U_i^dagger y_i U_i. Terms::
+
+    self          lambda_self   sum_i D(x_i || sigma_i)
+    belief_align  lambda_belief sum_i Agg_kappa_beta({D(x~_i || x~_j)}_{j in N(i)})
+    prior_align   lambda_prior  sum_i Agg_kappa_gamma({D(sigma~_i || sigma~_j)}_{j in N(i)})
+    observation   lambda_obs    sum_i -log <y_i| x_i |y_i>
+
+with D(a || b) = tr a (log a - log b) and the aggregators of :mod:`vfesim.pairwise`.
+
+Pairwise part (spec §2.4). D(a~_i || a~_j) = -S(a_i) - tr(a~_i log a~_j) = 1/2 (A_i . B_j + c_i) with the
+real Hermitian coordinates of :func:`.linalg.hvec` (length d^2):
+
+    A_i = hvec(a~_i),   B_j = -2 hvec(log a~_j),   c_i = 2 tr(a_i log a_i),
+
+so one real GEMM gives all D_ij; the family-free layer (``pairwise_dense`` / ``pairwise_sparse`` of the
+backend) returns the energy and the cotangents gA, gB, gc.
+
+Gradients (the layout of the state; :func:`energy_and_gradient_arrays`):
+- ``rho``: the traceless Hermitian G with dF = tr(G d rho) for every traceless Hermitian d rho;
+- ``hamiltonian``: the Hermitian Hbar with dF = tr(Hbar dH) for every Hermitian dH (traceless, since
+  H + c I gives the same prior);
+- ``temperature``, ``phi``: plain partial derivatives; ``outcome`` has none (not in the result).
+The neighbour sums arrive as the cotangents of each agent's own a and log a, so the chain through log is
+one Daleckii–Krein per agent (not per pair): x_bar += Dlog(x)[log-cotangent]; for the prior, through
+sigma = exp(log sigma) and log sigma(H, T); for the frames, U_bar = 2 a U C~ + 2 (log a) U M~ per term
+(C~, M~ the pulled-back cotangents), then one Daleckii–Krein of exp(-i phi . J) (rule R2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import pairwise as _pairwise
+from ..arrays import array_module as _xp
+from .config import QuantumConfig
+from .frames import frames, frames_vjp, spin_generators
+from .linalg import dagger, dd_exp, dd_log, dk, eigh, from_eig, herm, hmat, hvec, trace, traceless
+
+__all__ = [
+    "TERMS",
+    "FLOOR_EPS",
+    "floor_eps",
+    "energy_and_gradient",
+    "energy_and_gradient_arrays",
+    "divergences",
+    "attention",
+]
+
+TERMS = ("self", "belief_align", "prior_align", "observation")
+
+# Depolarising floor (spec §2.3): x = (1 - eps) rho + eps I/d. log(eps/d) bounds every log eigenvalue.
+FLOOR_EPS = {"complex128": 1e-12, "complex64": 1e-6}
+
+
+def floor_eps(dtype) -> float:
+    """The floor eps of a complex dtype (FLOOR_EPS)."""
+    return FLOOR_EPS[np.dtype(dtype).name]
+
+
+def _floored(rho):
+    """x = (1 - eps) herm(rho) + eps I/d (N, d, d) and eps."""
+    xp = _xp(rho)
+    d = rho.shape[-1]
+    eps = floor_eps(rho.dtype)
+    return (1.0 - eps) * herm(rho) + (eps / d) * xp.eye(d, dtype=rho.dtype), eps
+
+
+def _gibbs(H, T):
+    """Gibbs prior sigma = exp(-H/T)/Z: (sigma, log sigma, l, p, V) with H = V diag(h) V^dagger,
+    l = -h/T - log Z (log-eigenvalues, computed without log p) and p = exp(l)."""
+    xp = _xp(H)
+    h, V = eigh(H)
+    a = -h / T[:, None]
+    m = a.max(axis=1, keepdims=True)
+    l = a - (m + xp.log(xp.exp(a - m).sum(axis=1, keepdims=True)))
+    p = xp.exp(l)
+    return from_eig(V, p), from_eig(V, l), l, p, V
+
+
+def _pull(U, X):
+    return dagger(U) @ X @ U
+
+
+def _alignment(a, log_a, c_half, U, kappa, aggregator, neighbours, dense, sparse):
+    """One alignment term over states a (own frames) with their logs.
+
+    c_half: tr(a log a) per agent. Returns (E, a_bar, log_a_bar, gc, U_bar): cotangents (own frame) of a
+    and of log a from the features A and B, gc (the coefficient of tr(a log a) is 2 gc), and U's
+    cotangent (dL = Re tr(U_bar^dagger dU)).
+    """
+    d = a.shape[-1]
+    A = hvec(_pull(U, a))
+    B = -2.0 * hvec(_pull(U, log_a))
+    E, gA, gB, gc = _pairwise.pairwise_energy(
+        A, B, 2.0 * c_half, kappa, aggregator, neighbours, dense=dense, sparse=sparse
+    )
+    C = hmat(gA, d)  # cotangent of a~
+    M = hmat(-2.0 * gB, d)  # cotangent of (log a)~
+    Ud = dagger(U)
+    U_bar = 2.0 * (a @ U @ C + log_a @ U @ M)
+    return E, U @ C @ Ud, U @ M @ Ud, gc, U_bar
+
+
+def energy_and_gradient_arrays(
+    arrays: dict[str, Any],
+    cfg: QuantumConfig,
+    *,
+    pairwise_dense: Callable = _pairwise.pairwise_dense,
+    pairwise_sparse: Callable = _pairwise.pairwise_sparse,
+    neighbours: tuple | None = None,
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Energy terms and the gradient of ``terms["total"]`` for raw arrays (no validation).
+
+    arrays: rho, hamiltonian (N, d, d) complex; temperature (N,), phi (N, 3) real; outcome (N,) integer
+    when lambda_obs > 0. Gradient conventions: module docstring. neighbours: (index, mask) for sparse
+    configs (default: from cfg).
+    """
+    rho, H, T, phi = arrays["rho"], arrays["hamiltonian"], arrays["temperature"], arrays["phi"]
+    xp = _xp(rho)
+    N, d = rho.shape[0], rho.shape[-1]
+    if not cfg.dense and neighbours is None:
+        neighbours = (cfg.neighbours.index, cfg.neighbours.mask)
+    nb = None if cfg.dense else neighbours
+    x, eps = _floored(rho)
+    x_bar = xp.zeros_like(rho)  # cotangent of x (own frame)
+    logx_bar = xp.zeros_like(rho)  # cotangent of log x
+    U_bar = xp.zeros_like(rho)
+    grads = {k: xp.zeros_like(v) for k, v in arrays.items() if k != "outcome"}
+    total = lambda e: float(e.sum(dtype=np.float64))
+    terms = dict.fromkeys(TERMS, 0.0)
+
+    if cfg.lambda_self > 0 or cfg.lambda_belief > 0:
+        s, W = eigh(x)
+        log_s = xp.log(s)
+        log_x = from_eig(W, log_s)
+        x_log_x = (s * log_s).sum(axis=1)  # tr(x log x) = -S(x)
+    if cfg.lambda_self > 0 or cfg.lambda_prior > 0:
+        sigma, log_sigma, l, p, V = _gibbs(H, T)
+        sigma_bar = xp.zeros_like(rho)
+        logsig_bar = xp.zeros_like(rho)
+    if cfg.lambda_belief > 0 or cfg.lambda_prior > 0:
+        J = spin_generators(d)
+        U, fcache = frames(phi, J, rho.dtype)
+
+    if cfg.lambda_self > 0:
+        lam = cfg.lambda_self
+        # D(x || sigma) = tr x log x - tr x log sigma; d/dx = log x - log sigma (+ I, dropped)
+        e = x_log_x - xp.einsum("nkl,nlk->n", x, log_sigma).real
+        terms["self"] = lam * total(e)
+        x_bar += lam * (log_x - log_sigma)
+        logsig_bar -= lam * x
+
+    if cfg.lambda_obs > 0:
+        lam = cfg.lambda_obs
+        y = xp.asarray(arrays["outcome"])
+        idx = xp.arange(N)
+        pyy = x[idx, y, y].real
+        terms["observation"] = lam * total(-xp.log(pyy))
+        x_bar[idx, y, y] -= lam / pyy
+
+    if cfg.lambda_belief > 0:
+        lam = cfg.lambda_belief
+        E, a_bar, la_bar, gc, Ub = _alignment(
+            x, log_x, x_log_x, U, cfg.kappa_beta, cfg.aggregator, nb, pairwise_dense, pairwise_sparse
+        )
+        terms["belief_align"] = lam * E
+        x_bar += lam * (a_bar + (2.0 * gc)[:, None, None] * log_x)  # d tr(x log x) = tr((log x + I) dx)
+        logx_bar += lam * la_bar
+        U_bar += lam * Ub
+
+    if cfg.lambda_prior > 0:
+        lam = cfg.lambda_prior
+        sig_log_sig = (p * l).sum(axis=1)
+        E, a_bar, la_bar, gc, Ub = _alignment(
+            sigma,
+            log_sigma,
+            sig_log_sig,
+            U,
+            cfg.kappa_gamma,
+            cfg.aggregator,
+            nb,
+            pairwise_dense,
+            pairwise_sparse,
+        )
+        terms["prior_align"] = lam * E
+        sigma_bar += lam * (a_bar + (2.0 * gc)[:, None, None] * log_sigma)
+        logsig_bar += lam * la_bar
+        U_bar += lam * Ub
+
+    if cfg.lambda_self > 0 or cfg.lambda_belief > 0:
+        x_bar = x_bar + dk(W, dd_log(s).astype(rho.dtype), logx_bar)
+    grads["rho"] = (1.0 - eps) * traceless(herm(x_bar))
+
+    if cfg.lambda_self > 0 or cfg.lambda_prior > 0:
+        # Total cotangent of L = log sigma (sigma = exp(L)), then L = -H/T - log Z(H, T) I:
+        # H_bar = (-M + tr(M) sigma)/T, T_bar = (tr(M H) - tr(M) tr(sigma H))/T^2.
+        M = logsig_bar + dk(V, dd_exp(l, p).astype(rho.dtype), sigma_bar)
+        trM = trace(M).real
+        Tc = T[:, None, None]
+        grads["hamiltonian"] = herm(-M + trM[:, None, None] * sigma) / Tc
+        tr_MH = xp.einsum("nkl,nlk->n", M, H).real
+        tr_sH = xp.einsum("nkl,nlk->n", sigma, H).real
+        grads["temperature"] = ((tr_MH - trM * tr_sH) / T**2).astype(T.dtype)
+
+    if cfg.lambda_belief > 0 or cfg.lambda_prior > 0:
+        grads["phi"] = frames_vjp(U_bar, fcache, J).astype(phi.dtype)
+
+    terms["total"] = sum(terms[k] for k in TERMS)
+    return terms, grads
+
+
+def energy_and_gradient(arrays: dict[str, Any], cfg: QuantumConfig, backend) -> tuple[dict[str, float], dict]:
+    """Terms and the gradient of ``terms["total"]`` with the capabilities of ``backend`` (no validation).
+
+    Density-matrix agents run on the NumPy backend; the Numba and CUDA kernels of this family come next.
+    """
+    if backend.name != "numpy":
+        raise NotImplementedError(
+            f"backend {backend.name!r}: density-matrix ('quantum') agents run on backend 'numpy' only for "
+            "now (numba and cuda kernels of this family are not written yet)"
+        )
+    return energy_and_gradient_arrays(
+        arrays, cfg, pairwise_dense=backend.pairwise_dense, pairwise_sparse=backend.pairwise_sparse
+    )
+
+
+def _pulled(arrays: dict[str, Any], cfg: QuantumConfig, which: str):
+    """Pulled-back states and logs (a~, (log a)~) and tr(a log a) of the belief or prior term."""
+    if which == "belief":
+        x, _ = _floored(arrays["rho"])
+        s, W = eigh(x)
+        a, log_a, c_half = x, from_eig(W, np.log(s)), (s * np.log(s)).sum(axis=1)
+    elif which == "prior":
+        a, log_a, l, p, _ = _gibbs(arrays["hamiltonian"], arrays["temperature"])
+        c_half = (p * l).sum(axis=1)
+    else:
+        raise ValueError(f"which: must be 'belief' or 'prior', got {which!r}")
+    U, _ = frames(arrays["phi"], spin_generators(cfg.d), arrays["rho"].dtype)
+    return _pull(U, a), _pull(U, log_a), c_half
+
+
+def divergences(arrays: dict[str, Any], cfg: QuantumConfig, which: str = "belief") -> np.ndarray:
+    """All pairwise D(a~_i || a~_j) (N, N) by the feature GEMM of the alignment term (NumPy arrays).
+
+    which: "belief" (floored rho) or "prior" (Gibbs states). The diagonal is 0 up to rounding.
+    """
+    at, lt, c_half = _pulled(arrays, cfg, which)
+    return 0.5 * (hvec(at) @ (-2.0 * hvec(lt)).T + 2.0 * c_half[:, None])
+
+
+def attention(arrays: dict[str, Any], cfg: QuantumConfig, which: str = "belief") -> np.ndarray:
+    """Attention weights (dense: (N, N), zero diagonal; sparse: (N, k) aligned with the index).
+
+    which: "belief" (beta, kappa_beta) or "prior" (gamma, kappa_gamma). NumPy arrays.
+    """
+    at, lt, c_half = _pulled(arrays, cfg, which)
+    A, B, c = hvec(at), -2.0 * hvec(lt), 2.0 * c_half
+    kappa = cfg.kappa_beta if which == "belief" else cfg.kappa_gamma
+    if cfg.dense:
+        return _pairwise.pairwise_dense(A, B, c, kappa, cfg.aggregator, return_beta=True)[-1]
+    nb = cfg.neighbours
+    return _pairwise.pairwise_sparse(A, B, c, nb.index, nb.mask, kappa, cfg.aggregator, return_beta=True)[-1]

@@ -1,0 +1,149 @@
+"""Batched Hermitian linear algebra of density-matrix agents (spec/quantum.md §0, §2.3–2.4, §4.1 R2).
+
+Shapes: a batch of matrices is (N, d, d) complex, of vectors (N, d) real. Array-module generic where it
+costs nothing (``xp`` from the inputs); the eigensolver is the array module's ``linalg.eigh``.
+
+Hermitian coordinates: ``hvec`` maps Herm(d) isometrically onto R^{d^2}: the diagonal, then sqrt(2) Re and
+sqrt(2) Im of the strict upper triangle (row-major), so ``tr(X Y) = hvec(X) . hvec(Y)`` for Hermitian X,
+Y. ``hmat`` is its inverse; a real cotangent g of hvec(X) is the Hermitian cotangent hmat(g) of X.
+
+Divided differences (Daleckii–Krein): for ``X = V diag(x) V^dagger`` and a scalar f,
+``Df(X)[E] = V (f^[1](x) o V^dagger E V) V^dagger`` with ``f^[1]_kl = (f(x_k) - f(x_l)) / (x_k - x_l)``
+(``f'(x_k)`` on ties); :func:`dd_log`, :func:`dd_exp` and :func:`dd_expi` give stable forms.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..arrays import array_module as _xp
+
+__all__ = [
+    "dagger",
+    "herm",
+    "traceless",
+    "trace",
+    "hvec",
+    "hmat",
+    "eigh",
+    "from_eig",
+    "dk",
+    "dd_log",
+    "dd_exp",
+    "dd_expi",
+]
+
+SQRT2 = float(np.sqrt(2.0))
+
+
+def dagger(X):
+    """Conjugate transpose of the last two axes."""
+    return X.conj().swapaxes(-1, -2)
+
+
+def herm(X):
+    """(X + X^dagger) / 2."""
+    return 0.5 * (X + dagger(X))
+
+
+def trace(X):
+    """tr X per matrix (N,) (complex)."""
+    return X.diagonal(axis1=-2, axis2=-1).sum(axis=-1)
+
+
+def traceless(X):
+    """X - (tr X / d) I."""
+    xp = _xp(X)
+    d = X.shape[-1]
+    return X - (trace(X) / d)[..., None, None] * xp.eye(d, dtype=X.dtype)
+
+
+@functools.cache
+def _upper(d: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(d, 1)
+
+
+def hvec(X):
+    """Hermitian (N, d, d) -> real (N, d^2) coordinates [diag, sqrt2 Re triu, sqrt2 Im triu]."""
+    xp = _xp(X)
+    iu, ju = _upper(X.shape[-1])
+    up = X[..., iu, ju]
+    return xp.concatenate([X.diagonal(axis1=-2, axis2=-1).real, SQRT2 * up.real, SQRT2 * up.imag], axis=-1)
+
+
+def hmat(v, d: int):
+    """Inverse of :func:`hvec`: real (N, d^2) -> Hermitian (N, d, d) of the matching complex dtype."""
+    xp = _xp(v)
+    iu, ju = _upper(d)
+    m = iu.size
+    cdt = np.result_type(v.dtype, np.complex64)
+    X = xp.zeros(v.shape[:-1] + (d, d), cdt)
+    idx = np.arange(d)
+    X[..., idx, idx] = v[..., :d]
+    up = (v[..., d : d + m] + 1j * v[..., d + m :]) / SQRT2
+    X[..., iu, ju] = up
+    X[..., ju, iu] = up.conj()
+    return X
+
+
+def eigh(X):
+    """Eigenvalues (N, d) ascending and eigenvectors (N, d, d) of herm(X)."""
+    return _xp(X).linalg.eigh(herm(X))
+
+
+def from_eig(V, f):
+    """V diag(f) V^dagger for eigenvectors V (N, d, d) and real values f (N, d)."""
+    return (V * f[..., None, :].astype(V.dtype)) @ dagger(V)
+
+
+def dk(V, Lam, E):
+    """Daleckii–Krein form V (Lam o V^dagger E V) V^dagger (Lam (N, d, d) the divided differences)."""
+    return V @ (Lam * (dagger(V) @ E @ V)) @ dagger(V)
+
+
+def _pairs(x):
+    return x[..., :, None], x[..., None, :]
+
+
+def dd_log(s):
+    """log^[1] at eigenvalues s > 0 (N, d) -> (N, d, d).
+
+    |delta| < 1/2 with delta = (s_k - s_l)/(s_k + s_l): 2 atanh(delta) / (delta (s_k + s_l)) (no
+    cancellation, 1 at ties); otherwise (log s_k - log s_l)/(s_k - s_l), whose logs differ by > log 3.
+    """
+    xp = _xp(s)
+    a, b = _pairs(s)
+    tot = a + b
+    delta = (a - b) / tot
+    near = xp.abs(delta) < 0.5
+    dn = xp.where(near, delta, 0.0)
+    ratio = xp.where(dn == 0, 1.0, xp.arctanh(dn) / xp.where(dn == 0, 1.0, dn))
+    far = (xp.log(a) - xp.log(b)) / xp.where(near, 1.0, a - b)
+    return xp.where(near, 2.0 * ratio / tot, far)
+
+
+def dd_exp(l, p):
+    """exp^[1] at log-eigenvalues l (N, d) with p = exp(l) -> (N, d, d).
+
+    |l_k - l_l| < 1: sqrt(p_k p_l) sinh(x)/x with x = (l_k - l_l)/2 (p_k on ties); otherwise
+    (p_k - p_l)/(l_k - l_l), where p_k and p_l differ by a factor > e.
+    """
+    xp = _xp(l)
+    la, lb = _pairs(l)
+    pa, pb = _pairs(p)
+    dl = la - lb
+    near = xp.abs(dl) < 1.0
+    x = xp.where(near, 0.5 * dl, 0.0)
+    xs = xp.where(x == 0, 1.0, x)
+    sinhc = xp.where(x == 0, 1.0, xp.sinh(xs) / xs)
+    return xp.where(near, xp.sqrt(pa * pb) * sinhc, (pa - pb) / xp.where(near, 1.0, dl))
+
+
+def dd_expi(k):
+    """f^[1] of f(k) = exp(-i k) at real k (N, d) -> complex (N, d, d):
+    -i exp(-i (k_a + k_b)/2) sinc((k_a - k_b)/2), stable for every gap (sinc x = sin x / x)."""
+    xp = _xp(k)
+    a, b = _pairs(k)
+    return -1j * xp.exp(-0.5j * (a + b)) * xp.sinc((a - b) / (2 * np.pi))
