@@ -54,7 +54,14 @@ def make_integrator(
     if method not in ORDERS:
         raise ValueError(f"unknown integrator method {method!r}; available: {available()}")
     from ..backends import get
+    from ..family import family_of
 
+    fam = family_of(cfg)
+    if fam.geometry is None:
+        raise NotImplementedError(
+            f"integrators: no dynamics for {fam.name!r} agents yet ({type(cfg).__name__}); "
+            "evaluate them with vfesim.energy_and_gradient"
+        )
     backend = get(backend)  # unknown names raise here; "auto" picks a device (logged)
     dt = float(dt)
     if not (dt > 0 and dt < float("inf")):
