@@ -1,12 +1,11 @@
-"""Density-matrix states: schema, random states, validation errors (each named), frames, backend refusal."""
+"""Density-matrix states: schema, random states, validation errors (each named), spin generators,
+refusal by the backends and integrators this family does not have yet."""
 
 import numpy as np
 import pytest
 
 import vfesim
 from vfesim import QuantumConfig, StateError
-from vfesim.groups import expm_so3, generators
-from vfesim.quantum.frames import frames
 
 CFG = QuantumConfig(d=3, lambda_obs=0.5)
 
@@ -123,16 +122,6 @@ def test_spin_generators(d):
         b, c = (a + 1) % 3, (a + 2) % 3
         np.testing.assert_allclose(J[a] @ J[b] - J[b] @ J[a], 1j * J[c], atol=1e-14)
     np.testing.assert_allclose(np.einsum("akl,alm->km", J, J), j * (j + 1) * np.eye(d), atol=1e-13)
-
-
-@pytest.mark.parametrize("d", [3, 5, 7])
-def test_odd_d_frames_are_the_gaussian_rotations(d):
-    phi = np.random.default_rng(d).normal(size=(6, 3))
-    phi[0] = 0.0
-    U, _ = frames(phi, vfesim.quantum.spin_generators(d), np.complex128)
-    l = (d - 1) // 2
-    R = expm_so3(phi, generators((l,)), l)
-    np.testing.assert_allclose(U, R, atol=1e-13)
 
 
 def test_other_backends_and_integrators_refuse():
