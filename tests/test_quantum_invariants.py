@@ -161,3 +161,19 @@ def test_gibbs_gibbs_closed_form(d):
         for j in range(4):
             ref = np.trace(sig_t[i] @ (-Ht[i] / T[i] + Ht[j] / T[j])).real - logZ[i] + logZ[j]
             assert abs(D[i, j] - ref) <= 1e-12 * max(1.0, abs(ref))
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_attention_is_the_softmax_of_the_divergences(sparse):
+    n, kappa = 6, 0.5
+    nb = vfesim.SparseNeighbours.ring(n, 2) if sparse else "dense"
+    cfg = vfesim.QuantumConfig(d=3, kappa_beta=kappa, neighbours=nb)
+    a = _arrays(cfg, n, seed=1)
+    beta = vfesim.family_of(cfg).attention(a, cfg, "belief")
+    D = divergences(a, cfg, "belief")
+    if sparse:
+        D = np.take_along_axis(D, nb.index, axis=1)
+    else:
+        D = np.where(np.eye(n, dtype=bool), np.inf, D)
+    ref = np.exp(-D / kappa)
+    np.testing.assert_allclose(beta, ref / ref.sum(axis=1, keepdims=True), atol=1e-13)
