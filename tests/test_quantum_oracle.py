@@ -17,6 +17,7 @@ from reference.quantum import (
     frame,
     frame_generators,
     gibbs,
+    log_gibbs,
     log_partition,
     pair_divergences,
     random_hermitian,
@@ -145,10 +146,16 @@ def test_logm_and_eigh_energies_agree(d):
     """The whole energy with scipy logm equals the one with the spectral log (used for fast FD sweeps)."""
     rng = np.random.default_rng(d + 5)
     rho, H, T, phi, y = _system(rng, 3, d)
-    a = energy_terms(rho, H, T, phi, y, _cfg(d), log="logm")
+    a = energy_terms(rho, H, T, phi, y, _cfg(d), log="logm", gibbs_log="matrix")
     b = energy_terms(rho, H, T, phi, y, _cfg(d), log="eigh")
+    c = energy_terms(rho, H, T, phi, y, _cfg(d), log="logm")
     for k in a:
         assert a[k] == pytest.approx(b[k], rel=1e-12, abs=1e-13), k
+        assert a[k] == pytest.approx(c[k], rel=1e-12, abs=1e-13), k
+    for i in range(3):  # the exact Gibbs log equals the matrix log of the Gibbs matrix
+        L = log_gibbs(H[i], T[i])
+        np.testing.assert_allclose(L, scipy.linalg.logm(gibbs(H[i], T[i])), atol=1e-11)
+        np.testing.assert_allclose(scipy.linalg.expm(L), gibbs(H[i], T[i]), atol=1e-14)
 
 
 @pytest.mark.parametrize("d", DS)

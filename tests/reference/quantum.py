@@ -3,7 +3,7 @@
 Model (issue 10; spec/quantum.md §1.3, §2.1, §2.3), for N agents of Hilbert dimension d::
 
     U_i     = expm(-1j * sum_a phi[i, a] J_a)            (J: frame_generators(d))
-    sigma_i = expm(-H_i / T_i) / tr expm(-H_i / T_i)      (Gibbs prior)
+    sigma_i = expm(-H_i / T_i) / tr expm(-H_i / T_i)      (Gibbs prior; log sigma_i = -H_i/T_i - log Z_i)
     x~_i    = U_i^dagger x_i U_i                           (pulled-back state)
     D(r||s) = tr r (logm r - logm s)                       (Umegaki; scipy.linalg.logm, or log="eigh")
 
@@ -51,6 +51,7 @@ __all__ = [
     "frame",
     "gibbs",
     "log_partition",
+    "log_gibbs",
     "floor",
     "matrix_log",
     "rel_entropy",
@@ -150,6 +151,13 @@ def log_partition(H: np.ndarray, T: float) -> float:
     return float(math.log(np.trace(scipy.linalg.expm(-H / T)).real))
 
 
+def log_gibbs(H: np.ndarray, T: float) -> np.ndarray:
+    """log sigma = -H/T - log Z I, the exact log of the Gibbs state (no numerical matrix log: a matrix log
+    of expm(-H/T)/Z loses relative precision on small eigenvalues of sigma, which makes finite differences in
+    H and T noisy at h = 1e-6; tests/test_quantum_oracle.py checks it against logm(gibbs(H, T)))."""
+    return -H / T - log_partition(H, T) * np.eye(H.shape[0])
+
+
 def floor(rho: np.ndarray, eps: float = EPS) -> np.ndarray:
     """The depolarising floor rho_eps = (1 - eps) rho + eps I/d."""
     d = rho.shape[0]
@@ -169,9 +177,14 @@ def matrix_log(X: np.ndarray, log: str = "logm") -> np.ndarray:
     raise ValueError(f"unknown log {log!r}")
 
 
-def rel_entropy(r: np.ndarray, s: np.ndarray, log: str = "logm") -> float:
-    """Umegaki D(r||s) = tr r (log r - log s) (no floor here; callers floor). log: see matrix_log."""
-    val = np.trace(r @ (matrix_log(r, log) - matrix_log(s, log)))
+def rel_entropy(r: np.ndarray, s: np.ndarray, log: str = "logm", log_r=None, log_s=None) -> float:
+    """Umegaki D(r||s) = tr r (log r - log s) (no floor here; callers floor). log: see matrix_log;
+    log_r, log_s: the logs when known exactly (Gibbs states), else matrix_log of r, s."""
+    if log_r is None:
+        log_r = matrix_log(r, log)
+    if log_s is None:
+        log_s = matrix_log(s, log)
+    val = np.trace(r @ (log_r - log_s))
     assert abs(val.imag) < 1e-9 * max(1.0, abs(val.real)), val
     return float(val.real)
 
@@ -223,12 +236,14 @@ def neighbour_lists(neighbours, n: int) -> list[list[int]]:
 
 
 def pair_divergences(
-    X: np.ndarray, U: np.ndarray, nbrs, transport: str = "pullback", log: str = "logm"
+    X: np.ndarray, U: np.ndarray, nbrs, transport: str = "pullback", log: str = "logm", logs=None
 ) -> list[np.ndarray]:
     """Per receiver i, the array of D(x~_i || x~_j) over j in N(i) (states X already floored if beliefs).
 
     transport="pullback": x~ = U^dagger x U on both sides; "direct": D(x_i || U_ij x_j U_ij^dagger) with
-    U_ij = U_i U_j^dagger. Both are computed pair by pair with two matrix logs each (log: see matrix_log).
+    U_ij = U_i U_j^dagger. Computed pair by pair: the logs of both (pulled-back / transported) states by
+    matrix_log, unless ``logs`` (exact log x_k per agent, e.g. log_gibbs) is given: then those logs are
+    pulled back / transported the same way as the states (log(V x V^dagger) = V log(x) V^dagger).
     """
     out = []
     for i, row in enumerate(nbrs):
@@ -237,10 +252,14 @@ def pair_divergences(
             if transport == "pullback":
                 xi = U[i].conj().T @ X[i] @ U[i]
                 xj = U[j].conj().T @ X[j] @ U[j]
-                Ds.append(rel_entropy(xi, xj, log))
+                li = None if logs is None else U[i].conj().T @ logs[i] @ U[i]
+                lj = None if logs is None else U[j].conj().T @ logs[j] @ U[j]
+                Ds.append(rel_entropy(xi, xj, log, li, lj))
             elif transport == "direct":
                 Uij = U[i] @ U[j].conj().T
-                Ds.append(rel_entropy(X[i], Uij @ X[j] @ Uij.conj().T, log))
+                li = None if logs is None else logs[i]
+                lj = None if logs is None else Uij @ logs[j] @ Uij.conj().T
+                Ds.append(rel_entropy(X[i], Uij @ X[j] @ Uij.conj().T, log, li, lj))
             else:
                 raise ValueError(f"unknown transport {transport!r}")
         out.append(np.array(Ds, dtype=np.float64))
@@ -251,7 +270,18 @@ def pair_divergences(
 
 
 def energy_terms(
-    rho, H, T, phi, outcome, cfg, *, U=None, eps: float = EPS, transport: str = "pullback", log: str = "logm"
+    rho,
+    H,
+    T,
+    phi,
+    outcome,
+    cfg,
+    *,
+    U=None,
+    eps: float = EPS,
+    transport: str = "pullback",
+    log: str = "logm",
+    gibbs_log: str = "exact",
 ) -> dict:
     """Every term of F, each multiplied by its lambda, and "total" (Python floats).
 
@@ -262,7 +292,9 @@ def energy_terms(
     U: optional (N, d, d) unitary frames used instead of expm(-1j phi_i . J) (phi is then ignored): lets the
     gauge-covariance test apply U_i -> W_i U_i. eps: the depolarising floor applied to every belief rho in
     the divergences (the Born term uses rho itself). transport: "pullback" or "direct" (see pair_divergences).
-    log: "logm" (scipy.linalg.logm, default) or "eigh" (spectral log; see matrix_log).
+    log: "logm" (scipy.linalg.logm, default) or "eigh" (spectral log; see matrix_log) for the logs of
+    beliefs. gibbs_log: "exact" (default) takes log sigma_i = -H_i/T_i - log Z_i I (log_gibbs), the
+    receiver's log of a prior pair included; "matrix" takes matrix_log of the Gibbs matrices like beliefs.
     """
     rho = np.asarray(rho, dtype=np.complex128)
     H = np.asarray(H, dtype=np.complex128)
@@ -281,10 +313,16 @@ def energy_terms(
 
     rho_eps = np.stack([floor(rho[i], eps) for i in range(n)])
     sigma = np.stack([gibbs(H[i], T[i]) for i in range(n)])
+    if gibbs_log == "exact":
+        log_sigma = np.stack([log_gibbs(H[i], T[i]) for i in range(n)])
+    elif gibbs_log == "matrix":
+        log_sigma = np.stack([matrix_log(sigma[i], log) for i in range(n)])
+    else:
+        raise ValueError(f"unknown gibbs_log {gibbs_log!r}")
 
     self_term = 0.0
     if lam["self"] != 0.0:
-        self_term = sum(rel_entropy(rho_eps[i], sigma[i], log) for i in range(n))
+        self_term = sum(rel_entropy(rho_eps[i], sigma[i], log, log_s=log_sigma[i]) for i in range(n))
 
     belief = 0.0
     if lam["belief"] != 0.0:
@@ -293,7 +331,7 @@ def energy_terms(
 
     prior = 0.0
     if lam["prior"] != 0.0:
-        Ds = pair_divergences(sigma, U, nbrs, transport, log)
+        Ds = pair_divergences(sigma, U, nbrs, transport, log, logs=log_sigma)
         prior = sum(aggregate(Ds[i], float(_get(cfg, "kappa_gamma")), aggregator) for i in range(n))
 
     obs = 0.0
