@@ -414,3 +414,20 @@ def test_fd_gradient_on_known_gradients():
     fd = fd_gradient(lambda r: rel_entropy(r, s), rho, [Et], 1e-6)
     G = scipy.linalg.logm(rho) - scipy.linalg.logm(s)
     assert fd[0] == pytest.approx(np.trace(G @ Et).real, rel=1e-7)
+
+
+@pytest.mark.parametrize("aggregator", ["softmin", "expected"])
+def test_energy_aggregator_small_kappa_is_sum_of_minima(aggregator):
+    """kappa -> 0: each receiver's alignment tends to its smallest divergence (3 agents, d = 3)."""
+    d, n = 3, 3
+    rng = np.random.default_rng(95)
+    rho, H, T, phi, _ = _system(rng, n, d)
+    J = frame_generators(d)
+    U = np.stack([frame(phi[i], J) for i in range(n)])
+    nbrs = [[j for j in range(n) if j != i] for i in range(n)]
+    Db = pair_divergences(np.stack([floor(r) for r in rho]), U, nbrs, log="eigh")
+    Dp = pair_divergences(np.stack([gibbs(H[i], T[i]) for i in range(n)]), U, nbrs, log="eigh")
+    cfg = _cfg(d, lambda_self=0.0, lambda_obs=0.0, kappa_beta=1e-7, kappa_gamma=1e-7, aggregator=aggregator)
+    got = energy_terms(rho, H, T, phi, None, cfg, log="eigh")
+    assert got["belief_align"] == pytest.approx(sum(D.min() for D in Db), abs=1e-6)
+    assert got["prior_align"] == pytest.approx(sum(D.min() for D in Dp), abs=1e-6)
