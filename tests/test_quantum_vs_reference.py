@@ -68,9 +68,9 @@ def _setup(d, term, aggregator, neighbours, seed=0):
         n, nb = 5, vfesim.SparseNeighbours(SPARSE_INDEX, SPARSE_MASK)
     qcfg = vfesim.QuantumConfig(d=d, aggregator=aggregator, neighbours=nb, **TERMS[term])
     qs = vfesim.random_state(qcfg, n_agents=n, seed=seed, dtype="complex128")
-    rho = np.asarray(qs["rho"].values, dtype=np.complex128)
+    rho = np.asarray(qs["rho"].values)
     qs = qs.copy(deep=True)
-    qs["rho"] = (qs["rho"].dims, 0.8 * rho + 0.2 * np.eye(d) / d)
+    qs["rho"] = qs["rho"].copy(data=0.8 * rho + 0.2 * np.eye(d, dtype=rho.dtype) / d)
     return qcfg, qs
 
 
