@@ -25,11 +25,6 @@ from reference.quantum import (
 
 import vfesim
 
-# TEMPORARY (remove when merging issue 10): the quantum family lands on another branch. This skips only
-# while vfesim.QuantumConfig does not exist; as soon as it does, every test below runs.
-if not hasattr(vfesim, "QuantumConfig"):  # pragma: no cover
-    pytest.skip("vfesim.QuantumConfig not implemented yet (issue 10)", allow_module_level=True)
-
 DS = (2, 3, 4, 5)
 TERM_RTOL = 1e-10
 FD_RTOL = 1e-7  # spec §4.3
