@@ -225,13 +225,10 @@ def energy_and_gradient_arrays(
 def energy_and_gradient(arrays: dict[str, Any], cfg: QuantumConfig, backend) -> tuple[dict[str, float], dict]:
     """Terms and the gradient of ``terms["total"]`` with the capabilities of ``backend`` (no validation).
 
-    Density-matrix agents run on the NumPy backend; the Numba and CUDA kernels of this family come next.
+    The per-agent stages are array code on the backend's arrays (NumPy; CuPy with cuSOLVER's batched
+    ``eigh`` on a GPU); the pairwise part runs in the backend's own family-free pair kernels (streaming
+    Numba kernels, the CUDA GEMM path). Fused per-agent kernels of this family are not written yet.
     """
-    if backend.name != "numpy":
-        raise NotImplementedError(
-            f"backend {backend.name!r}: density-matrix ('quantum') agents run on backend 'numpy' only for "
-            "now (numba and cuda kernels of this family are not written yet)"
-        )
     return energy_and_gradient_arrays(
         arrays, cfg, pairwise_dense=backend.pairwise_dense, pairwise_sparse=backend.pairwise_sparse
     )
