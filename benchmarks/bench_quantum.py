@@ -1,0 +1,125 @@
+"""Density-matrix agents: one energy + gradient evaluation per backend (issue 10).
+
+    python benchmarks/bench_quantum.py [--backends numpy numba] [--sizes 256 1024 4096] [--ds 2 4 8]
+                                       [--dtypes complex128] [--terms belief|both] [--oracle] [--out DIR]
+    python benchmarks/bench_quantum.py --backends cuda --sizes 1024 16384 65536 262144 --ds 4 8 \\
+                                       --dtypes complex128 complex64
+
+Self + belief terms by default (``--terms both`` adds the prior term), dense neighbours, softmin. State on
+the backend's device before timing (arrays in, arrays out: the public Dataset API adds validation and,
+for NumPy-backed states on a GPU, transfers). ``--oracle`` also times the naive per-pair oracle
+(tests/reference/quantum.py, energy only) at N = 64 against the numba backend's energy + gradient.
+Medians of repeated calls after one warm-up (which compiles). Writes DIR/quantum_bench.jsonl and .txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+import vfesim
+from vfesim.backends import get
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sync(backend) -> None:
+    if backend.on_device and backend.array_module() is not np:
+        backend.array_module().cuda.Device().synchronize()
+
+
+def timeit(fn, sync, *, min_reps=3, max_reps=20, target_s=1.0) -> tuple[float, int]:
+    fn()
+    sync()
+    times = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < target_s):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), len(times)
+
+
+def config(d: int, terms: str) -> vfesim.QuantumConfig:
+    return vfesim.QuantumConfig(d=d, lambda_prior=1.0 if terms == "both" else 0.0)
+
+
+def bench(backend_name: str, N: int, d: int, dtype: str, terms: str) -> dict:
+    be = get(backend_name)
+    cfg = config(d, terms)
+    st = vfesim.random_state(cfg, n_agents=N, seed=0, dtype=dtype)
+    arrays = be.to_device({k: st[k].values for k in st.data_vars})
+    t, reps = timeit(lambda: be.energy_and_gradient(arrays, cfg), lambda: _sync(be))
+    return dict(kind="eval", backend=backend_name, N=N, d=d, dtype=dtype, terms=terms, t_s=t, reps=reps)
+
+
+def oracle_speedup(d: int = 4, N: int = 64) -> dict:
+    path = ROOT / "tests" / "reference" / "quantum.py"
+    spec = importlib.util.spec_from_file_location("vfesim_quantum_oracle", path)
+    oracle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(oracle)
+    cfg = config(d, "belief")
+    st = vfesim.random_state(cfg, n_agents=N, seed=0)
+    t_o, _ = timeit(lambda: oracle.reference_energy(st, cfg), lambda: None, min_reps=1, max_reps=3)
+    be = get("numba")
+    arrays = be.to_device({k: st[k].values for k in st.data_vars})
+    t_n, _ = timeit(lambda: be.energy_and_gradient(arrays, cfg), lambda: None)
+    return dict(kind="oracle", N=N, d=d, oracle_s=t_o, numba_s=t_n, speedup=t_o / t_n)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"# {platform.node()}: one energy + gradient, dense softmin, state on the backend's device"]
+    lines.append(f"{'backend':>8} {'terms':>6} {'d':>3} {'dtype':>10} {'N':>8} {'time ms':>10} {'reps':>5}")
+    for r in rows:
+        if r["kind"] == "eval":
+            lines.append(
+                f"{r['backend']:>8} {r['terms']:>6} {r['d']:3d} {r['dtype']:>10} {r['N']:8d} "
+                f"{r['t_s'] * 1e3:10.2f} {r['reps']:5d}"
+            )
+        else:
+            lines.append(
+                f"oracle (energy only) at N = {r['N']}, d = {r['d']}: {r['oracle_s']:.3f} s; numba energy + "
+                f"gradient {r['numba_s'] * 1e3:.2f} ms: {r['speedup']:.0f}x"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backends", nargs="*", default=["numpy", "numba"])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[256, 1024, 4096])
+    ap.add_argument("--ds", type=int, nargs="*", default=[2, 4, 8])
+    ap.add_argument("--dtypes", nargs="*", default=["complex128"])
+    ap.add_argument("--terms", choices=["belief", "both"], default="belief")
+    ap.add_argument("--oracle", action="store_true")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for backend in args.backends:
+        for dtype in args.dtypes:
+            for d in args.ds:
+                for N in args.sizes:
+                    rows.append(bench(backend, N, d, dtype, args.terms))
+                    print(json.dumps(rows[-1]), flush=True)
+    if args.oracle:
+        rows.append(oracle_speedup())
+        print(json.dumps(rows[-1]), flush=True)
+    with open(out / "quantum_bench.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    text = table(rows)
+    (out / "quantum_bench.txt").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
