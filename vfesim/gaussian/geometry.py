@@ -14,6 +14,7 @@ Fields: means and covariances move in (mean, covariance) blocks (:data:`BLOCKS`)
 from __future__ import annotations
 
 import numpy as np
+from vfesim_kernels.update_math import PHI_MAX, TWO_PI
 
 __all__ = [
     "MOVABLE",
@@ -61,14 +62,16 @@ def retract_spd(S: np.ndarray, G: np.ndarray, eta: float, mode: int) -> np.ndarr
 
 
 def wrap_phi(phi: np.ndarray) -> np.ndarray:
-    """Principal-ball representative (N, 3): |phi| > pi -> phi (|phi| - 2 pi)/|phi| (same rotation)."""
-    t = np.sqrt(np.einsum("na,na->n", phi, phi))
-    f = np.ones_like(t)
-    while (t > np.pi).any():
-        big = t > np.pi
-        tn = np.where(big, t - 2 * np.pi, t)
-        f = np.where(big, f * tn / np.where(big, t, 1.0), f)
-        t = np.abs(tn)
+    """Principal-ball representative (N, 3): phi r / |phi| with r = |phi| reduced mod 2 pi into [-pi, pi]
+    (the same rotation); phi itself when |phi| <= pi. Twin of ``update_math.wrap_phi``: an exact
+    ``np.fmod``, no loop; |phi| > PHI_MAX or infinite gives NaN (the integrators' guard reports it)."""
+    # Summed in the kernel's order: the same t to the last bit, so the same reduction (float64).
+    t = np.sqrt(phi[:, 0] * phi[:, 0] + phi[:, 1] * phi[:, 1] + phi[:, 2] * phi[:, 2])
+    big = t > np.pi
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = np.fmod(t, TWO_PI)
+        r = np.where(r > np.pi, r - TWO_PI, r)  # exact (Sterbenz): r in (pi, 2 pi)
+        f = np.where(big, np.where(t <= PHI_MAX, r / np.where(big, t, 1.0), np.nan), 1.0)
     return phi * f[:, None]
 
 
