@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 from vfesim_kernels.update_math import PHI_MAX, TWO_PI
 
+from ..state import linalg_named
+
 __all__ = [
     "MOVABLE",
     "BLOCKS",
@@ -91,7 +93,13 @@ def gradient_flow_update(
             out[m] = mu - em * direc[m]
         else:
             out[m] = mu + em * direc[m]
-        out[s] = S if es == 0.0 else retract_spd(S, direc[s], es, mode)
+        if es == 0.0:
+            out[s] = S
+        else:  # eigh raises on a non-finite force: name the agent (the step is added by the integrator)
+            retract = lambda S, G, es=es: retract_spd(S, G, es, mode)
+            out[s] = linalg_named(
+                s, "the exponential-map retraction", retract, S, direc[s], labels=(s, f"the force on {s}")
+            )
     ep = float(eta[4])
     if ep == 0.0:
         out["phi"] = arrays["phi"]
