@@ -67,10 +67,10 @@ def wrap_phi(phi: np.ndarray) -> np.ndarray:
     """Principal-ball representative (N, 3): phi r / |phi| with r = |phi| reduced mod 2 pi into [-pi, pi]
     (the same rotation); phi itself when |phi| <= pi. Twin of ``update_math.wrap_phi``: an exact
     ``np.fmod``, no loop; |phi| > PHI_MAX or infinite gives NaN (the integrators' guard reports it)."""
-    # Summed in the kernel's order: the same t to the last bit, so the same reduction (float64).
-    t = np.sqrt(phi[:, 0] * phi[:, 0] + phi[:, 1] * phi[:, 1] + phi[:, 2] * phi[:, 2])
-    big = t > np.pi
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # |phi| = inf gives NaN below
+        # Summed in the kernel's order: the same t to the last bit, so the same reduction (float64).
+        t = np.sqrt(phi[:, 0] * phi[:, 0] + phi[:, 1] * phi[:, 1] + phi[:, 2] * phi[:, 2])
+        big = t > np.pi
         r = np.fmod(t, TWO_PI)
         r = np.where(r > np.pi, r - TWO_PI, r)  # exact (Sterbenz): r in (pi, 2 pi)
         f = np.where(big, np.where(t <= PHI_MAX, r / np.where(big, t, 1.0), np.nan), 1.0)
