@@ -70,13 +70,9 @@ class Backend:
     on_device: bool = False
 
     def energy_and_gradient(self, arrays: dict[str, Any], cfg) -> tuple[dict[str, float], dict[str, Any]]:
-        """Terms and exact gradient of ``cfg``'s family for raw arrays on this backend's device; raises
-        :class:`~vfesim.state.NonFiniteError` if a term or gradient is NaN or Inf (:func:`check_outputs`).
-        (Integrators call the family directly: their own guard checks every step.)"""
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # check_outputs reports
-            terms, grads = family_of(cfg).energy_and_gradient(arrays, cfg, self)
-        check_outputs(terms, grads)
-        return terms, grads
+        """Terms and exact gradient of ``cfg``'s family for raw arrays on this backend's device (no
+        validation, no output check: :func:`energy_and_gradient` does both)."""
+        return family_of(cfg).energy_and_gradient(arrays, cfg, self)
 
 
 def check_outputs(terms: Mapping[str, float], grads: Mapping[str, Any]) -> None:
@@ -164,7 +160,8 @@ def energy_and_gradient(
 
     Any agent family: the config's type selects it. Gaussian terms: "self", "belief_align",
     "prior_align", "observation", "total". grads: same variables, dims and dtype as ``state``;
-    covariance gradients are symmetric.
+    covariance gradients are symmetric. A term or gradient that is NaN or Inf raises
+    :class:`~vfesim.state.NonFiniteError` naming the variable and agent, on every backend.
     """
     require_dataset(state)
     be = get(backend)
@@ -173,7 +170,9 @@ def energy_and_gradient(
         # Where the arrays will be used: on a GPU, one transfer and device-side checks.
         on_device = any(a is not state[k].data for k, a in arrays.items())
         validate_state(state.copy(data=arrays) if on_device else state, cfg)
-    terms, grads = be.energy_and_gradient(arrays, cfg)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # check_outputs reports
+        terms, grads = be.energy_and_gradient(arrays, cfg)
+    check_outputs(terms, grads)
     grads = be.to_host(grads) if isinstance(state[next(iter(state.data_vars))].data, np.ndarray) else grads
     ds = xr.Dataset({k: (state[k].dims, v) for k, v in grads.items()}, attrs=dict(state.attrs))
     return terms, ds
