@@ -37,3 +37,23 @@ def test_gradient_flow_kernel_wraps_frames_like_numpy():
     np.testing.assert_array_equal(out[4], want)
     assert np.isnan(out[4][4]).all() and np.isfinite(np.delete(out[4], 4, axis=0)).all()
     assert flag[0] == 1  # the too-large frame raised the guard flag
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_energy_of_an_infinite_frame_ends():
+    """|phi| = inf used to loop forever in the kernels' scaling-and-squaring count; now it gives NaN,
+    which the integrators' device guard reports."""
+    import vfesim
+    from vfesim.backends import get
+
+    cfg = vfesim.ModelConfig(K=3)
+    st = vfesim.random_state(cfg, n_agents=3, seed=0)
+    arrays = {k: st[k].values.copy() for k in st.data_vars}
+    arrays["phi"][1] = [np.inf, 0.0, 0.0]
+    cb = get("cuda")
+    try:
+        terms, _ = cb.energy_and_gradient(cb.to_device(arrays), cfg)
+    except ValueError as e:  # the simulator's math.sin(inf) raises where the device returns NaN
+        assert "math domain error" in str(e)
+    else:
+        assert not np.isfinite(terms["total"])
