@@ -37,7 +37,14 @@ _numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False  # small grids at small N are 
 BLOCK = 8 if SIMULATOR else 128
 
 # IR-level inlining (as in vfesim_kernels.cuda) also lets compile_ptx build kernels without a GPU.
-_f = _um.compile_all(cuda.jit(device=True, inline="always"))
+_device = cuda.jit(device=True, inline="always")
+
+
+def _fmod_pos(x, y):
+    return math.fmod(x, y)  # libdevice fmod, exact (NVVM's ``%`` is x - y floor(x / y))
+
+
+_f = _um.compile_all(_device, replace={"fmod_pos": _device(_fmod_pos)})
 _gradient_flow_agent = _f.gradient_flow_agent
 _kick_drift_agent = _f.kick_drift_agent
 _theta_to_sigma_agent = _f.theta_to_sigma_agent

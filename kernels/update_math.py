@@ -22,6 +22,8 @@ __all__ = [
     "MODE_NATURAL",
     "MODE_EUCLIDEAN",
     "MODE_DIRECTION",
+    "TWO_PI",
+    "PHI_MAX",
     "FUNCTIONS",
     "compile_all",
 ]
@@ -29,6 +31,11 @@ __all__ = [
 MODE_NATURAL = 0  # input is dF/dx: d mu = -Sigma g, d Sigma = -2 Sigma G Sigma
 MODE_EUCLIDEAN = 1  # input is dF/dx: d mu = -g, d Sigma = -G
 MODE_DIRECTION = 2  # input is the direction itself (e.g. Adam's): d mu = g, d Sigma = G
+
+TWO_PI = 2.0 * math.pi
+# Largest |phi| wrap_phi reduces: beyond it float64 resolves the rotation angle to worse than 0.01 rad
+# (|phi| eps > 0.01, eps = 2^-52), so the frame carries no usable angle any more.
+PHI_MAX = 0.01 * 2.0**52
 
 
 def mm(A, B, out):
@@ -152,14 +159,29 @@ def retract(S, G, eta, mode, out, W, wv):
             out[b, a] = acc
 
 
+def fmod_pos(x, y):
+    """x mod y for x >= 0, y > 0, exactly (C ``fmod``): numba's CPU ``%`` on floats is fmod. The CUDA
+    driver rebinds this name to ``math.fmod``: NVVM lowers ``%`` to ``x - y floor(x / y)``, not exact."""
+    return x % y
+
+
 def wrap_phi(phi, out):
-    """Principal-ball representative: |phi| > pi -> phi (1 - 2 pi / |phi|) (same rotation)."""
+    """Principal-ball representative (SPEC §2.5): phi r / |phi| with r = |phi| reduced mod 2 pi into
+    [-pi, pi] (the same rotation for every integer-spin irrep); phi itself when |phi| <= pi.
+
+    Closed form (an exact fmod; the results equal NumPy's ``np.fmod``). |phi| > PHI_MAX, or infinite,
+    gives NaN: no angle is left to keep, and the integrators' NaN guard then names step and agent.
+    """
     t = math.sqrt(phi[0] * phi[0] + phi[1] * phi[1] + phi[2] * phi[2])
     f = 1.0
-    while t > math.pi:
-        tn = t - 2.0 * math.pi
-        f *= tn / t
-        t = abs(tn)
+    if t > math.pi:
+        if t <= PHI_MAX:
+            r = fmod_pos(t, TWO_PI)
+            if r > math.pi:
+                r -= TWO_PI  # exact (Sterbenz): r in (pi, 2 pi)
+            f = r / t
+        else:
+            f = math.nan
     for a in range(3):
         out[a] = phi[a] * f
 
@@ -282,6 +304,7 @@ FUNCTIONS = (
     "jacobi_eigh",
     "sandwich",
     "retract",
+    "fmod_pos",
     "wrap_phi",
     "unpack_L",
     "gradient_flow_agent",
@@ -290,14 +313,20 @@ FUNCTIONS = (
 )
 
 
-def compile_all(jit) -> types.SimpleNamespace:
+def compile_all(jit, replace=None) -> types.SimpleNamespace:
     """Every function of :data:`FUNCTIONS` compiled with ``jit``, calls bound to the compiled twins.
 
     Each function is re-created over a private copy of this module's globals in which the callee
     names point at the compiled versions (a compiled function cannot call a plain Python one).
+    ``replace``: name -> an already compiled function used instead of compiling that one (a target's
+    own version of a primitive, e.g. ``fmod_pos`` on CUDA).
     """
+    replace = replace or {}
     g = dict(globals())
     for name in FUNCTIONS:
+        if name in replace:
+            g[name] = replace[name]
+            continue
         fn = globals()[name]
         g[name] = jit(types.FunctionType(fn.__code__, g, name, fn.__defaults__, fn.__closure__))
     return types.SimpleNamespace(**{name: g[name] for name in FUNCTIONS})

@@ -229,3 +229,78 @@ def test_valid_mapping_and_check_spd_switch():
     validate_state(a, CFG, check_spd=False)
     with pytest.raises(StateError, match=r"^sigma_q\[agent=0\]"):
         validate_state(a, CFG)
+
+
+# --- magnitudes and conditioning (README, "Numerics") ----------------------------------------------
+def _with_condition(S: np.ndarray, cond: float, seed: int = 0) -> np.ndarray:
+    """An SPD matrix like S's shape with eigenvalues log-spaced from 1 down to 1/cond, random axes."""
+    K = S.shape[-1]
+    Q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((K, K)))
+    out = (Q * np.logspace(0, -np.log10(cond), K)) @ Q.T
+    return (0.5 * (out + out.T)).astype(S.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", ["mu_q", "sigma_p", "phi"])
+def test_entries_whose_square_overflows_name_agent(name, dtype):
+    a = arrays(dtype=dtype)
+    big = 1e200 if dtype == "float64" else 1e30
+    a[name][1].flat[0] = big
+    if name == "sigma_p":
+        a[name][1] = big * np.eye(3, dtype=dtype)
+    with pytest.raises(
+        StateError, match=rf"^{name}\[agent=1\]: has \|entry\| .* its square overflows {dtype}"
+    ):
+        build(**a)
+
+
+@pytest.mark.parametrize("dtype, ok, warn, refuse", [("float64", 1e5, 1e9, 1e14), ("float32", 1e2, 1e4, 1e5)])
+def test_phi_magnitude_limits(dtype, ok, warn, refuse):
+    a = arrays(dtype=dtype)
+    for t in (ok, warn, refuse):
+        a["phi"][3] = np.array([t, 0.0, 0.0], dtype)
+        if t == refuse:
+            with pytest.raises(StateError, match=r"^phi\[agent=3\]: \|phi\| = .* does not resolve"):
+                build(**a)
+        elif t == warn:
+            with pytest.warns(vfesim.ConditioningWarning, match=r"phi\[agent=3\]: \|phi\| = "):
+                build(**a)
+        else:
+            build(**a)
+
+
+@pytest.mark.parametrize(
+    "dtype, ok, warn, refuse", [("float64", 1e5, 1e8, 1e14), ("float32", 1e2, 3e3, 1e5 * 1.5)]
+)
+@pytest.mark.parametrize("name", ["sigma_q", "sigma_p"])
+def test_condition_number_warns_then_refuses(name, dtype, ok, warn, refuse):
+    a = arrays(dtype=dtype)
+    a[name][2] = _with_condition(a[name][2], ok)
+    build(**a)
+    a[name][4] = _with_condition(a[name][4], warn)
+    with pytest.warns(vfesim.ConditioningWarning, match=rf"^{name}\[agent=4\]: condition number .*{dtype}"):
+        build(**a)
+    a[name][1] = _with_condition(a[name][1], refuse)
+    with pytest.raises(StateError, match=rf"^{name}\[agent=1\]: condition number .* exceeds") as e:
+        build(**a)
+    assert e.value.agent == 1
+    validate_state(a, CFG, conditioning="off")  # still SPD: only the conditioning check refuses it
+
+
+def test_jitter_counts_in_the_condition_number():
+    a = arrays()
+    a["sigma_q"][0] = _with_condition(a["sigma_q"][0], 1e9)
+    with pytest.warns(vfesim.ConditioningWarning):
+        validate_state(a, CFG)
+    validate_state(a, ModelConfig(K=3, jitter=1e-3))  # S + 1e-3 I: condition number ~1e3
+
+
+def test_condition_estimate_mode_refuses_without_warning():
+    a = arrays()
+    a["sigma_q"][0] = np.diag([1.0, 1.0, 1e-8])
+    validate_state(a, CFG, conditioning="estimate")  # no warning in the per-step mode
+    a["sigma_q"][3] = np.diag([1.0, 1.0, 1e-15])
+    with pytest.raises(StateError, match=r"^sigma_q\[agent=3\]: condition number \(at least\) 1e\+15"):
+        validate_state(a, CFG, conditioning="estimate")
+    with pytest.raises(ValueError, match="conditioning must be"):
+        validate_state(a, CFG, conditioning="sometimes")

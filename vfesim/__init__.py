@@ -9,12 +9,14 @@ from .family import family_of
 from .io import open_run
 from .quantum import QuantumConfig
 from .simulate import Run, simulate
-from .state import StateError, make_state, random_state, validate_state
+from .state import ConditioningWarning, NonFiniteError, StateError, make_state, random_state, validate_state
 
 __all__ = [
     "__version__",
+    "ConditioningWarning",
     "ConfigError",
     "ModelConfig",
+    "NonFiniteError",
     "QuantumConfig",
     "Run",
     "SparseNeighbours",

@@ -7,6 +7,7 @@ family (:func:`vfesim.family.family_of`); the schemas live with the families (Ga
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,15 +18,38 @@ from .arrays import array_module
 
 __all__ = [
     "StateError",
+    "NonFiniteError",
+    "ConditioningWarning",
+    "COND_WARN",
+    "COND_MAX",
+    "precision_limit",
     "make_state",
     "random_state",
     "validate_state",
     "state_arrays",
     "state_dims",
     "check_spd_batch",
+    "check_conditioning",
     "cholesky_named",
+    "linalg_named",
     "require_dataset",
 ]
+
+# Numerical limits per dtype (README, "Numerics"), measured: numba and numpy energies and gradients
+# differ by about 0.25 eps cond(Sigma) (normwise), and by about 0.1-1 eps |phi| for frames far outside
+# the principal ball. Up to COND_WARN (and the family's frame limit) they agree as SPEC §4 promises
+# (1e-10 float64, 1e-4 float32); beyond, a ConditioningWarning. Beyond COND_MAX = precision_limit(dtype)
+# they disagree by ~1e-2: such states are refused.
+COND_WARN = {"float64": 1e6, "float32": 1e3}
+
+
+def precision_limit(dtype) -> float:
+    """0.01 / eps: the largest condition number (or |phi|) a state of ``dtype`` may have
+    (4.5e13 float64, 8.4e4 float32); beyond it results are uncertain by ~1e-2 relative."""
+    return float(0.01 / np.finfo(dtype).eps)
+
+
+COND_MAX = {k: precision_limit(k) for k in COND_WARN}
 
 
 class StateError(ValueError):
@@ -47,6 +71,15 @@ def require_dataset(state: Any, name: str = "state") -> None:
         )
 
 
+class NonFiniteError(StateError):
+    """The energy or its gradient came out NaN or Inf from a finite state (an overflow); names the
+    variable (a gradient's, or ``terms[...]``) and the agent where one is known."""
+
+
+class ConditioningWarning(UserWarning):
+    """A covariance is too ill-conditioned for the backend agreement of SPEC §4 (see :data:`COND_WARN`)."""
+
+
 def _family(cfg):
     from .family import family_of
 
@@ -66,9 +99,14 @@ def random_state(cfg, n_agents: int, seed: int = 0, dtype: str | None = None, **
     return _family(cfg).random_state(cfg, n_agents, seed, dtype, **options)
 
 
-def validate_state(state: xr.Dataset | Mapping, cfg, *, check_spd: bool = True) -> None:
-    """Raise :class:`StateError` naming the variable and agent for the first problem found."""
-    _family(cfg).validate_state(state, cfg, check_spd=check_spd)
+def validate_state(
+    state: xr.Dataset | Mapping, cfg, *, check_spd: bool = True, conditioning: str = "exact"
+) -> None:
+    """Raise :class:`StateError` naming the variable and agent for the first problem found.
+
+    conditioning (with ``check_spd``): see :func:`check_conditioning` ("exact", "estimate" or "off").
+    """
+    _family(cfg).validate_state(state, cfg, check_spd=check_spd, conditioning=conditioning)
 
 
 def state_dims(cfg) -> Mapping[str, tuple[str, ...]]:
@@ -81,8 +119,9 @@ def state_arrays(state: xr.Dataset) -> dict[str, Any]:
     return {k: state[k].data for k in state.data_vars}
 
 
-def check_spd_batch(S, name: str) -> None:
+def check_spd_batch(S, name: str):
     """Symmetric to rounding and Cholesky-factorisable, per agent; raise naming the first failure.
+    Returns the Cholesky factors L (N, K, K) of NumPy arrays (None for device arrays).
 
     NumPy arrays are checked on the host; device (CuPy) arrays by one kernel on the device
     (:mod:`vfesim_kernels.cuda.checks`), with only the first failing agent brought to the host.
@@ -97,7 +136,7 @@ def check_spd_batch(S, name: str) -> None:
     bad = asym > tol * scale
     if bool(bad.any()):
         _raise_spd(S[int(np.argmax(bad))], name, int(np.argmax(bad)), tol)
-    _cholesky_or_raise(S, name)
+    return _cholesky_or_raise(S, name)
 
 
 def _check_spd_device(S, name: str, tol: float) -> None:
@@ -119,6 +158,51 @@ def _raise_spd(Si: np.ndarray, name: str, i: int, tol: float):
         raise StateError(name, f"is not symmetric (max |S - S^T| = {asym:.3g})", agent=i)
     w = np.linalg.eigvalsh(Si.astype(np.float64))
     raise StateError(name, f"is not positive definite (smallest eigenvalue {w[0]:.3g})", agent=i)
+
+
+def check_conditioning(S, L, name: str, mode: str = "exact") -> None:
+    """Condition numbers of SPD covariances S (N, K, K) against the dtype's limits (README, "Numerics").
+
+    mode "exact": cond = lambda_max / lambda_min (eigvalsh, float64); above ``COND_MAX`` raise
+    :class:`StateError`, above ``COND_WARN`` warn (:class:`ConditioningWarning`), naming the worst agent.
+    mode "estimate" (cheap, for every integrator step): the lower bound (max L_kk / min L_kk)^2 from the
+    Cholesky factor L (computed here when None); only ``COND_MAX`` is enforced. mode "off": nothing.
+    """
+    if mode == "off":
+        return
+    if mode not in ("exact", "estimate"):
+        raise ValueError(f"conditioning must be 'exact', 'estimate' or 'off', got {mode!r}")
+    xp = array_module(S)
+    dtype = np.dtype(S.dtype).name
+    if mode == "exact":
+        w = xp.linalg.eigvalsh(S.astype(np.float64))
+        cond = w[:, -1] / w[:, 0]
+    else:
+        L = xp.linalg.cholesky(S) if L is None else L
+        d = xp.abs(xp.diagonal(L, axis1=1, axis2=2)).astype(np.float64)
+        cond = (d.max(axis=1) / d.min(axis=1)) ** 2
+    i = int(xp.argmax(cond))
+    worst = float(cond[i])
+    if not worst > COND_WARN[dtype]:  # a non-positive or NaN eigenvalue was reported by the SPD check
+        return
+    if worst > COND_MAX[dtype]:
+        what = "condition number" if mode == "exact" else "condition number (at least)"
+        raise StateError(
+            name,
+            f"{what} {worst:.3g} exceeds {COND_MAX[dtype]:.3g}, the most {dtype} supports "
+            "(backends disagree beyond it; README, Numerics)",
+            agent=i,
+        )
+    if mode == "exact":
+        n_bad = int((cond > COND_WARN[dtype]).sum())
+        err = 0.25 * worst * np.finfo(dtype).eps
+        warnings.warn(
+            f"{name}[agent={i}]: condition number {worst:.3g} (worst of {n_bad} agent(s) above "
+            f"{COND_WARN[dtype]:.0e}): {dtype} backends agree only to about {err:.1g} relative here, "
+            "not to the promised 1e-10 (float64) / 1e-4 (float32) (README, Numerics)",
+            ConditioningWarning,
+            stacklevel=2,
+        )
 
 
 def cholesky_named(S, name: str):
@@ -145,3 +229,24 @@ def _cholesky_or_raise(S: np.ndarray, name: str) -> np.ndarray:
                     name, f"is not positive definite (smallest eigenvalue {w[0]:.3g})", agent=i
                 ) from None
         raise
+
+
+def linalg_named(name: str, what: str, fn, *batches, labels: tuple[str, ...] = ()):
+    """``fn(*batches)`` over NumPy batches (N, ...); a ``numpy.linalg.LinAlgError`` becomes a
+    :class:`StateError` naming ``name`` and the first agent whose slice fails on its own. ``what`` names
+    the operation and ``labels`` the batches, for the message."""
+    try:
+        return fn(*batches)
+    except np.linalg.LinAlgError as e:
+        for i in range(batches[0].shape[0]):
+            try:
+                fn(*(b[i : i + 1] for b in batches))
+            except np.linalg.LinAlgError:
+                bad = [j for j, b in enumerate(batches) if not bool(np.isfinite(b[i]).all())]
+                if bad:
+                    what_bad = labels[bad[0]] if bad[0] < len(labels) else f"input {bad[0]}"
+                    why = f"{what_bad} contains NaN or Inf"
+                else:
+                    why = str(e)
+                raise StateError(name, f"{what} failed: {why}", agent=i) from None
+        raise StateError(name, f"{what} failed: {e}") from None

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from ..arrays import array_module as _xp
 from ..family import family_of
-from ..state import require_dataset, validate_state
+from ..state import NonFiniteError, require_dataset, validate_state
 
 __all__ = [
     "Backend",
@@ -31,6 +32,7 @@ __all__ = [
     "get",
     "energy_and_gradient_arrays",
     "energy_and_gradient",
+    "check_outputs",
 ]
 
 log = logging.getLogger("vfesim")
@@ -68,8 +70,40 @@ class Backend:
     on_device: bool = False
 
     def energy_and_gradient(self, arrays: dict[str, Any], cfg) -> tuple[dict[str, float], dict[str, Any]]:
-        """Terms and exact gradient of ``cfg``'s family for raw arrays on this backend's device."""
+        """Terms and exact gradient of ``cfg``'s family for raw arrays on this backend's device (no
+        validation, no output check: :func:`energy_and_gradient` does both)."""
         return family_of(cfg).energy_and_gradient(arrays, cfg, self)
+
+
+def check_outputs(terms: Mapping[str, float], grads: Mapping[str, Any]) -> None:
+    """Raise :class:`~vfesim.state.NonFiniteError` naming the first gradient (and agent) or energy term
+    that is NaN or Inf. The gradients are reduced on their device: one small transfer."""
+    names = list(grads)
+    if names:
+        xp = _xp(grads[names[0]])
+        ok = xp.stack([xp.isfinite(grads[k]).all() for k in names]).tolist()
+    else:
+        ok = []
+    bad_terms = [k for k, v in terms.items() if not np.isfinite(v)]
+    if all(ok) and not bad_terms:
+        return
+    dtype = np.dtype(grads[names[0]].dtype).name if names else "the dtype"
+    why = f"an overflow: the state's values are too large for {dtype} (or too ill-conditioned)"
+    listed = ", ".join(f"{k}={terms[k]}" for k in bad_terms if k != "total")
+    if not all(ok):
+        k = names[ok.index(False)]
+        g = grads[k]
+        xp = _xp(g)
+        bad = ~xp.isfinite(g).reshape(g.shape[0], -1).all(axis=1)
+        n_bad = int(bad.sum())
+        also = f"; non-finite terms: {listed}" if listed else ""
+        raise NonFiniteError(
+            k,
+            f"the gradient is NaN or Inf ({n_bad} agent(s), the first named){also}: {why}",
+            agent=int(xp.argmax(bad)),
+        )
+    k = next((k for k in bad_terms if k != "total"), bad_terms[0])
+    raise NonFiniteError(f"terms[{k!r}]", f"the energy term is {terms[k]} (gradients finite): {why}")
 
 
 def names() -> tuple[str, ...]:
@@ -126,7 +160,8 @@ def energy_and_gradient(
 
     Any agent family: the config's type selects it. Gaussian terms: "self", "belief_align",
     "prior_align", "observation", "total". grads: same variables, dims and dtype as ``state``;
-    covariance gradients are symmetric.
+    covariance gradients are symmetric. A term or gradient that is NaN or Inf raises
+    :class:`~vfesim.state.NonFiniteError` naming the variable and agent, on every backend.
     """
     require_dataset(state)
     be = get(backend)
@@ -135,7 +170,9 @@ def energy_and_gradient(
         # Where the arrays will be used: on a GPU, one transfer and device-side checks.
         on_device = any(a is not state[k].data for k, a in arrays.items())
         validate_state(state.copy(data=arrays) if on_device else state, cfg)
-    terms, grads = be.energy_and_gradient(arrays, cfg)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # check_outputs reports
+        terms, grads = be.energy_and_gradient(arrays, cfg)
+    check_outputs(terms, grads)
     grads = be.to_host(grads) if isinstance(state[next(iter(state.data_vars))].data, np.ndarray) else grads
     ds = xr.Dataset({k: (state[k].dims, v) for k, v in grads.items()}, attrs=dict(state.attrs))
     return terms, ds

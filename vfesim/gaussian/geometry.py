@@ -14,6 +14,9 @@ Fields: means and covariances move in (mean, covariance) blocks (:data:`BLOCKS`)
 from __future__ import annotations
 
 import numpy as np
+from vfesim_kernels.update_math import PHI_MAX, TWO_PI
+
+from ..state import linalg_named
 
 __all__ = [
     "MOVABLE",
@@ -61,14 +64,16 @@ def retract_spd(S: np.ndarray, G: np.ndarray, eta: float, mode: int) -> np.ndarr
 
 
 def wrap_phi(phi: np.ndarray) -> np.ndarray:
-    """Principal-ball representative (N, 3): |phi| > pi -> phi (|phi| - 2 pi)/|phi| (same rotation)."""
-    t = np.sqrt(np.einsum("na,na->n", phi, phi))
-    f = np.ones_like(t)
-    while (t > np.pi).any():
+    """Principal-ball representative (N, 3): phi r / |phi| with r = |phi| reduced mod 2 pi into [-pi, pi]
+    (the same rotation); phi itself when |phi| <= pi. Twin of ``update_math.wrap_phi``: an exact
+    ``np.fmod``, no loop; |phi| > PHI_MAX or infinite gives NaN (the integrators' guard reports it)."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # |phi| = inf gives NaN below
+        # Summed in the kernel's order: the same t to the last bit, so the same reduction (float64).
+        t = np.sqrt(phi[:, 0] * phi[:, 0] + phi[:, 1] * phi[:, 1] + phi[:, 2] * phi[:, 2])
         big = t > np.pi
-        tn = np.where(big, t - 2 * np.pi, t)
-        f = np.where(big, f * tn / np.where(big, t, 1.0), f)
-        t = np.abs(tn)
+        r = np.fmod(t, TWO_PI)
+        r = np.where(r > np.pi, r - TWO_PI, r)  # exact (Sterbenz): r in (pi, 2 pi)
+        f = np.where(big, np.where(t <= PHI_MAX, r / np.where(big, t, 1.0), np.nan), 1.0)
     return phi * f[:, None]
 
 
@@ -88,7 +93,13 @@ def gradient_flow_update(
             out[m] = mu - em * direc[m]
         else:
             out[m] = mu + em * direc[m]
-        out[s] = S if es == 0.0 else retract_spd(S, direc[s], es, mode)
+        if es == 0.0:
+            out[s] = S
+        else:  # eigh raises on a non-finite force: name the agent (the step is added by the integrator)
+            retract = lambda S, G, es=es: retract_spd(S, G, es, mode)
+            out[s] = linalg_named(
+                s, "the exponential-map retraction", retract, S, direc[s], labels=(s, f"the force on {s}")
+            )
     ep = float(eta[4])
     if ep == 0.0:
         out["phi"] = arrays["phi"]

@@ -7,6 +7,7 @@ Variables: ``mu_q, mu_p`` (agent, latent); ``sigma_q, sigma_p`` (agent, latent, 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -15,9 +16,19 @@ import xarray as xr
 from .._version import __version__
 from ..arrays import array_module
 from ..config import ModelConfig
-from ..state import StateError, check_spd_batch
+from ..state import ConditioningWarning, StateError, check_conditioning, check_spd_batch, precision_limit
 
-__all__ = ["VARIABLES", "REQUIRED", "COVARIANCES", "make_state", "random_state", "validate_state"]
+__all__ = [
+    "VARIABLES",
+    "REQUIRED",
+    "COVARIANCES",
+    "value_limit",
+    "phi_limit",
+    "PHI_WARN",
+    "make_state",
+    "random_state",
+    "validate_state",
+]
 
 VARIABLES = {
     "mu_q": ("agent", "latent"),
@@ -29,6 +40,23 @@ VARIABLES = {
 }
 REQUIRED = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
 COVARIANCES = ("sigma_q", "sigma_p")
+
+
+def value_limit(dtype) -> float:
+    """Largest |entry| a state may hold: sqrt of the dtype's largest value, so squares do not overflow
+    (1.3e154 float64, 1.8e19 float32)."""
+    return float(np.sqrt(np.finfo(dtype).max))
+
+
+# |phi| up to which the backends agree to SPEC §4's tolerance (measured; see vfesim.state.COND_WARN).
+PHI_WARN = {"float64": 1e5, "float32": 1e2}
+
+
+def phi_limit(dtype) -> float:
+    """Largest |phi| a state may hold: ``precision_limit`` (0.01 / eps; 4.5e13 float64, 8.4e4 float32),
+    beyond which the dtype resolves the rotation angle to worse than 0.01 rad (the integrators'
+    wrap_phi reduces up to the float64 value)."""
+    return precision_limit(dtype)
 
 
 def make_state(
@@ -119,10 +147,14 @@ def random_state(
     return make_state(cfg, cast(mu_q), cast(sigma_q), cast(mu_p), cast(sigma_p), cast(phi), cast(obs))
 
 
-def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: bool = True) -> None:
+def validate_state(
+    state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: bool = True, conditioning: str = "exact"
+) -> None:
     """Raise :class:`StateError` naming the variable and agent for the first problem found.
 
-    Checks presence, dims and shapes, one float dtype, finiteness, symmetry and SPD (Cholesky).
+    Checks presence, dims and shapes, one float dtype, finiteness, magnitudes (|entry| <= value_limit,
+    |phi| <= phi_limit), symmetry and SPD (Cholesky) and the covariances' condition numbers
+    (``conditioning``: see :func:`vfesim.state.check_conditioning`).
     """
     get = (lambda k: state[k].data) if isinstance(state, xr.Dataset) else (lambda k: state[k])
     names = set(state.data_vars) if isinstance(state, xr.Dataset) else set(state)
@@ -155,6 +187,7 @@ def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: 
             f"dtype {dtype} differs from the config's dtype {cfg.dtype} (cast the state with "
             f".astype('{cfg.dtype}'), or use a config with dtype={dtype.name!r} or None)",
         )
+    big = value_limit(dtype)
     for k in sorted(names, key=list(VARIABLES).index):
         a = get(k)
         if isinstance(state, xr.Dataset) and state[k].dims != VARIABLES[k]:
@@ -164,9 +197,16 @@ def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: 
         if np.dtype(a.dtype) != dtype:
             raise StateError(k, f"dtype {a.dtype} differs from mu_q's {dtype}")
         xp = array_module(a)
-        bad = ~xp.isfinite(a).reshape(n, -1).all(axis=1)
+        amax = xp.abs(a).reshape(n, -1).max(axis=1)
+        bad = ~(amax <= big)  # NaN compares False: one pass finds NaN, Inf and overflowing entries
         if bool(bad.any()):
-            raise StateError(k, "contains NaN or Inf", agent=int(xp.argmax(bad)))
+            i = int(xp.argmax(bad))
+            if not bool(xp.isfinite(a[i]).all()):
+                raise StateError(k, "contains NaN or Inf", agent=i)
+            raise StateError(
+                k, f"has |entry| {float(amax[i]):.3g}, above {big:.3g}: its square overflows {dtype}", agent=i
+            )
+    _check_phi(get("phi"), dtype, conditioning)
     if not cfg.dense and cfg.neighbours.n_agents != n:
         raise StateError(
             "agent",
@@ -174,4 +214,34 @@ def validate_state(state: xr.Dataset | Mapping, cfg: ModelConfig, *, check_spd: 
         )
     if check_spd:
         for k in COVARIANCES:
-            check_spd_batch(get(k), k)
+            S = get(k)
+            L = check_spd_batch(S, k)
+            if cfg.jitter != 0.0 and conditioning != "off":  # the energy sees S + jitter I
+                xp = array_module(S)
+                S = S + cfg.jitter * xp.eye(K, dtype=S.dtype)
+                L = xp.linalg.cholesky(S)
+            check_conditioning(S, L, k, conditioning)
+
+
+def _check_phi(phi, dtype, conditioning: str) -> None:
+    """|phi| <= phi_limit (else StateError); with ``conditioning="exact"`` a ConditioningWarning above
+    PHI_WARN (the backends' agreement degrades with |phi|: wrap frames into the principal ball)."""
+    xp = array_module(phi)
+    t = xp.sqrt((phi.astype(np.float64) ** 2).sum(axis=1))
+    i = int(xp.argmax(t))
+    worst = float(t[i])
+    if worst > phi_limit(dtype):
+        raise StateError(
+            "phi",
+            f"|phi| = {worst:.3g} exceeds {phi_limit(dtype):.3g}, beyond which {dtype} does not resolve "
+            "the rotation angle (phi - 2 pi k phi/|phi| is the same rotation)",
+            agent=i,
+        )
+    if conditioning == "exact" and worst > PHI_WARN[dtype.name]:
+        warnings.warn(
+            f"phi[agent={i}]: |phi| = {worst:.3g} is above {PHI_WARN[dtype.name]:.0e}: {dtype} backends "
+            f"agree only to about {worst * np.finfo(dtype).eps:.1g} relative here; phi - 2 pi k phi/|phi| "
+            "is the same rotation (README, Numerics)",
+            ConditioningWarning,
+            stacklevel=3,
+        )

@@ -135,9 +135,11 @@ def guard_state(
     step: int, arrays: Mapping[str, Any], cfg: ModelConfig, aux: Mapping[str, Any] | None = None
 ) -> None:
     """Raise :class:`DynamicsError` naming step, agent and variable if a state variable or aux array is
-    not finite, or a covariance is not SPD (SPEC §5)."""
+    not finite, or a covariance is not SPD or beyond the dtype's condition-number limit (SPEC §5; the
+    cheap Cholesky estimate of the condition number, no warnings: the run's first state had the exact check).
+    """
     try:
-        validate_state(arrays, cfg)
+        validate_state(arrays, cfg, conditioning="estimate")
     except StateError as e:
         msg = str(e).split(": ", 1)[-1]
         raise DynamicsError(step, e.variable, msg, agent=e.agent) from e

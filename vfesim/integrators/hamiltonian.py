@@ -51,7 +51,7 @@ from ..gaussian.geometry import (
     theta_to_L,
     theta_to_sigma,
 )
-from ..state import validate_state
+from ..state import linalg_named, validate_state
 from .base import (
     Carry,
     DynamicsError,
@@ -203,7 +203,10 @@ def _kinetic_riemann(c: _Setup, aux) -> float:
         S = L @ np.swapaxes(L, 1, 2)
         pm, pt = aux[f"p_{m}"], aux[f"p_{s}"]
         out += 0.5 * c.inv_m[m] * float(np.einsum("na,nab,nb->", pm, S, pm))
-        v = np.linalg.solve(fisher_metric_theta(L), pt[..., None])[..., 0]
+        solve = lambda L, pt: np.linalg.solve(fisher_metric_theta(L), pt[..., None])[..., 0]
+        v = linalg_named(
+            f"theta_{s}", "the Fisher-metric solve", solve, L, pt, labels=(f"theta_{s}", f"p_{s}")
+        )
         out += 0.5 * c.inv_m[s] * float(np.einsum("na,na->", pt, v))
     if c.frame is not None:
         out += 0.5 * c.inv_m[c.frame] * _sq(aux[f"p_{c.frame}"])
@@ -333,7 +336,18 @@ def _make_riemann_step(c: _Setup, make_carry):
     tol, max_iter = float(c.opt["fixed_point_tol"]), int(c.opt["fixed_point_max_iter"])
 
     def _dHdx_kin(aux_th, p_mu, p_th, s_block):
-        """(dK/dtheta, velocity v_theta, L) for one block at theta with momenta (p_mu, p_th)."""
+        """(dK/dtheta, velocity v_theta, L) for one block at theta with momenta (p_mu, p_th); a failed
+        linear solve (e.g. a singular metric after theta overflowed) names the agent."""
+        s = s_block[1]
+        return linalg_named(
+            f"theta_{s}",
+            "the Fisher-metric solve",
+            lambda th, pm, pt: _dHdx_kin_raw(th, pm, pt, s_block),
+            aux_th, p_mu, p_th,
+            labels=(f"theta_{s}", f"p_{s_block[0]}", f"p_{s}"),
+        )  # fmt: skip
+
+    def _dHdx_kin_raw(aux_th, p_mu, p_th, s_block):
         m, s = s_block
         L = theta_to_L(aux_th, K)
         g = fisher_metric_theta(L)
@@ -344,12 +358,18 @@ def _make_riemann_step(c: _Setup, make_carry):
         dk = theta_grad(Gk, L) - 0.5 * mass[s] * fisher_kinetic_theta_grad(L, v)
         return dk, v, L
 
-    def _not_converged(n, name, what, err):
+    def _not_converged(n, name, what, err, change):
+        """The error of a fixed point that did not converge, naming the agent that changed most (or the
+        first whose change is NaN)."""
+        d = change.reshape(change.shape[0], -1).max(axis=1)
+        nan = ~np.isfinite(d)
+        agent = int(np.argmax(nan)) if nan.any() else int(np.argmax(d))
         return DynamicsError(
             n,
             name,
             f"generalized leapfrog {what} fixed point not converged "
             f"after {max_iter} iterations (change {err:.3g}, tol {tol:.3g}); reduce dt",
+            agent=agent,
         )
 
     def _step(carry: Carry) -> Carry:
@@ -372,12 +392,13 @@ def _make_riemann_step(c: _Setup, make_carry):
                 for it in range(max_iter + 1):
                     dk, _, _ = _dHdx_kin(th, aux[f"p_{m}"], pt, (m, s))
                     new = p0 - 0.5 * h * dk
-                    err = np.abs(new - pt).max()
+                    change = np.abs(new - pt)
+                    err = change.max()
                     pt = new
                     if err <= tol * (1.0 + np.abs(pt).max()):
                         break
                     if it == max_iter:
-                        raise _not_converged(n, f"p_{s}", "momentum", err)
+                        raise _not_converged(n, f"p_{s}", "momentum", err, change)
                 aux[f"p_{s}"] = pt
             if fr is not None:
                 aux[f"p_{fr}"] = aux[f"p_{fr}"] - 0.5 * h * grads[fr]
@@ -400,12 +421,13 @@ def _make_riemann_step(c: _Setup, make_carry):
             for it in range(max_iter + 1):
                 _, v1, _ = _dHdx_kin(th, pm, pt, (m, s))
                 new = th0 + 0.5 * h * (v0 + v1)
-                err = np.abs(new - th).max()
+                change = np.abs(new - th)
+                err = change.max()
                 th = new
                 if err <= tol * (1.0 + np.abs(th).max()):
                     break
                 if it == max_iter:
-                    raise _not_converged(n, f"theta_{s}", "position", err)
+                    raise _not_converged(n, f"theta_{s}", "position", err, change)
             S0 = L0 @ np.swapaxes(L0, 1, 2)
             S1 = theta_to_sigma(th, K)
             arrays[m] = arrays[m] + (0.5 * h * inv_m[m]) * np.einsum("nab,nb->na", S0 + S1, pm)
