@@ -264,3 +264,25 @@ def test_quantum_parity(aggregator, dtype):
         assert isinstance(g[k].data, np.ndarray) and g[k].dtype == g_ref[k].dtype, k
         b = g_ref[k].values
         np.testing.assert_allclose(g[k].values, b, rtol=rtol, atol=rtol * float(np.abs(b).max()), err_msg=k)
+
+
+@pytest.mark.parametrize("K", [3, 21])
+def test_device_conditioning_verdicts_match_the_host(K):
+    """The device check's condition-number bounds only select agents: warnings and refusals are the host's."""
+    import cupy
+
+    cfg = vfesim.ModelConfig(K=K, **BASE)
+    st = vfesim.random_state(cfg, n_agents=200, seed=5)
+    for cond, expect in ((1e8, vfesim.ConditioningWarning), (1e15, vfesim.StateError)):
+        bad = st.copy(deep=True)
+        bad["sigma_q"].values[7] = np.diag(np.r_[1.0, np.full(K - 1, 1.0 / cond)])
+        on_dev = bad.copy(data={k: cupy.asarray(bad[k].values) for k in bad.data_vars})
+        for ds in (bad, on_dev):
+            ctx = pytest.warns(expect) if expect is vfesim.ConditioningWarning else pytest.raises(expect)
+            with ctx, np.errstate(all="ignore"):
+                try:
+                    vfesim.validate_state(ds, cfg)
+                except vfesim.StateError as e:
+                    assert "sigma_q[agent=7]" in str(e)
+                    raise
+    vfesim.validate_state(st.copy(data={k: cupy.asarray(st[k].values) for k in st.data_vars}), cfg)

@@ -85,7 +85,7 @@ def kernel_signatures(K: int, dtype: str) -> dict[str, str]:
         "grads": f"void({a3}, {a3}, {a2}, {a2}, {a2}, {a2}, {i}, {i}, {a4}, {a4})",
         "rows": f"void({a3}, {a3}, {a2}, {i}[:, ::1], boolean[:, ::1], {a1}, {i}, {a3}, {a2}, {a4})",
         "senders": f"void({a3}, {a3}, {i}[::1], {i}[::1], {i}[::1], {i}, {a4})",
-        "spd": f"void({a3}, {f}, int32[::1])",
+        "spd": f"void({a3}, {f}, int32[::1], float64[::1])",
     }
 
 

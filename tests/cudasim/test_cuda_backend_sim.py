@@ -250,7 +250,8 @@ def test_spd_check_kernel_classifies_like_numpy(dtype, K):
     code = np.full(8, -1, np.int32)
     blockwise, blocks, threads = checks.spd_launch(8, K)
     assert blockwise == (K >= checks.WARP_FROM_K)
-    checks.make_check_kernels(K, dtype, blockwise)["spd"][blocks, threads](S, S.dtype.type(tol), code)
+    bound = np.full(8, -1.0)
+    checks.make_check_kernels(K, dtype, blockwise)["spd"][blocks, threads](S, S.dtype.type(tol), code, bound)
     expect = []
     for Si in S:
         if not np.isfinite(Si).all():
@@ -265,3 +266,7 @@ def test_spd_check_kernel_classifies_like_numpy(dtype, K):
                 expect.append(checks.SPD_INDEFINITE)
     assert code.tolist() == expect
     assert code[[1, 2, 3, 4, 6]].tolist() == [1, 2, 3, 3, 3]
+    for i in np.flatnonzero(code == checks.SPD_OK):  # an upper bound of cond, at most ~K^1.5 too large
+        w = np.linalg.eigvalsh(S[i].astype(np.float64))
+        cond = w[-1] / w[0]
+        assert cond * (1 - 1e-4) <= bound[i] <= 2 * K**1.5 * cond

@@ -215,7 +215,7 @@ def validate_state(
     if check_spd:
         for k in COVARIANCES:
             S = get(k)
-            L = check_spd_batch(S, k)
+            L = check_spd_batch(S, k)  # Cholesky factors (NumPy) or condition-number bounds (device)
             if cfg.jitter != 0.0 and conditioning != "off":  # the energy sees S + jitter I
                 xp = array_module(S)
                 S = S + cfg.jitter * xp.eye(K, dtype=S.dtype)
