@@ -34,7 +34,8 @@ import types
 
 import numba
 import numpy as np
-from numba.extending import overload
+from llvmlite import ir as llvm_ir
+from numba.extending import intrinsic, overload
 
 from . import pair_math as _pm
 
@@ -73,7 +74,8 @@ _contract = numba.njit(nogil=True, cache=True, fastmath={"contract"})
 
 
 # exp(x) for x <= 0 over a row, as Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a polynomial in r
-# and 2^n assembled from its bits. Unlike math.exp (one libm call per element) the loops vectorise, in the
+# and 2^n assembled from its bits (n's own bits shifted into the exponent field, bit casts in registers).
+# Unlike math.exp (one libm call per element) the loops vectorise, in the
 # row's own dtype: 4 float64 or 8 float32 lanes of AVX2. n = round(x log2 e) comes from adding 1.5 * 2^52
 # (2^23 in float32): the sum's low mantissa bits then hold n as an integer, so there is no float -> int
 # conversion (AVX2 has none for 64-bit integers, and a scalar one per element costs more than the rest).
@@ -87,12 +89,10 @@ _LOG2E = 1.4426950408889634
 _LN2_HI = 6.93147180369123816490e-01  # trailing zeros: n * _LN2_HI is exact
 _LN2_LO = 1.90821492927058770002e-10
 _ROUND64 = 6755399441055744.0  # 1.5 * 2^52
-_ROUND64_BITS = 0x4338000000000000  # its bit pattern
 _LOG2E_F = np.float32(_LOG2E)
 _LN2_HI_F = np.float32(0.693359375)  # 9 significant bits: n * _LN2_HI_F is exact for |n| < 2^15
 _LN2_LO_F = np.float32(-2.12194440e-4)
 _ROUND32 = np.float32(12582912.0)  # 1.5 * 2^23
-_ROUND32_BITS = np.int32(0x4B400000)
 _F32 = {
     name: np.float32(v)
     for name, v in dict(
@@ -109,12 +109,32 @@ _F32 = {
 }
 _F32_LO, _F32_ZERO, _F32_ONE = _F32["lo"], _F32["zero"], _F32["one"]
 _F32_P0, _F32_P1, _F32_P2, _F32_P3, _F32_P4, _F32_P5 = (_F32[f"p{k}"] for k in range(6))
-_I32_BIAS, _I32_SHIFT = np.int32(127), np.int32(23)
+
+
+@intrinsic
+def _pow2(typingctx, t):
+    """2^n from t = n + 1.5 * 2^52 (float64) or n + 1.5 * 2^23 (float32), whose low mantissa bits hold the
+    integer n: n's bits shifted into the exponent field, with integer arithmetic of the float's width in
+    registers (Numba's own integer arithmetic would widen 32-bit integers to 64 bits)."""
+    if t == numba.types.float64:
+        width, rounding_bits, bias, shift = 64, 0x4338000000000000, 1023, 52
+    elif t == numba.types.float32:
+        width, rounding_bits, bias, shift = 32, 0x4B400000, 127, 23
+    else:
+        return None
+
+    def codegen(context, builder, sig, args):
+        ity = llvm_ir.IntType(width)
+        bits = builder.bitcast(args[0], ity)
+        bits = builder.add(builder.sub(bits, ity(rounding_bits)), ity(bias))
+        return builder.bitcast(builder.shl(bits, ity(shift)), args[0].type)
+
+    return t(t), codegen
 
 
 @_contract
-def exp_row_f64(x, n, out, scratch):
-    """out[:n] = exp(x[:n]) for float64 x <= 0; scratch (>= n,) float64."""
+def exp_row_f64(x, n, out):
+    """out[:n] = exp(x[:n]) for float64 x <= 0 (out may be x)."""
     for k in range(n):
         v = min(max(x[k], -708.0), 0.0)
         t = v * _LOG2E + _ROUND64
@@ -131,18 +151,13 @@ def exp_row_f64(x, n, out, scratch):
         p = p * r + 1.0 / 6.0
         p = p * r + 0.5
         p = p * r + 1.0
-        out[k] = p * r + 1.0
-        scratch[k] = t
-    bits = scratch.view(np.int64)
-    for k in range(n):
-        bits[k] = (bits[k] - _ROUND64_BITS + 1023) << 52  # 2^n
-    for k in range(n):
-        out[k] = out[k] * scratch[k]
+        p = p * r + 1.0
+        out[k] = p * _pow2(t)
 
 
 @_contract
-def exp_row_f32(x, n, out, scratch):
-    """out[:n] = exp(x[:n]) for float32 x <= 0, in float32; scratch (>= n,) float32."""
+def exp_row_f32(x, n, out):
+    """out[:n] = exp(x[:n]) for float32 x <= 0, in float32 (out may be x)."""
     for k in range(n):
         v = min(max(x[k], _F32_LO), _F32_ZERO)
         t = v * _LOG2E_F + _ROUND32
@@ -153,25 +168,20 @@ def exp_row_f32(x, n, out, scratch):
         p = p * r + _F32_P3
         p = p * r + _F32_P4
         p = p * r + _F32_P5
-        out[k] = p * (r * r) + r + _F32_ONE
-        scratch[k] = t
-    bits = scratch.view(np.int32)
-    for k in range(n):
-        bits[k] = (bits[k] - _ROUND32_BITS + _I32_BIAS) << _I32_SHIFT
-    for k in range(n):
-        out[k] = out[k] * scratch[k]
+        p = p * (r * r) + r + _F32_ONE
+        out[k] = p * _pow2(t)
 
 
-def _exp_row(x, n, out, scratch):
+def _exp_row(x, n, out):
     """exp_row_f64 or exp_row_f32 by the dtype of x, chosen when a kernel compiles."""
-    return (exp_row_f32 if x.dtype == np.float32 else exp_row_f64)(x, n, out, scratch)
+    return (exp_row_f32 if x.dtype == np.float32 else exp_row_f64)(x, n, out)
 
 
 @overload(_exp_row, jit_options={"nogil": True})
-def _exp_row_typed(x, n, out, scratch):
+def _exp_row_typed(x, n, out):
     if x.dtype == numba.types.float32:
-        return lambda x, n, out, scratch: exp_row_f32(x, n, out, scratch)
-    return lambda x, n, out, scratch: exp_row_f64(x, n, out, scratch)
+        return lambda x, n, out: exp_row_f32(x, n, out)
+    return lambda x, n, out: exp_row_f64(x, n, out)
 
 
 @_inline
@@ -244,13 +254,13 @@ def _row_min_typed(v, n, one):
 
 
 @_inline
-def _row_weights(Ah, Bt, ch, i, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, w, scratch):
+def _row_weights(Ah, Bt, ch, i, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, w):
     """w[:nj] = W_ij (pair_math.pair_weight_e) for receiver i and senders j0 + jj, 0 on the diagonal."""
     _kl_row(Ah, Bt, ch, i, j0, nj, kl)
     mi, isi, ai = m[i], inv_s[i], abar[i]
     for jj in range(nj):
         xs[jj] = _pair_logit(kl[jj], kappa) - mi
-    _exp_row(xs, nj, w, scratch)
+    _exp_row(xs, nj, w)
     # One loop per aggregator: with a constant code the branch in pair_weight_e folds and the loop
     # vectorises (LLVM does not unswitch it).
     if agg == _pm.AGG_SOFTMIN:
@@ -279,7 +289,7 @@ def _dense_chunks(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gB
     zero = kappa - kappa
     nblk = (N + TR - 1) // TR
     for c in numba.prange(P):
-        kl, xs, es, scratch = np.empty(TS, dt), np.empty(TS, dt), np.empty(TS, dt), np.empty(TS, dt)
+        kl, xs, es = np.empty(TS, dt), np.empty(TS, dt), np.empty(TS, dt)
         W = np.empty((RB, TS), dt)
         one = np.empty(1, dt)
         accB = np.empty((D, TS), dt)
@@ -307,7 +317,7 @@ def _dense_chunks(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gB
                     mt = _pair_logit(kmin, kappa)  # the tile's max logit (x = -kl/kappa is monotone)
                     for jj in range(nj):
                         xs[jj] = _pair_logit(kl[jj], kappa) - mt
-                    _exp_row(xs, nj, es, scratch)
+                    _exp_row(xs, nj, es)
                     if diag:
                         es[dj] = zero
                     st, tt = zero, zero
@@ -352,7 +362,6 @@ def _dense_chunks(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gB
                                 kl,
                                 xs,
                                 w,
-                                scratch,
                             )
                             ws = zero
                             for jj in range(nj):
@@ -394,18 +403,19 @@ def _dense_chunks(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gB
                     gA[i0 + ii, d] = accA[ii, d]
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True)
 def _sum_chunks(gBp, gB):
-    """gB[j, d] = sum over chunks c (ascending) of gBp[c, d, j]."""
+    """gB[j, d] = sum over chunks c (ascending) of gBp[c, d, j] (summed in place into gBp[0]), rounded to
+    gB's dtype."""
     P, D, N = gBp.shape
-    for b in numba.prange((N + SENDER_TILE - 1) // SENDER_TILE):
-        j0 = b * SENDER_TILE
-        for j in range(j0, min(N, j0 + SENDER_TILE)):
-            for d in range(D):
-                acc = gBp[0, d, j]
-                for c in range(1, P):
-                    acc += gBp[c, d, j]
-                gB[j, d] = acc
+    for c in range(1, P):
+        for d in range(D):
+            acc, part = gBp[0, d], gBp[c, d]
+            for j in range(N):
+                acc[j] += part[j]
+    for j in range(N):
+        for d in range(D):
+            gB[j, d] = gBp[0, d, j]
 
 
 def _serial_copy(kernel):
@@ -476,7 +486,7 @@ def _blas_receivers(Ah, B, ch, kappa, one, agg, T, m, inv_s, abar, erow, gA, gc)
         slab = np.empty((ni, N), Ah.dtype)
         flat = np.empty(T * max(T, D), Ah.dtype)
         wt = np.empty((ni, T), Ah.dtype)
-        xs, es, scratch = np.empty(N, Ah.dtype), np.empty(N, Ah.dtype), np.empty(N, Ah.dtype)
+        xs, es = np.empty(N, Ah.dtype), np.empty(N, Ah.dtype)
         zero = one - one
         for j0 in range(0, N, T):
             nj = min(T, N - j0)
@@ -496,7 +506,7 @@ def _blas_receivers(Ah, B, ch, kappa, one, agg, T, m, inv_s, abar, erow, gA, gc)
             mi = _pair_logit(kmin, kappa)
             for j in range(N):
                 xs[j] = _pair_logit(row[j], kappa) - mi
-            _exp_row(xs, N, es, scratch)
+            _exp_row(xs, N, es)
             es[i] = zero
             si, ti = zero, zero
             for j in range(N):
@@ -539,7 +549,7 @@ def _blas_senders(Ah, B, ch, kappa, agg, T, m, inv_s, abar, gB):
         nj = min(T, N - j0)
         flat = np.empty(T * max(T, D), Ah.dtype)
         wt = np.empty((nj, T), Ah.dtype)
-        xs, es, scratch = np.empty(T, Ah.dtype), np.empty(T, Ah.dtype), np.empty(T, Ah.dtype)
+        xs, es = np.empty(T, Ah.dtype), np.empty(T, Ah.dtype)
         acc = np.zeros((nj, D), Ah.dtype)
         for i0 in range(0, N, T):
             ni = min(T, N - i0)
@@ -550,7 +560,7 @@ def _blas_senders(Ah, B, ch, kappa, agg, T, m, inv_s, abar, gB):
                 ci, mi, isi, ai = ch[i], m[i], inv_s[i], abar[i]
                 for jj in range(nj):
                     xs[jj] = _pair_logit(t[ii, jj] + ci, kappa) - mi
-                _exp_row(xs, nj, es, scratch)
+                _exp_row(xs, nj, es)
                 for jj in range(nj):
                     w[jj, ii] = _pair_weight_e(es[jj], t[ii, jj] + ci, isi, ai, kappa, agg)
                 if j0 <= i < j0 + nj:
@@ -610,10 +620,10 @@ def pairwise_dense(A, B, c, kappa: float, aggregator: str):
     gBp = np.zeros((P, D, N))
     kernel = _dense_chunks_serial if N * N * D < SERIAL_WORK else _dense_chunks
     kernel(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA64, gc64, gBp)
-    gB64 = np.empty((N, D))
-    _sum_chunks(gBp, gB64)
-    # The halvings are exact; rounding to the dtype happens once, here.
-    return float(erow.sum()), (0.5 * gA64).astype(dt), gB64.astype(dt), (0.5 * gc64).astype(dt)
+    gB = np.empty((N, D), dt)
+    _sum_chunks(gBp, gB)
+    # The halvings are exact; the float64 sums are rounded to the dtype once, here.
+    return float(erow.sum()), (0.5 * gA64).astype(dt), gB, (0.5 * gc64).astype(dt)
 
 
 @_kernel
