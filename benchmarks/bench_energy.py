@@ -11,6 +11,14 @@ in float64; it runs where N <= --loop-max-n.
     python benchmarks/bench_energy.py                      # full table (tens of minutes on 2 cores)
     python benchmarks/bench_energy.py --quick              # N in {64, 256, 1024}, K = 3, float64
     python benchmarks/bench_energy.py --n 4096 --k 3 --dtype float64 --backend numba
+    python benchmarks/bench_energy.py --dtype-table                 # numpy/numba x f64/f32, K = 3
+    python benchmarks/bench_energy.py --dtype-table --tree /old/pp --tree /new/pp   # before/after
+
+``--dtype-table`` (issue 9, items 3-4): numpy and numba in float64 and float32 at K = 3 and N in
+{1024, 4096, 16384}, all cases in one process and interleaved (each repetition times every case once,
+in a rotated order), so that the load of a shared machine hits every case alike; wall and CPU time
+medians and their ratios. Each ``--tree`` (a directory holding ``vfesim/`` and ``vfesim_kernels/``,
+put first on PYTHONPATH) gets its own process; the trees alternate for ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -78,6 +86,78 @@ _CASE = textwrap.dedent(
 )
 
 
+_TABLE_CASE = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np
+    import vfesim
+
+    K, repeat = int(sys.argv[1]), int(sys.argv[2])
+    Ns = [int(n) for n in sys.argv[3].split(",")]
+    cases = [(N, b, d) for N in Ns for b in ("numpy", "numba") for d in ("float64", "float32")]
+    cfg = vfesim.ModelConfig(K=K)
+    dts = ("float64", "float32")
+    states = {(N, d): vfesim.random_state(cfg, N, seed=0, dtype=d) for N in Ns for d in dts}
+    for N, b, d in cases:  # warm-up: JIT (from Numba's cache), thread pool, first touch
+        if N == Ns[0]:
+            vfesim.energy_and_gradient(states[N, d], cfg, backend=b)
+    times = {repr(c): [] for c in cases}
+    for r in range(repeat):
+        for N in Ns:
+            group = [c for c in cases if c[0] == N]
+            k = r % len(group)
+            for c in group[k:] + group[:k]:  # rotated: no case always runs after the same one
+                w0, c0 = time.perf_counter(), time.process_time()
+                vfesim.energy_and_gradient(states[c[0], c[2]], cfg, backend=c[1])
+                times[repr(c)].append((time.perf_counter() - w0, time.process_time() - c0))
+    print("RESULT " + json.dumps(times))
+    """
+)
+
+
+def dtype_table(trees, Ns, K, repeat, rounds, emit) -> None:
+    """The interleaved numpy/numba x float64/float32 table (see the module doc), one block per tree."""
+    per_round = max(1, -(-repeat // rounds))
+    pooled = {t: {} for t in trees}
+    for _ in range(rounds):
+        for t in trees:
+            env = dict(os.environ)
+            if t != ".":
+                env["PYTHONPATH"] = os.pathsep.join([t] + [p for p in [env.get("PYTHONPATH")] if p])
+            cmd = [sys.executable, "-c", _TABLE_CASE, str(K), str(per_round), ",".join(map(str, Ns))]
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+            out = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if not out:
+                sys.stderr.write(f"tree {t} failed:\n{proc.stderr[-3000:]}\n")
+                return
+            for c, v in json.loads(out[-1][7:]).items():
+                pooled[t].setdefault(c, []).extend(v)
+    emit(f"# K={K}; per case: median wall s (median CPU s, both threads) of {rounds * per_round} calls")
+    emit("# speedups: f64/f32 = numba float64 time / numba float32 time; np64/x = numpy float64 time / x")
+    for t in trees:
+        emit(f"# tree: {t if t != '.' else ROOT}")
+        cols = [("numpy", "float64"), ("numpy", "float32"), ("numba", "float64"), ("numba", "float32")]
+        emit(
+            f"{'N':>6} "
+            + " ".join(f"{b + ' ' + d[-2:] + ' wall (cpu)':>22}" for b, d in cols)
+            + f" {'f64/f32':>8} {'np64/nb64':>9} {'np64/nb32':>9} {'np32/nb32':>9}"
+        )
+        for N in Ns:
+            med = {}
+            for b, d in cols:
+                v = np.array(pooled[t][repr((N, b, d))])
+                med[b, d] = np.median(v, axis=0)
+            w = {k: v[0] for k, v in med.items()}
+            emit(
+                f"{N:>6} "
+                + " ".join(f"{med[c][0]:>12.4f} ({med[c][1]:7.4f})" for c in cols)
+                + f" {w['numba', 'float64'] / w['numba', 'float32']:8.2f}"
+                + f" {w['numpy', 'float64'] / w['numba', 'float64']:9.2f}"
+                + f" {w['numpy', 'float64'] / w['numba', 'float32']:9.2f}"
+                + f" {w['numpy', 'float32'] / w['numba', 'float32']:9.2f}"
+            )
+
+
 def run_case(backend: str, dtype: str, K: int, N: int, repeat: int, timeout: float) -> dict | None:
     """Median seconds and peak MiB of one case in a fresh interpreter; None on timeout or failure."""
     cmd = [sys.executable, "-c", _CASE, backend, dtype, str(K), str(N), str(repeat), str(LOOP_REFERENCE)]
@@ -110,7 +190,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--quick", action="store_true", help="N in {64, 256, 1024}, K = 3, float64")
     p.add_argument("--out", type=Path, default=None, help="also write the table to this file")
+    p.add_argument("--dtype-table", action="store_true", help="interleaved numpy/numba x f64/f32 table")
+    p.add_argument("--tree", action="append", default=None, help="--dtype-table: code tree (repeatable)")
+    p.add_argument("--rounds", type=int, default=1, help="--dtype-table: alternations of the trees")
     a = p.parse_args(argv)
+    if a.dtype_table and a.n == p.get_default("n"):
+        a.n = [1024, 4096, 16384]
     if a.quick:
         a.n, a.k, a.dtype = [64, 256, 1024], [3], ["float64"]
     backends = [b for b in a.backend if b != "loop" or loop_available()]
@@ -128,6 +213,12 @@ def main(argv=None) -> int:
         f"# cores={os.cpu_count()} numba threads={numba.config.NUMBA_NUM_THREADS} numpy={np.__version__} "
         f"numba={numba.__version__}  load avg at start={os.getloadavg()[0]:.1f}"
     )
+    if a.dtype_table:
+        dtype_table(a.tree or ["."], a.n, a.k[0], a.repeat, a.rounds, emit)
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text("\n".join(lines) + "\n")
+        return 0
     emit("# time: median of the whole energy_and_gradient call (loop: energy only, float64)")
     emit("# peak: resident high-water growth during the timed calls, fresh process per case")
     if "loop" in a.backend and "loop" not in backends:

@@ -4,16 +4,21 @@ Same contract as ``vfesim.pairwise.reference.pairwise_dense`` / ``pairwise_spars
 ``return_beta``): features A, B (N, D), c (N,) with KL_ij = 1/2 (A_i . B_j + c_i) ->
 (E: Python float, gA (N, D), gB (N, D), gc (N,)), computed in the input dtype (float32 or float64).
 
-Dense, three sweeps over (receiver tile) x (sender tile) blocks of the KL matrix, never holding more than
-one tile per thread (peak memory O(N D + threads * tile^2), no N x N array):
-  1. per receiver block (parallel): online log-sum-exp statistics (m, s, t) over sender tiles;
-  2. the same receiver block, right after: recompute the tiles, W_ij, and accumulate gA_i, gc_i;
-  3. per sender block (parallel): recompute the tiles and accumulate gB_j over receivers.
+Dense (D < DOT_MIN_D, e.g. D = 10 at K = 3): two sweeps over (receiver tile) x (sender tile) blocks of the
+KL matrix, never holding more than one tile row per thread (peak memory O(chunks N D + threads tile D),
+no N x N array), in parallel over a fixed number of receiver chunks (:func:`chunks`):
+  1. per receiver block: online log-sum-exp statistics (m, s, t) over sender tiles;
+  2. the same receiver block, right after: recompute the tiles as weights W_ij, accumulate gA_i, gc_i per
+     receiver and the chunk's partial gB_j = sum_i W_ij Ah_i (float64, (D, N) per chunk); the partials
+     are summed over chunks in ascending order afterwards.
+Each tile row is a vectorised pipeline: KL row (contiguous senders of B^T), logits, a vectorised exp
+(:func:`exp_row_f64` / :func:`exp_row_f32`, in the input dtype), weights. float32 inputs run 8 lanes of
+AVX2 throughout; partial sums in the input dtype span at most one tile and are carried on in float64.
 Long features (D >= DOT_MIN_D, e.g. D = 253 at K = 21) take the BLAS path instead (:func:`_dense_blas`):
 the KL tiles and the gA / gB products are (T, T) gemm calls small enough that OpenBLAS runs each on the
 calling thread; sweep 1 keeps whole KL rows of a receiver block (T x N per thread, so no online
 log-sum-exp and no second KL pass) and sweep 2 recomputes tiles per sender block for gB.
-Every per-receiver and per-sender sum runs in ascending index order within fixed-size tiles; no thread
+Every sum runs in a fixed order within fixed-size tiles and chunks (functions of N and D only); no thread
 shares an output row and there are no atomics, so results are bitwise identical run to run and do not
 depend on Numba's or OpenBLAS's thread count. Sparse: per receiver over its (N, k) list; senders
 through a CSC reverse index built by a stable counting sort, parallel over senders, each summing its
@@ -29,6 +34,8 @@ import types
 
 import numba
 import numpy as np
+from llvmlite import ir as llvm_ir
+from numba.extending import intrinsic, overload
 
 from . import pair_math as _pm
 
@@ -37,8 +44,14 @@ __all__ = ["pairwise_dense", "pairwise_sparse", "SENDER_TILE", "RECEIVER_TILE"]
 # Sender tile of sweeps 1-2. It fixes the grouping of the online log-sum-exp, so it is a constant (the
 # results must not depend on the thread count). 256 columns x 32 rows of float64 = 64 KiB per thread.
 SENDER_TILE = 256
-# Receiver rows per tile (sweeps 1-3); it does not change any summation order.
+# Receiver rows per tile: a float32 partial sum of gB spans one tile before it is added in float64.
 RECEIVER_TILE = 32
+# Receivers whose weights sweep 2 holds at once (see _dense_chunks).
+ROW_GROUP = 4
+# Receiver chunks of the tiled path (see chunks()): at most this many, and their float64 gB partials
+# (chunks x D x N) within CHUNK_BYTES.
+MAX_CHUNKS = 16
+CHUNK_BYTES = 64 << 20
 # Feature length from which pairwise_dense takes the BLAS path (below it the tiled kernels' contiguous
 # sender loops are faster; the tiled kernels still handle any D, as one dot product per pair).
 DOT_MIN_D = 32
@@ -57,33 +70,77 @@ _accumulate_row = _inline(_pm.accumulate_row)
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 _kernel = numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
 _serial = numba.njit(nogil=True, cache=True)
+_contract = numba.njit(nogil=True, cache=True, fastmath={"contract"})
 
 
-# exp(x) for x <= 0 as Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a degree-13 Taylor polynomial
-# (truncation < 2e-17) and 2^n assembled from its bits. Unlike math.exp (one libm call per element) the
-# loops vectorise: 7.0 -> 1.9 ns per element, and the K = 3 sweeps drop from 12.4 / 10.6 to 9.0 / 7.0 ns
-# per pair (one thread, N = 2048, on the 2-core machine of benchmarks/results/bench_energy_cpu.txt).
-# Relative error vs np.exp < 5e-14 (tests/test_numba_backend.py). x is clamped to [-708, 0]:
-# exp(-708) ~ 3e-308 stays a normal number, and it only ever adds to sums whose largest term is 1.
+# exp(x) for x <= 0 over a row, as Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a polynomial in r
+# and 2^n assembled from its bits (n's own bits shifted into the exponent field, bit casts in registers).
+# Unlike math.exp (one libm call per element) the loops vectorise, in the
+# row's own dtype: 4 float64 or 8 float32 lanes of AVX2. n = round(x log2 e) comes from adding 1.5 * 2^52
+# (2^23 in float32): the sum's low mantissa bits then hold n as an integer, so there is no float -> int
+# conversion (AVX2 has none for 64-bit integers, and a scalar one per element costs more than the rest).
+# float64: degree-11 Taylor polynomial (truncation < 1e-14), relative error < 5e-14 against np.exp;
+# x clamped to [-708, 0] (exp(-708) ~ 3e-308 stays a normal number).
+# float32: Cephes' expf polynomial (relative error ~1e-7, i.e. 1-2 ulp); x clamped to [-87, 0]
+# (exp(-87) ~ 1.6e-38 stays normal). The clamped tail only ever adds to sums whose largest term is 1.
+# Only contraction (multiply-adds) as fastmath, and it has to be said: a function that sets no fastmath
+# inherits its caller's flags, and reassociation cancels the rounding constant (exp(x) = 2^n: measured).
 _LOG2E = 1.4426950408889634
 _LN2_HI = 6.93147180369123816490e-01  # trailing zeros: n * _LN2_HI is exact
 _LN2_LO = 1.90821492927058770002e-10
-_TWO52 = 4503599627370496  # 2^52: shifts a biased exponent into place
+_ROUND64 = 6755399441055744.0  # 1.5 * 2^52
+_LOG2E_F = np.float32(_LOG2E)
+_LN2_HI_F = np.float32(0.693359375)  # 9 significant bits: n * _LN2_HI_F is exact for |n| < 2^15
+_LN2_LO_F = np.float32(-2.12194440e-4)
+_ROUND32 = np.float32(12582912.0)  # 1.5 * 2^23
+_F32 = {
+    name: np.float32(v)
+    for name, v in dict(
+        lo=-87.0,
+        zero=0.0,
+        one=1.0,
+        p0=1.9875691500e-4,
+        p1=1.3981999507e-3,
+        p2=8.3334519073e-3,
+        p3=4.1665795894e-2,
+        p4=1.6666665459e-1,
+        p5=5.0000001201e-1,
+    ).items()
+}
+_F32_LO, _F32_ZERO, _F32_ONE = _F32["lo"], _F32["zero"], _F32["one"]
+_F32_P0, _F32_P1, _F32_P2, _F32_P3, _F32_P4, _F32_P5 = (_F32[f"p{k}"] for k in range(6))
 
 
-# No fastmath here: without contraction the vector body and the scalar remainder of the loop round
-# identically, so exp(x) does not depend on the element's position in a tile.
-@numba.njit(nogil=True, cache=True)
-def _exp_row(x, n, out, nf, bits):
-    """out[:n] = exp(x[:n]) for x <= 0 (out in x's dtype; nf float64 and bits int64 scratch)."""
+@intrinsic
+def _pow2(typingctx, t):
+    """2^n from t = n + 1.5 * 2^52 (float64) or n + 1.5 * 2^23 (float32), whose low mantissa bits hold the
+    integer n: n's bits shifted into the exponent field, with integer arithmetic of the float's width in
+    registers (Numba's own integer arithmetic would widen 32-bit integers to 64 bits)."""
+    if t == numba.types.float64:
+        width, rounding_bits, bias, shift = 64, 0x4338000000000000, 1023, 52
+    elif t == numba.types.float32:
+        width, rounding_bits, bias, shift = 32, 0x4B400000, 127, 23
+    else:
+        return None
+
+    def codegen(context, builder, sig, args):
+        ity = llvm_ir.IntType(width)
+        bits = builder.bitcast(args[0], ity)
+        bits = builder.add(builder.sub(bits, ity(rounding_bits)), ity(bias))
+        return builder.bitcast(builder.shl(bits, ity(shift)), args[0].type)
+
+    return t(t), codegen
+
+
+@_contract
+def exp_row_f64(x, n, out):
+    """out[:n] = exp(x[:n]) for float64 x <= 0 (out may be x)."""
     for k in range(n):
-        v = np.float64(x[k])
-        v = min(max(v, -708.0), 0.0)
-        q = np.floor(v * _LOG2E + 0.5)
+        v = min(max(x[k], -708.0), 0.0)
+        t = v * _LOG2E + _ROUND64
+        q = t - _ROUND64  # round(v log2 e), exactly
         r = (v - q * _LN2_HI) - q * _LN2_LO
-        p = 1.0 / 6227020800.0
-        p = p * r + 1.0 / 479001600.0
-        p = p * r + 1.0 / 39916800.0
+        p = 1.0 / 39916800.0
         p = p * r + 1.0 / 3628800.0
         p = p * r + 1.0 / 362880.0
         p = p * r + 1.0 / 40320.0
@@ -95,163 +152,270 @@ def _exp_row(x, n, out, nf, bits):
         p = p * r + 0.5
         p = p * r + 1.0
         p = p * r + 1.0
-        nf[k] = p
-        bits[k] = (np.int64(q) + 1023) * _TWO52
-    two_n = bits.view(np.float64)
+        out[k] = p * _pow2(t)
+
+
+@_contract
+def exp_row_f32(x, n, out):
+    """out[:n] = exp(x[:n]) for float32 x <= 0, in float32 (out may be x)."""
     for k in range(n):
-        out[k] = nf[k] * two_n[k]
+        v = min(max(x[k], _F32_LO), _F32_ZERO)
+        t = v * _LOG2E_F + _ROUND32
+        q = t - _ROUND32
+        r = (v - q * _LN2_HI_F) - q * _LN2_LO_F
+        p = _F32_P0 * r + _F32_P1
+        p = p * r + _F32_P2
+        p = p * r + _F32_P3
+        p = p * r + _F32_P4
+        p = p * r + _F32_P5
+        p = p * (r * r) + r + _F32_ONE
+        out[k] = p * _pow2(t)
+
+
+def _exp_row(x, n, out):
+    """exp_row_f64 or exp_row_f32 by the dtype of x, chosen when a kernel compiles."""
+    return (exp_row_f32 if x.dtype == np.float32 else exp_row_f64)(x, n, out)
+
+
+@overload(_exp_row, jit_options={"nogil": True})
+def _exp_row_typed(x, n, out):
+    if x.dtype == numba.types.float32:
+        return lambda x, n, out: exp_row_f32(x, n, out)
+    return lambda x, n, out: exp_row_f64(x, n, out)
 
 
 @_inline
-def _kl_tile(Ah, B, Bt, ch, i0, ni, j0, nj, out):
-    """out[ii, jj] = KL of receiver i0+ii and sender j0+jj: Ah[i] . B[j] + ch[i] (pair_math.pair_kl).
+def _kl_row(Ah, Bt, ch, i, j0, nj, out):
+    """out[jj] = KL of receiver i and sender j0 + jj, jj < nj: ch[i] + Ah[i] . B[j] (pair_math.pair_kl).
 
-    Short rows (D < DOT_MIN_D): the inner loop runs over contiguous senders of the transposed Bt (D, N)
-    and vectorises without reassociating any sum. Long rows: one dot product per pair over contiguous
-    Ah[i] and B[j], vectorised by the kernels' reassoc flag (a fixed, deterministic order).
+    The loops run over contiguous senders of the transposed Bt (D, N) and vectorise; four features per
+    pass keep four multiply-adds per load and store of ``out`` (one pass per feature would be bound by
+    the stores). The sum is ch + the features in ascending groups of four, without reassociation.
+    Rows are indexed through 1-D slices by the bare loop counter: an index like ``j0 + jj`` could be
+    negative as far as Numba knows, and its wraparound check turns every vector load into a gather.
     """
     D = Ah.shape[1]
-    if D >= DOT_MIN_D:
-        for ii in range(ni):
-            i = i0 + ii
-            ci = ch[i]
-            for jj in range(nj):
-                j = j0 + jj
-                acc = Ah[i, 0] * B[j, 0]
-                for d in range(1, D):
-                    acc += Ah[i, d] * B[j, d]
-                out[ii, jj] = acc + ci
-        return
-    for ii in range(ni):
-        i = i0 + ii
-        a = Ah[i, 0]
+    c = ch[i]
+    for jj in range(nj):
+        out[jj] = c
+    d = 0
+    while d + 4 <= D:
+        a0, a1, a2, a3 = Ah[i, d], Ah[i, d + 1], Ah[i, d + 2], Ah[i, d + 3]
+        b0, b1 = Bt[d, j0 : j0 + nj], Bt[d + 1, j0 : j0 + nj]
+        b2, b3 = Bt[d + 2, j0 : j0 + nj], Bt[d + 3, j0 : j0 + nj]
         for jj in range(nj):
-            out[ii, jj] = a * Bt[0, j0 + jj]
-        for d in range(1, D):
-            a = Ah[i, d]
-            for jj in range(nj):
-                out[ii, jj] += a * Bt[d, j0 + jj]
-        a = ch[i]
+            out[jj] += a0 * b0[jj] + a1 * b1[jj] + a2 * b2[jj] + a3 * b3[jj]
+        d += 4
+    if D - d == 3:
+        a0, a1, a2 = Ah[i, d], Ah[i, d + 1], Ah[i, d + 2]
+        b0, b1, b2 = Bt[d, j0 : j0 + nj], Bt[d + 1, j0 : j0 + nj], Bt[d + 2, j0 : j0 + nj]
         for jj in range(nj):
-            out[ii, jj] += a
+            out[jj] += a0 * b0[jj] + a1 * b1[jj] + a2 * b2[jj]
+    elif D - d == 2:
+        a0, a1 = Ah[i, d], Ah[i, d + 1]
+        b0, b1 = Bt[d, j0 : j0 + nj], Bt[d + 1, j0 : j0 + nj]
+        for jj in range(nj):
+            out[jj] += a0 * b0[jj] + a1 * b1[jj]
+    elif D - d == 1:
+        a0 = Ah[i, d]
+        b0 = Bt[d, j0 : j0 + nj]
+        for jj in range(nj):
+            out[jj] += a0 * b0[jj]
+
+
+def _row_min(v, n, one):
+    """min(v[:n]) for n >= 1 (compiled code only: _row_min_typed); ``one`` (1,) scratch, dtype of v."""
+    raise NotImplementedError
+
+
+@overload(_row_min, inline="always")
+def _row_min_typed(v, n, one):
+    """The minimum through the floats' bits as integers, mapped so that integer order is float order
+    (negative floats have their magnitude bits flipped). LLVM vectorises an integer min reduction; a
+    float one it vectorises only under the nnan flag, which the kernels do not set. A NaN maps above
+    +inf, or below -inf with its sign bit set: either way it reaches the sums of the row and shows."""
+    ity, shift, mask = (
+        (np.int32, np.int32(31), np.int32(0x7FFFFFFF))
+        if v.dtype == numba.types.float32
+        else (np.int64, np.int64(63), np.int64(0x7FFFFFFFFFFFFFFF))
+    )
+
+    def impl(v, n, one):
+        key = v.view(ity)
+        r = key[0] ^ ((key[0] >> shift) & mask)
+        for k in range(1, n):
+            b = key[k]
+            r = min(r, b ^ ((b >> shift) & mask))
+        out = one.view(ity)
+        out[0] = r ^ ((r >> shift) & mask)
+        return one[0]
+
+    return impl
 
 
 @_inline
-def _weight_tile(kl, i0, ni, j0, nj, m, inv_s, abar, kappa, agg, xs, es, nf, bits):
-    """kl (tile) -> W in place, with the receivers' row statistics; the diagonal i == j gets 0.
-
-    xs, es (TS,) in the tile dtype and nf (TS,) float64, bits (TS,) int64 are per-thread scratch rows.
-    """
-    for ii in range(ni):
-        i = i0 + ii
-        mi, isi, ai = m[i], inv_s[i], abar[i]
+def _row_weights(Ah, Bt, ch, i, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, w):
+    """w[:nj] = W_ij (pair_math.pair_weight_e) for receiver i and senders j0 + jj, 0 on the diagonal."""
+    _kl_row(Ah, Bt, ch, i, j0, nj, kl)
+    mi, isi, ai = m[i], inv_s[i], abar[i]
+    for jj in range(nj):
+        xs[jj] = _pair_logit(kl[jj], kappa) - mi
+    _exp_row(xs, nj, w)
+    # One loop per aggregator: with a constant code the branch in pair_weight_e folds and the loop
+    # vectorises (LLVM does not unswitch it).
+    if agg == _pm.AGG_SOFTMIN:
         for jj in range(nj):
-            xs[jj] = _pair_logit(kl[ii, jj], kappa) - mi
-        _exp_row(xs, nj, es, nf, bits)
+            w[jj] = _pair_weight_e(w[jj], kl[jj], isi, ai, kappa, _pm.AGG_SOFTMIN)
+    else:
         for jj in range(nj):
-            kl[ii, jj] = _pair_weight_e(es[jj], kl[ii, jj], isi, ai, kappa, agg)
-        if j0 <= i < j0 + nj:
-            kl[ii, i - j0] = kl[ii, i - j0] - kl[ii, i - j0]
+            w[jj] = _pair_weight_e(w[jj], kl[jj], isi, ai, kappa, _pm.AGG_EXPECTED)
+    if j0 <= i < j0 + nj:
+        w[i - j0] = kappa - kappa
 
 
 @_kernel
-def _dense_receivers(Ah, B, Bt, ch, kappa, one, ninf, agg, m, inv_s, abar, erow, gA, gc):
-    """Sweeps 1-2 over receiver blocks: row statistics, row energies, gA = sum_j W_ij B_j, gc = sum_j W_ij."""
+def _dense_chunks(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gBp):
+    """Sweeps 1-2 over P chunks of receiver blocks (parallel over chunks).
+
+    Per block of RECEIVER_TILE receivers: sweep 1 gathers their row statistics by an online log-sum-exp
+    over sender tiles, sweep 2 recomputes the tiles as weights W_ij and accumulates both gA_i and
+    gc_i (per receiver) and this chunk's share of gB_j in gBp[chunk] (D, N). Row statistics, erow, gA,
+    gc and gBp are float64: each float32 partial sum spans at most one tile (SENDER_TILE senders or
+    RECEIVER_TILE receivers) and the tiles are summed in float64.
+    """
     N, D = Ah.shape
-    TR, TS = RECEIVER_TILE, SENDER_TILE
+    TR, TS, RB = RECEIVER_TILE, SENDER_TILE, ROW_GROUP
+    dt = Ah.dtype
+    zero = kappa - kappa
     nblk = (N + TR - 1) // TR
-    for b in numba.prange(nblk):
-        i0 = b * TR
-        ni = min(TR, N - i0)
-        tile = np.empty((TR, TS), Ah.dtype)
-        xs, es = np.empty(TS, Ah.dtype), np.empty(TS, Ah.dtype)
-        nf, bits = np.empty(TS, np.float64), np.empty(TS, np.int64)
-        zero = one - one
-        for ii in range(ni):
-            m[i0 + ii], inv_s[i0 + ii], abar[i0 + ii] = ninf, zero, zero
-        # Sweep 1: online log-sum-exp per receiver, one sender tile at a time (tile max, then one merge).
-        for j0 in range(0, N, TS):
-            nj = min(TS, N - j0)
-            _kl_tile(Ah, B, Bt, ch, i0, ni, j0, nj, tile)
+    for c in numba.prange(P):
+        kl, xs, es = np.empty(TS, dt), np.empty(TS, dt), np.empty(TS, dt)
+        W = np.empty((RB, TS), dt)
+        one = np.empty(1, dt)
+        accB = np.empty((D, TS), dt)
+        accA = np.empty((TR, D), np.float64)
+        wsum = np.empty(TR, np.float64)
+        mr, sr, tr = np.empty(TR, np.float64), np.empty(TR, np.float64), np.empty(TR, np.float64)
+        for b in range(c * nblk // P, (c + 1) * nblk // P):
+            i0 = b * TR
+            ni = min(TR, N - i0)
+            # Sweep 1: per receiver and sender tile, the tile's max logit, then one merge.
+            for ii in range(ni):
+                mr[ii], sr[ii], tr[ii] = -np.inf, 0.0, 0.0
+            for j0 in range(0, N, TS):
+                nj = min(TS, N - j0)
+                for ii in range(ni):
+                    i = i0 + ii
+                    dj = i - j0
+                    diag = 0 <= dj < nj
+                    if diag and nj == 1:
+                        continue  # only the diagonal in this tile
+                    _kl_row(Ah, Bt, ch, i, j0, nj, kl)
+                    if diag:
+                        kl[dj] = kl[dj - 1] if dj > 0 else kl[1]  # a neighbour's value: no effect on min
+                    kmin = _row_min(kl, nj, one)
+                    mt = _pair_logit(kmin, kappa)  # the tile's max logit (x = -kl/kappa is monotone)
+                    for jj in range(nj):
+                        xs[jj] = _pair_logit(kl[jj], kappa) - mt
+                    _exp_row(xs, nj, es)
+                    if diag:
+                        es[dj] = zero
+                    st, tt = zero, zero
+                    for jj in range(nj):
+                        st += es[jj]
+                        tt += es[jj] * kl[jj]
+                    mr[ii], sr[ii], tr[ii] = _lse_merge(
+                        mr[ii], sr[ii], tr[ii], np.float64(mt), np.float64(st), np.float64(tt)
+                    )
             for ii in range(ni):
                 i = i0 + ii
-                # Columns [0, dj) and (dj, nj) skip the diagonal without a branch in the loops.
-                lo, hi = (i - j0, i - j0 + 1) if j0 <= i < j0 + nj else (nj, nj)
-                if lo == 0 and hi == nj:
-                    continue  # only the diagonal in this tile
-                kmin = tile[ii, 0] if lo > 0 else tile[ii, hi]
-                for jj in range(lo):
-                    kmin = min(kmin, tile[ii, jj])
-                for jj in range(hi, nj):
-                    kmin = min(kmin, tile[ii, jj])
-                mt = _pair_logit(kmin, kappa)  # the tile's max logit (x = -kl/kappa is monotone)
-                for jj in range(nj):
-                    xs[jj] = _pair_logit(tile[ii, jj], kappa) - mt
-                _exp_row(xs, nj, es, nf, bits)
-                if hi > lo:
-                    es[lo] = zero  # the diagonal
-                st, tt = zero, zero
-                for jj in range(nj):
-                    st += es[jj]
-                    tt += es[jj] * tile[ii, jj]
-                # m, inv_s, abar hold (m, s, t) until the sweep ends.
-                m[i], inv_s[i], abar[i] = _lse_merge(m[i], inv_s[i], abar[i], mt, st, tt)
-        for ii in range(ni):
-            i = i0 + ii
-            mi, si, ti = m[i], inv_s[i], abar[i]
-            erow[i] = _row_energy(mi, si, ti, kappa, agg)
-            abar[i] = _row_abar(si, ti)
-            inv_s[i] = one / si if si != zero else zero
-        # Sweep 2: recompute tiles, turn them into weights, accumulate gA and gc per receiver.
-        acc = np.zeros((TR, D), Ah.dtype)
-        wsum = np.zeros(TR, Ah.dtype)
-        for j0 in range(0, N, TS):
-            nj = min(TS, N - j0)
-            _kl_tile(Ah, B, Bt, ch, i0, ni, j0, nj, tile)
-            _weight_tile(tile, i0, ni, j0, nj, m, inv_s, abar, kappa, agg, xs, es, nf, bits)
-            for ii in range(ni):
-                ws = tile[ii, 0]
-                for jj in range(1, nj):
-                    ws += tile[ii, jj]
-                wsum[ii] += ws
-            # gA_i += W_i,tile . Bt[:, tile]: contiguous dots, vectorised by the reassoc flag (fixed order).
-            for ii in range(ni):
+                erow[i] = _row_energy(mr[ii], sr[ii], tr[ii], np.float64(kappa), agg)
+                m[i] = mr[ii]
+                abar[i] = _row_abar(sr[ii], tr[ii])
+                inv_s[i] = 1.0 / sr[ii] if sr[ii] != 0.0 else 0.0
+                wsum[ii] = 0.0
                 for d in range(D):
-                    dot = tile[ii, 0] * Bt[d, j0]
-                    for jj in range(1, nj):
-                        dot += tile[ii, jj] * Bt[d, j0 + jj]
-                    acc[ii, d] += dot
-        for ii in range(ni):
-            gc[i0 + ii] = wsum[ii]
-            for d in range(D):
-                gA[i0 + ii, d] = acc[ii, d]
-
-
-@_kernel
-def _dense_senders(Ah, B, Bt, ch, kappa, agg, m, inv_s, abar, TSB, gB):
-    """Sweep 3 over sender blocks of TSB: gB_j = sum_i W_ij Ah_i (= 1/2 sum_i W_ij A_i), i ascending."""
-    N, D = Ah.shape
-    TR = RECEIVER_TILE
-    nblk = (N + TSB - 1) // TSB
-    for b in numba.prange(nblk):
-        j0 = b * TSB
-        nj = min(TSB, N - j0)
-        tile = np.empty((TR, TSB), Ah.dtype)
-        xs, es = np.empty(TSB, Ah.dtype), np.empty(TSB, Ah.dtype)
-        nf, bits = np.empty(TSB, np.float64), np.empty(TSB, np.int64)
-        acc = np.zeros((D, TSB), Ah.dtype)  # gB^T of the block: the update below runs over senders
-        for i0 in range(0, N, TR):
-            ni = min(TR, N - i0)
-            _kl_tile(Ah, B, Bt, ch, i0, ni, j0, nj, tile)
-            _weight_tile(tile, i0, ni, j0, nj, m, inv_s, abar, kappa, agg, xs, es, nf, bits)
-            for ii in range(ni):
+                    accA[ii, d] = 0.0
+            # Sweep 2: ROW_GROUP receivers at a time, so that each load and store of the gB tile
+            # accumulator (contiguous over senders: the loop vectorises) carries ROW_GROUP multiply-adds.
+            for j0 in range(0, N, TS):
+                nj = min(TS, N - j0)
                 for d in range(D):
-                    a = Ah[i0 + ii, d]
                     for jj in range(nj):
-                        acc[d, jj] += tile[ii, jj] * a
-        for jj in range(nj):
-            for d in range(D):
-                gB[j0 + jj, d] = acc[d, jj]
+                        accB[d, jj] = zero
+                for g0 in range(0, ni, RB):
+                    for r in range(RB):
+                        if g0 + r < ni:
+                            w = W[r]
+                            _row_weights(
+                                Ah,
+                                Bt,
+                                ch,
+                                i0 + g0 + r,
+                                j0,
+                                nj,
+                                m,
+                                inv_s,
+                                abar,
+                                kappa,
+                                agg,
+                                kl,
+                                xs,
+                                w,
+                            )
+                            ws = zero
+                            for jj in range(nj):
+                                ws += w[jj]
+                            wsum[g0 + r] += ws
+                        else:
+                            for jj in range(nj):
+                                W[r, jj] = zero
+                    i = i0 + g0
+                    last = min(i0 + ni - 1, i + RB - 1)  # padding rows of W are 0: any valid Ah row does
+                    for d in range(D):
+                        # gA_i += W_i,tile . B_tile for four receivers at once (one load of Bt per four).
+                        b0, b1, b2, b3 = zero, zero, zero, zero
+                        brow = Bt[d, j0 : j0 + nj]
+                        for jj in range(nj):
+                            bt = brow[jj]
+                            b0 += W[0, jj] * bt
+                            b1 += W[1, jj] * bt
+                            b2 += W[2, jj] * bt
+                            b3 += W[3, jj] * bt
+                        accA[g0, d] += b0
+                        if g0 + 1 < ni:
+                            accA[g0 + 1, d] += b1
+                        if g0 + 2 < ni:
+                            accA[g0 + 2, d] += b2
+                        if g0 + 3 < ni:
+                            accA[g0 + 3, d] += b3
+                        a0, a1 = Ah[i, d], Ah[min(i + 1, last), d]
+                        a2, a3 = Ah[min(i + 2, last), d], Ah[min(i + 3, last), d]
+                        for jj in range(nj):
+                            accB[d, jj] += W[0, jj] * a0 + W[1, jj] * a1 + W[2, jj] * a2 + W[3, jj] * a3
+                for d in range(D):
+                    part = gBp[c, d, j0 : j0 + nj]
+                    for jj in range(nj):
+                        part[jj] += accB[d, jj]
+            for ii in range(ni):
+                gc[i0 + ii] = wsum[ii]
+                for d in range(D):
+                    gA[i0 + ii, d] = accA[ii, d]
+
+
+@numba.njit(nogil=True, cache=True)
+def _sum_chunks(gBp, gB):
+    """gB[j, d] = sum over chunks c (ascending) of gBp[c, d, j] (summed in place into gBp[0]), rounded to
+    gB's dtype."""
+    P, D, N = gBp.shape
+    for c in range(1, P):
+        for d in range(D):
+            acc, part = gBp[0, d], gBp[c, d]
+            for j in range(N):
+                acc[j] += part[j]
+    for j in range(N):
+        for d in range(D):
+            gB[j, d] = gBp[0, d, j]
 
 
 def _serial_copy(kernel):
@@ -266,16 +430,17 @@ def _serial_copy(kernel):
 
 
 # Serial builds for small problems, where waking the thread pool costs more than the work.
-_dense_receivers_serial = _serial_copy(_dense_receivers)
-_dense_senders_serial = _serial_copy(_dense_senders)
+_dense_chunks_serial = _serial_copy(_dense_chunks)
 # Pair-feature products (N^2 D) below which the serial kernels run.
 SERIAL_WORK = 1 << 21
 
 
-def _sender_block(N: int) -> int:
-    """Senders per block of sweep 3: N / 16 in [8, SENDER_TILE] (work for 16 threads). A function of N
-    only: the thread count must not change the tiling, and so not a single rounding."""
-    return int(min(SENDER_TILE, max(8, -(-N // 16))))
+def chunks(N: int, D: int) -> int:
+    """Receiver chunks of the tiled path: work for MAX_CHUNKS threads, each chunk holding a float64
+    partial gB (D, N). A function of (N, D) only: the thread count must not change the summation order,
+    and so not a single rounding."""
+    blocks = -(-N // RECEIVER_TILE)
+    return int(max(1, min(MAX_CHUNKS, blocks, CHUNK_BYTES // (8 * D * N))))
 
 
 def _prepare(A, B, c, kappa):
@@ -322,7 +487,6 @@ def _blas_receivers(Ah, B, ch, kappa, one, agg, T, m, inv_s, abar, erow, gA, gc)
         flat = np.empty(T * max(T, D), Ah.dtype)
         wt = np.empty((ni, T), Ah.dtype)
         xs, es = np.empty(N, Ah.dtype), np.empty(N, Ah.dtype)
-        nf, bits = np.empty(N, np.float64), np.empty(N, np.int64)
         zero = one - one
         for j0 in range(0, N, T):
             nj = min(T, N - j0)
@@ -342,7 +506,7 @@ def _blas_receivers(Ah, B, ch, kappa, one, agg, T, m, inv_s, abar, erow, gA, gc)
             mi = _pair_logit(kmin, kappa)
             for j in range(N):
                 xs[j] = _pair_logit(row[j], kappa) - mi
-            _exp_row(xs, N, es, nf, bits)
+            _exp_row(xs, N, es)
             es[i] = zero
             si, ti = zero, zero
             for j in range(N):
@@ -386,7 +550,6 @@ def _blas_senders(Ah, B, ch, kappa, agg, T, m, inv_s, abar, gB):
         flat = np.empty(T * max(T, D), Ah.dtype)
         wt = np.empty((nj, T), Ah.dtype)
         xs, es = np.empty(T, Ah.dtype), np.empty(T, Ah.dtype)
-        nf, bits = np.empty(T, np.float64), np.empty(T, np.int64)
         acc = np.zeros((nj, D), Ah.dtype)
         for i0 in range(0, N, T):
             ni = min(T, N - i0)
@@ -397,7 +560,7 @@ def _blas_senders(Ah, B, ch, kappa, agg, T, m, inv_s, abar, gB):
                 ci, mi, isi, ai = ch[i], m[i], inv_s[i], abar[i]
                 for jj in range(nj):
                     xs[jj] = _pair_logit(t[ii, jj] + ci, kappa) - mi
-                _exp_row(xs, nj, es, nf, bits)
+                _exp_row(xs, nj, es)
                 for jj in range(nj):
                     w[jj, ii] = _pair_weight_e(es[jj], t[ii, jj] + ci, isi, ai, kappa, agg)
                 if j0 <= i < j0 + nj:
@@ -450,19 +613,17 @@ def pairwise_dense(A, B, c, kappa: float, aggregator: str):
         gc *= dt.type(0.5)
         return float(erow.sum(dtype=np.float64)), gA, gB, gc
     Bt = np.ascontiguousarray(B.T)
-    m = np.empty(N, dt)
-    inv_s = np.empty(N, dt)
-    abar = np.empty(N, dt)
-    erow = np.empty(N, dt)
-    serial = N * N * D < SERIAL_WORK
-    recv, send = (
-        (_dense_receivers_serial, _dense_senders_serial) if serial else (_dense_receivers, _dense_senders)
-    )
-    recv(Ah, B, Bt, ch, kappa, dt.type(1), dt.type(-np.inf), agg, m, inv_s, abar, erow, gA, gc)
-    send(Ah, B, Bt, ch, kappa, agg, m, inv_s, abar, SENDER_TILE if serial else _sender_block(N), gB)
-    gA *= dt.type(0.5)
-    gc *= dt.type(0.5)
-    return float(erow.sum(dtype=np.float64)), gA, gB, gc
+    m, inv_s, abar = np.empty(N, dt), np.empty(N, dt), np.empty(N, dt)
+    erow, gc64 = np.empty(N), np.empty(N)
+    gA64 = np.empty((N, D))
+    P = chunks(N, D)
+    gBp = np.zeros((P, D, N))
+    kernel = _dense_chunks_serial if N * N * D < SERIAL_WORK else _dense_chunks
+    kernel(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA64, gc64, gBp)
+    gB = np.empty((N, D), dt)
+    _sum_chunks(gBp, gB)
+    # The halvings are exact; the float64 sums are rounded to the dtype once, here.
+    return float(erow.sum()), (0.5 * gA64).astype(dt), gB, (0.5 * gc64).astype(dt)
 
 
 @_kernel
