@@ -142,8 +142,13 @@ def _check_hermitian(xp, X, name: str, tol: float) -> None:
         raise StateError(name, f"is not Hermitian (max |X - X^dagger| = {float(asym[i]):.3g})", agent=i)
 
 
-def validate_state(state: xr.Dataset | Mapping, cfg: QuantumConfig, *, check_spd: bool = True) -> None:
+def validate_state(
+    state: xr.Dataset | Mapping, cfg: QuantumConfig, *, check_spd: bool = True, conditioning: str = "exact"
+) -> None:
     """Raise :class:`~vfesim.StateError` naming the variable and agent for the first problem found.
+
+    ``conditioning`` is accepted for the common signature of :func:`vfesim.validate_state` and has no
+    effect here: density matrices may be rank-deficient (logs use the depolarising floor).
 
     Checks presence, dims, shapes and dtypes; finiteness; Hermitian rho and hamiltonian; unit trace;
     temperature > 0; outcome in [0, d); and, with ``check_spd``, rho positive semidefinite (eigenvalues
