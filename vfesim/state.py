@@ -28,6 +28,7 @@ __all__ = [
     "validate_state",
     "state_arrays",
     "state_dims",
+    "state_dataset",
     "check_spd_batch",
     "check_conditioning",
     "cholesky_named",
@@ -107,6 +108,22 @@ def validate_state(
     conditioning (with ``check_spd``): see :func:`check_conditioning` ("exact", "estimate" or "off").
     """
     _family(cfg).validate_state(state, cfg, check_spd=check_spd, conditioning=conditioning)
+
+
+def state_dataset(family: str, variables: Mapping[str, tuple[str, ...]], data: Mapping[str, Any], cfg, dtype):
+    """The state Dataset of a family: ``data`` (variable -> array) with the family's dims; attrs carry the
+    family, the config JSON, the package version and the dtype (families' ``make_state`` use this)."""
+    from ._version import __version__
+
+    return xr.Dataset(
+        {k: (variables[k], v) for k, v in data.items()},
+        attrs={
+            "agent_family": family,
+            "model_config": cfg.to_json(),
+            "vfesim_version": __version__,
+            "dtype": str(np.dtype(dtype)),
+        },
+    )
 
 
 def state_dims(cfg) -> Mapping[str, tuple[str, ...]]:

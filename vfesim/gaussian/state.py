@@ -13,10 +13,16 @@ from collections.abc import Mapping
 import numpy as np
 import xarray as xr
 
-from .._version import __version__
 from ..arrays import array_module
 from ..config import ModelConfig
-from ..state import ConditioningWarning, StateError, check_conditioning, check_spd_batch, precision_limit
+from ..state import (
+    ConditioningWarning,
+    StateError,
+    check_conditioning,
+    check_spd_batch,
+    precision_limit,
+    state_dataset,
+)
 
 __all__ = [
     "VARIABLES",
@@ -74,15 +80,7 @@ def make_state(
     data = {"mu_q": mu_q, "sigma_q": sigma_q, "mu_p": mu_p, "sigma_p": sigma_p, "phi": phi}
     if obs is not None:
         data["obs"] = obs
-    ds = xr.Dataset(
-        {k: (VARIABLES[k], v) for k, v in data.items()},
-        attrs={
-            "agent_family": "gaussian",
-            "model_config": cfg.to_json(),
-            "vfesim_version": __version__,
-            "dtype": str(np.dtype(mu_q.dtype)),
-        },
-    )
+    ds = state_dataset("gaussian", VARIABLES, data, cfg, mu_q.dtype)
     if validate:
         validate_state(ds, cfg)
     return ds

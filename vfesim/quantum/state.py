@@ -19,9 +19,8 @@ from collections.abc import Mapping
 import numpy as np
 import xarray as xr
 
-from .._version import __version__
 from ..arrays import array_module
-from ..state import StateError
+from ..state import StateError, state_dataset
 from .config import DTYPES, QuantumConfig
 
 __all__ = ["VARIABLES", "REQUIRED", "REAL_DTYPE", "make_state", "random_state", "validate_state", "tolerance"]
@@ -49,15 +48,7 @@ def make_state(
     data = {"rho": rho, "hamiltonian": hamiltonian, "temperature": temperature, "phi": phi}
     if outcome is not None:
         data["outcome"] = outcome
-    ds = xr.Dataset(
-        {k: (VARIABLES[k], v) for k, v in data.items()},
-        attrs={
-            "agent_family": "quantum",
-            "model_config": cfg.to_json(),
-            "vfesim_version": __version__,
-            "dtype": str(np.dtype(rho.dtype)),
-        },
-    )
+    ds = state_dataset("quantum", VARIABLES, data, cfg, rho.dtype)
     if validate:
         validate_state(ds, cfg)
     return ds
