@@ -165,11 +165,11 @@ def make_restore(name: str, cfg: ModelConfig, aux_names, dev, efn: EnergyFn, mak
     carry steps bitwise like the original. ``make_carry(state, step, aux, terms, grads, rng_state)``."""
 
     def restore(state: xr.Dataset, step: int, aux: dict, rng_state: dict | None = None) -> Carry:
-        validate_state(state, cfg)
         if set(aux) != set(aux_names):
             raise ValueError(f"{name} restore: aux keys {sorted(aux)} != expected {sorted(aux_names)}")
         if dev is not None:  # checkpoints and initial states may arrive on the host
             state, aux = dev.put_state(state), dev.put_aux(aux)
+        validate_state(state, cfg)  # where the state will be used (device checks on a GPU)
         terms, grads = efn(state_arrays(state))
         return make_carry(state, int(step), dict(aux), terms, grads, rng_state)
 
