@@ -257,12 +257,7 @@ def main(argv=None):
                                 frac_gemm=fl2 / t2 / ceil[f"gemm_{dtype}_flops"])  # fmt: skip
                     rows.append(row2)
                     log(json.dumps(row2))
-    with open(out / "gpu_bench.jsonl", "w") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
-    table = format_table(rows)
-    (out / "gpu_bench.txt").write_text(table)
-    print(table)
+    write_rows(out, "gpu_bench", rows, format_table(rows))
 
 
 def format_table(rows) -> str:
@@ -347,12 +342,7 @@ def step_sweep(out: Path, sizes, dtypes, K: int = 3) -> None:
                 row = bench_step(N, K, dtype, method)
                 rows.append(row)
                 log(json.dumps(row))
-    with open(out / "gpu_steps.jsonl", "w") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
-    table = format_steps(rows)
-    (out / "gpu_steps.txt").write_text(table)
-    print(table)
+    write_rows(out, "gpu_steps", rows, format_steps(rows))
 
 
 def format_steps(rows) -> str:

@@ -139,21 +139,21 @@ def state_arrays(state: xr.Dataset) -> dict[str, Any]:
 def check_spd_batch(S, name: str):
     """Symmetric to rounding and Cholesky-factorisable, per agent; raise naming the first failure.
 
-    NumPy arrays are checked on the host and the Cholesky factors L (N, K, K) are returned; device (CuPy)
-    arrays by one kernel on the device (:mod:`vfesim_kernels.cuda.checks`), with only the first failing
-    agent brought to the host, and the kernel's upper bounds of the condition numbers (N,) (device,
-    float64) are returned instead. Either feeds :func:`check_conditioning`.
+    Returns (L, bounds) for :func:`check_conditioning`. NumPy arrays are checked on the host: L is the
+    Cholesky factor (N, K, K), bounds None. Device (CuPy) arrays are checked by one kernel on the device
+    (:mod:`vfesim_kernels.cuda.checks`), with only the first failing agent brought to the host: L is None
+    and bounds the kernel's upper bounds of the condition numbers (N,) (device, float64).
     """
     xp = array_module(S)
     tol = 64 * np.finfo(S.dtype).eps
     if xp is not np:
-        return _check_spd_device(S, name, tol)
+        return None, _check_spd_device(S, name, tol)
     scale = np.abs(S).reshape(S.shape[0], -1).max(axis=1)
     asym = np.abs(S - np.swapaxes(S, 1, 2)).reshape(S.shape[0], -1).max(axis=1)
     bad = asym > tol * scale
     if bool(bad.any()):
         _raise_spd(S[int(np.argmax(bad))], name, int(np.argmax(bad)), tol)
-    return _cholesky_or_raise(S, name)
+    return _cholesky_or_raise(S, name), None
 
 
 def _check_spd_device(S, name: str, tol: float):
@@ -178,14 +178,14 @@ def _raise_spd(Si: np.ndarray, name: str, i: int, tol: float):
     raise StateError(name, f"is not positive definite (smallest eigenvalue {w[0]:.3g})", agent=i)
 
 
-def check_conditioning(S, L, name: str, mode: str = "exact") -> None:
+def check_conditioning(S, L, name: str, mode: str = "exact", bounds=None) -> None:
     """Condition numbers of SPD covariances S (N, K, K) against the dtype's limits (README, "Numerics").
 
     mode "exact": cond = lambda_max / lambda_min (eigvalsh, float64); above ``COND_MAX`` raise
     :class:`StateError`, above ``COND_WARN`` warn (:class:`ConditioningWarning`), naming the worst agent.
-    Given upper bounds of the condition numbers instead of factors (``L`` of shape (N,), from the device
-    check of :func:`check_spd_batch`), eigenvalues are computed only for agents whose bound exceeds
-    ``COND_WARN`` (the same verdicts, usually no eigensolver at all).
+    Given ``bounds``, upper bounds of the condition numbers (N,) (the device check of
+    :func:`check_spd_batch`), eigenvalues are computed only for agents whose bound exceeds ``COND_WARN``
+    (the same verdicts, usually no eigensolver at all).
     mode "estimate" (cheap, for every integrator step): the lower bound (max L_kk / min L_kk)^2 from the
     Cholesky factor L (computed here when None); only ``COND_MAX`` is enforced. mode "off": nothing.
     """
@@ -195,7 +195,6 @@ def check_conditioning(S, L, name: str, mode: str = "exact") -> None:
         raise ValueError(f"conditioning must be 'exact', 'estimate' or 'off', got {mode!r}")
     xp = array_module(S)
     dtype = np.dtype(S.dtype).name
-    bounds = L if L is not None and L.ndim == 1 else None
     if mode == "exact" and bounds is not None:
         sel = xp.flatnonzero(bounds > COND_WARN[dtype])
         if sel.size == 0:
@@ -207,7 +206,6 @@ def check_conditioning(S, L, name: str, mode: str = "exact") -> None:
         w = xp.linalg.eigvalsh(S.astype(np.float64))
         cond = w[:, -1] / w[:, 0]
     else:
-        L = None if bounds is not None else L
         L = xp.linalg.cholesky(S) if L is None else L
         d = xp.abs(xp.diagonal(L, axis1=1, axis2=2)).astype(np.float64)
         cond = (d.max(axis=1) / d.min(axis=1)) ** 2

@@ -213,12 +213,12 @@ def validate_state(
     if check_spd:
         for k in COVARIANCES:
             S = get(k)
-            L = check_spd_batch(S, k)  # Cholesky factors (NumPy) or condition-number bounds (device)
+            L, bounds = check_spd_batch(S, k)
             if cfg.jitter != 0.0 and conditioning != "off":  # the energy sees S + jitter I
                 xp = array_module(S)
                 S = S + cfg.jitter * xp.eye(K, dtype=S.dtype)
-                L = xp.linalg.cholesky(S)
-            check_conditioning(S, L, k, conditioning)
+                L, bounds = xp.linalg.cholesky(S), None
+            check_conditioning(S, L, k, conditioning, bounds=bounds)
 
 
 def _check_phi(phi, dtype, conditioning: str) -> None:
