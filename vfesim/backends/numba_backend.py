@@ -1,7 +1,8 @@
 """Numba backend: per-agent and pairwise stages as Numba CPU kernels (SPEC §2.3–2.4).
 
 Arrays stay NumPy arrays on the host. The per-agent stages (frames, features, their adjoint, dF/dphi)
-run in :mod:`vfesim_kernels.agent_cpu` through :class:`~vfesim.gaussian.energy.AgentOps`; the pairwise
+run in :mod:`vfesim_kernels.agent_cpu` through :class:`~vfesim.gaussian.energy.AgentOps` (density-matrix
+agents: :mod:`vfesim_kernels.quantum_cpu` through :class:`~vfesim.quantum.energy.QuantumOps`); the pairwise
 part in :mod:`vfesim_kernels.pairwise_cpu` (parallel over receiver / sender blocks, deterministic, no
 N x N array). Thread count: Numba's (``NUMBA_NUM_THREADS`` or ``numba.set_num_threads``).
 """
@@ -9,7 +10,7 @@ N x N array). Thread count: Numba's (``NUMBA_NUM_THREADS`` or ``numba.set_num_th
 from __future__ import annotations
 
 import numpy as np
-from vfesim_kernels import agent_cpu
+from vfesim_kernels import agent_cpu, quantum_cpu
 from vfesim_kernels.pairwise_cpu import pairwise_dense, pairwise_sparse
 
 from ..gaussian.energy import AgentOps
@@ -17,10 +18,11 @@ from ..gaussian.features import agent_features
 from ..gaussian.geometry import MOVABLE
 from ..gaussian.terms import self_kl
 from ..groups import generators
+from ..quantum.energy import QuantumOps
 from . import Backend
 from .numpy_backend import to_device, to_host  # host arrays: nothing to move
 
-__all__ = ["BACKEND", "to_device", "to_host", "energy_and_gradient", "AGENT_OPS", "NumbaUpdates"]
+__all__ = ["BACKEND", "to_device", "to_host", "energy_and_gradient", "AGENT_OPS", "QUANTUM_OPS", "NumbaUpdates"]
 
 
 def _frames(phi, irreps):
@@ -89,6 +91,17 @@ class NumbaUpdates:
         return out
 
 
+QUANTUM_OPS = QuantumOps(
+    quantum_cpu.eig_log,
+    quantum_cpu.gibbs,
+    quantum_cpu.frames,
+    quantum_cpu.pull_features,
+    quantum_cpu.pull_vjp,
+    quantum_cpu.dk_log,
+    quantum_cpu.dk_exp,
+    quantum_cpu.frames_vjp,
+)
+
 BACKEND = Backend(
     name="numba",
     array_module=lambda: np,
@@ -97,7 +110,7 @@ BACKEND = Backend(
     pairwise_dense=pairwise_dense,
     pairwise_sparse=pairwise_sparse,
     updates=NumbaUpdates,
-    agent_ops={"gaussian": AGENT_OPS},
+    agent_ops={"gaussian": AGENT_OPS, "quantum": QUANTUM_OPS},
 )
 
 

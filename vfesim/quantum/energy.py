@@ -39,7 +39,7 @@ sigma = exp(log sigma) and log sigma(H, T); for the frames, U_bar = 2 a U C~ + 2
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,6 +51,8 @@ from .linalg import dagger, dd_exp, dd_log, dk, eigh, from_eig, herm, hmat, hvec
 
 __all__ = [
     "TERMS",
+    "QuantumOps",
+    "NUMPY_OPS",
     "FLOOR_EPS",
     "floor_eps",
     "energy_and_gradient",
@@ -94,24 +96,70 @@ def _pull(U, X):
     return dagger(U) @ X @ U
 
 
-def _alignment(a, log_a, c_half, U, kappa, aggregator, neighbours, dense, sparse):
-    """One alignment term over states a (own frames) with their logs.
+def _eig_log(x):
+    s, W = eigh(x)
+    log_s = _xp(s).log(s)
+    return s, W, from_eig(W, log_s), (s * log_s).sum(axis=1)
 
-    c_half: tr(a log a) per agent. Returns (E, a_bar, log_a_bar, gc, U_bar): cotangents (own frame) of a
-    and of log a from the features A and B, gc (the coefficient of tr(a log a) is 2 gc), and U's
-    cotangent (dL = Re tr(U_bar^dagger dU)).
-    """
-    d = a.shape[-1]
-    A = hvec(_pull(U, a))
-    B = -2.0 * hvec(_pull(U, log_a))
-    E, gA, gB, gc = _pairwise.pairwise_energy(
-        A, B, 2.0 * c_half, kappa, aggregator, neighbours, dense=dense, sparse=sparse
-    )
+
+def _pull_features(U, a, log_a):
+    return hvec(_pull(U, a)), -2.0 * hvec(_pull(U, log_a))
+
+
+def _pull_vjp(gA, gB, U, a, log_a):
+    d = U.shape[-1]
     C = hmat(gA, d)  # cotangent of a~
     M = hmat(-2.0 * gB, d)  # cotangent of (log a)~
     Ud = dagger(U)
-    U_bar = 2.0 * (a @ U @ C + log_a @ U @ M)
-    return E, U @ C @ Ud, U @ M @ Ud, gc, U_bar
+    return U @ C @ Ud, U @ M @ Ud, 2.0 * (a @ U @ C + log_a @ U @ M)
+
+
+def _dk_log(s, W, E):
+    return dk(W, dd_log(s).astype(W.dtype), E)
+
+
+def _dk_exp(l, p, V, E):
+    return dk(V, dd_exp(l, p).astype(V.dtype), E)
+
+
+class QuantumOps(NamedTuple):
+    """The per-agent stages of the density-matrix free energy; a backend may supply kernels for them
+    (NumPy/CuPy array code by default, :data:`NUMPY_OPS`). Batched over agents; ``d x d`` complex.
+
+    eig_log(x) -> (s (N, d), W, log x, tr(x log x) (N,)): floored beliefs' eigen-decomposition and log
+    gibbs(H, T) -> (sigma, log sigma, l, p, V): Gibbs priors, log-eigenvalues l, p = exp(l), eigenvectors
+    frames(phi, J, dtype) -> (U, cache): U_i = exp(-i phi_i . J), cache = (k, V) of phi_i . J
+    pull_features(U, a, log a) -> (A, B) = (hvec(U^dagger a U), -2 hvec(U^dagger (log a) U)) (N, d^2)
+    pull_vjp(gA, gB, U, a, log a) -> (a_bar, log_a_bar, U_bar): adjoint of pull_features
+    dk_log(s, W, E) -> Dlog(x)[E];  dk_exp(l, p, V, E) -> Dexp(L)[E] (Daleckii–Krein)
+    frames_vjp(U_bar, cache, J) -> phi_bar (N, 3)
+    """
+
+    eig_log: Callable
+    gibbs: Callable
+    frames: Callable
+    pull_features: Callable
+    pull_vjp: Callable
+    dk_log: Callable
+    dk_exp: Callable
+    frames_vjp: Callable
+
+
+NUMPY_OPS = QuantumOps(_eig_log, _gibbs, frames, _pull_features, _pull_vjp, _dk_log, _dk_exp, frames_vjp)
+
+
+def _alignment(ops, a, log_a, c_half, U, kappa, aggregator, neighbours, dense, sparse):
+    """One alignment term over states a (own frames) with their logs.
+
+    c_half: tr(a log a) per agent. Returns (E, a_bar, log_a_bar, U_bar, gc): cotangents (own frame) of a
+    and of log a from the features A and B, gc (the coefficient of tr(a log a) is 2 gc), and U's
+    cotangent (dL = Re tr(U_bar^dagger dU)).
+    """
+    A, B = ops.pull_features(U, a, log_a)
+    E, gA, gB, gc = _pairwise.pairwise_energy(
+        A, B, 2.0 * c_half, kappa, aggregator, neighbours, dense=dense, sparse=sparse
+    )
+    return (E, *ops.pull_vjp(gA, gB, U, a, log_a), gc)
 
 
 def energy_and_gradient_arrays(
@@ -121,12 +169,13 @@ def energy_and_gradient_arrays(
     pairwise_dense: Callable = _pairwise.pairwise_dense,
     pairwise_sparse: Callable = _pairwise.pairwise_sparse,
     neighbours: tuple | None = None,
+    ops: QuantumOps = NUMPY_OPS,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Energy terms and the gradient of ``terms["total"]`` for raw arrays (no validation).
 
     arrays: rho, hamiltonian (N, d, d) complex; temperature (N,), phi (N, 3) real; outcome (N,) integer
     when lambda_obs > 0. Gradient conventions: module docstring. neighbours: (index, mask) for sparse
-    configs (default: from cfg).
+    configs (default: from cfg). ops: the per-agent stages (array code by default, or a backend's kernels).
     """
     rho, H, T, phi = arrays["rho"], arrays["hamiltonian"], arrays["temperature"], arrays["phi"]
     xp = _xp(rho)
@@ -143,17 +192,14 @@ def energy_and_gradient_arrays(
     terms = dict.fromkeys(TERMS, 0.0)
 
     if cfg.lambda_self > 0 or cfg.lambda_belief > 0:
-        s, W = eigh(x)
-        log_s = xp.log(s)
-        log_x = from_eig(W, log_s)
-        x_log_x = (s * log_s).sum(axis=1)  # tr(x log x) = -S(x)
+        s, W, log_x, x_log_x = ops.eig_log(x)  # x_log_x = tr(x log x) = -S(x)
     if cfg.lambda_self > 0 or cfg.lambda_prior > 0:
-        sigma, log_sigma, l, p, V = _gibbs(H, T)
+        sigma, log_sigma, l, p, V = ops.gibbs(H, T)
         sigma_bar = xp.zeros_like(rho)
         logsig_bar = xp.zeros_like(rho)
     if cfg.lambda_belief > 0 or cfg.lambda_prior > 0:
         J = spin_generators(d)
-        U, fcache = frames(phi, J, rho.dtype)
+        U, fcache = ops.frames(phi, J, rho.dtype)
 
     if cfg.lambda_self > 0:
         lam = cfg.lambda_self
@@ -173,8 +219,8 @@ def energy_and_gradient_arrays(
 
     if cfg.lambda_belief > 0:
         lam = cfg.lambda_belief
-        E, a_bar, la_bar, gc, Ub = _alignment(
-            x, log_x, x_log_x, U, cfg.kappa_beta, cfg.aggregator, nb, pairwise_dense, pairwise_sparse
+        E, a_bar, la_bar, Ub, gc = _alignment(
+            ops, x, log_x, x_log_x, U, cfg.kappa_beta, cfg.aggregator, nb, pairwise_dense, pairwise_sparse
         )
         terms["belief_align"] = lam * E
         x_bar += lam * (a_bar + (2.0 * gc)[:, None, None] * log_x)  # d tr(x log x) = tr((log x + I) dx)
@@ -184,7 +230,8 @@ def energy_and_gradient_arrays(
     if cfg.lambda_prior > 0:
         lam = cfg.lambda_prior
         sig_log_sig = (p * l).sum(axis=1)
-        E, a_bar, la_bar, gc, Ub = _alignment(
+        E, a_bar, la_bar, Ub, gc = _alignment(
+            ops,
             sigma,
             log_sigma,
             sig_log_sig,
@@ -201,13 +248,13 @@ def energy_and_gradient_arrays(
         U_bar += lam * Ub
 
     if cfg.lambda_self > 0 or cfg.lambda_belief > 0:
-        x_bar = x_bar + dk(W, dd_log(s).astype(rho.dtype), logx_bar)
+        x_bar = x_bar + ops.dk_log(s, W, logx_bar)
     grads["rho"] = (1.0 - eps) * traceless(herm(x_bar))
 
     if cfg.lambda_self > 0 or cfg.lambda_prior > 0:
         # Total cotangent of L = log sigma (sigma = exp(L)), then L = -H/T - log Z(H, T) I:
         # H_bar = (-M + tr(M) sigma)/T, T_bar = (tr(M H) - tr(M) tr(sigma H))/T^2.
-        M = logsig_bar + dk(V, dd_exp(l, p).astype(rho.dtype), sigma_bar)
+        M = logsig_bar + ops.dk_exp(l, p, V, sigma_bar)
         trM = trace(M).real
         Tc = T[:, None, None]
         grads["hamiltonian"] = herm(-M + trM[:, None, None] * sigma) / Tc
@@ -216,7 +263,7 @@ def energy_and_gradient_arrays(
         grads["temperature"] = ((tr_MH - trM * tr_sH) / T**2).astype(T.dtype)
 
     if cfg.lambda_belief > 0 or cfg.lambda_prior > 0:
-        grads["phi"] = frames_vjp(U_bar, fcache, J).astype(phi.dtype)
+        grads["phi"] = ops.frames_vjp(U_bar, fcache, J).astype(phi.dtype)
 
     terms["total"] = sum(terms[k] for k in TERMS)
     return terms, grads
@@ -225,12 +272,17 @@ def energy_and_gradient_arrays(
 def energy_and_gradient(arrays: dict[str, Any], cfg: QuantumConfig, backend) -> tuple[dict[str, float], dict]:
     """Terms and the gradient of ``terms["total"]`` with the capabilities of ``backend`` (no validation).
 
-    The per-agent stages are array code on the backend's arrays (NumPy; CuPy with cuSOLVER's batched
-    ``eigh`` on a GPU); the pairwise part runs in the backend's own family-free pair kernels (streaming
-    Numba kernels, the CUDA GEMM path). Fused per-agent kernels of this family are not written yet.
+    The per-agent stages are the backend's kernels (``backend.agent_ops["quantum"]``, a
+    :class:`QuantumOps`: Jacobi eigensolvers and Daleckii–Krein adjoints per agent on the CPU and the GPU)
+    or, where it has none, array code on its arrays; the pairwise part runs in the backend's own
+    family-free pair kernels.
     """
     return energy_and_gradient_arrays(
-        arrays, cfg, pairwise_dense=backend.pairwise_dense, pairwise_sparse=backend.pairwise_sparse
+        arrays,
+        cfg,
+        pairwise_dense=backend.pairwise_dense,
+        pairwise_sparse=backend.pairwise_sparse,
+        ops=backend.agent_ops.get("quantum", NUMPY_OPS),
     )
 
 

@@ -1,0 +1,393 @@
+"""Per-agent density-matrix maths written once (spec/quantum.md §2–§4), compiled for the CPU (njit) and
+as CUDA device functions.
+
+Plain Python over one agent's small complex matrices, no allocation: callers pass scratch (``(d, d)``
+complex matrices ``T*``, a real ``(d,)`` vector ``r``). Functions call each other by their module-level
+names; :func:`link` compiles the whole set for one target, binding each name to its compiled version
+(numba resolves a call through a global to a compile-time function, on either target).
+
+The same operations as the NumPy stages of ``vfesim.quantum`` (the vectorised reference):
+
+- :func:`jacobi_eigh`: ``A = V diag(w) V^dagger`` for Hermitian A by cyclic complex Jacobi rotations
+  (eigenvalues unordered: every consumer is symmetric in them);
+- :func:`eig_log_agent`: eigen-decomposition of a floored belief x, ``log x`` and ``tr(x log x)``;
+- :func:`gibbs_agent`: the Gibbs prior ``sigma = exp(-H/T)/Z``, its log and log-eigenvalues
+  ``l = -h/T - log Z`` (a log-sum-exp, no ``log p``);
+- :func:`frames_agent`: ``U = exp(-i phi . J)`` through the eigen-decomposition of ``phi . J``;
+- :func:`pull_features_agent` / :func:`pull_vjp_agent`: the pairwise feature rows of pulled-back states,
+  ``A = hvec(U^dagger a U)``, ``B = -2 hvec(U^dagger (log a) U)``, and their adjoint;
+- :func:`dk_log_agent`, :func:`dk_exp_agent`, :func:`frames_vjp_agent`: Daleckii–Krein adjoints of
+  ``log``, ``exp`` and ``exp(-i .)`` (the divided differences of ``vfesim.quantum.linalg``).
+
+Every ``*_agent`` function handles agent ``n`` of its batched arguments, so a CPU kernel loops it over
+agents and a CUDA kernel runs it once per thread. Real scalars are evaluated in float64 where a float
+literal promotes them; results are stored in the arrays' dtypes.
+"""
+
+import math
+import types
+
+__all__ = ["link", "FUNCTIONS", "MAX_SWEEPS", "SQRT2"]
+
+# Sweeps of the Jacobi eigensolver at most (quadratic convergence: 4-8 reach round-off for d <= 8).
+MAX_SWEEPS = 30
+SQRT2 = math.sqrt(2.0)
+# |tau| above which t = 1 / (2 tau) replaces 1 / (|tau| + sqrt(1 + tau^2)) (tau^2 would overflow).
+_TAU_BIG = 1e100
+
+
+def jacobi_eigh(A, w, V, tol2):
+    """Hermitian A (d, d) -> eigenvalues w (d,) and unitary eigenvectors V (columns); A is overwritten.
+
+    Each rotation zeroes A[p, q] = g e (g = |A[p, q]|, |e| = 1) with the unitary G that equals the identity
+    except G[p, p] = G[q, q] = c, G[p, q] = s e, G[q, p] = -s conj(e), t = s / c the root of smaller
+    modulus of t^2 + 2 tau t - 1 = 0, tau = (A[q, q] - A[p, p]) / (2 g); A <- G^dagger A G, V <- V G.
+    Sweeps stop when the squared off-diagonal norm is at most ``tol2`` times the squared Frobenius norm.
+    """
+    d = A.shape[0]
+    for r in range(d):
+        for c in range(d):
+            V[r, c] = 0.0
+        V[r, r] = 1.0
+    for _ in range(MAX_SWEEPS):
+        off = 0.0
+        diag = 0.0
+        for p in range(d):
+            diag += A[p, p].real * A[p, p].real
+            for q in range(p + 1, d):
+                off += A[p, q].real * A[p, q].real + A[p, q].imag * A[p, q].imag
+        if off <= tol2 * (diag + 2.0 * off):
+            break
+        for p in range(d - 1):
+            for q in range(p + 1, d):
+                apq = A[p, q]
+                g = abs(apq)
+                if g == 0.0:
+                    continue
+                e = apq / g
+                tau = (A[q, q].real - A[p, p].real) / (2.0 * g)
+                at = abs(tau)
+                t = 0.5 / at if at > _TAU_BIG else 1.0 / (at + math.sqrt(1.0 + tau * tau))
+                if tau < 0.0:
+                    t = -t
+                c = 1.0 / math.sqrt(1.0 + t * t)
+                s = t * c
+                se = s * e
+                sec = s * e.conjugate()
+                for k in range(d):  # A <- A G (columns p, q)
+                    akp = A[k, p]
+                    akq = A[k, q]
+                    A[k, p] = c * akp - sec * akq
+                    A[k, q] = se * akp + c * akq
+                for k in range(d):  # A <- G^dagger A (rows p, q)
+                    apk = A[p, k]
+                    aqk = A[q, k]
+                    A[p, k] = c * apk - se * aqk
+                    A[q, k] = sec * apk + c * aqk
+                A[p, q] = 0.0
+                A[q, p] = 0.0
+                A[p, p] = A[p, p].real
+                A[q, q] = A[q, q].real
+                for k in range(d):  # V <- V G
+                    vkp = V[k, p]
+                    vkq = V[k, q]
+                    V[k, p] = c * vkp - sec * vkq
+                    V[k, q] = se * vkp + c * vkq
+    for k in range(d):
+        w[k] = A[k, k].real
+
+
+def load_herm(X, n, A):
+    """A = (X[n] + X[n]^dagger) / 2."""
+    d = A.shape[0]
+    for r in range(d):
+        for c in range(d):
+            A[r, c] = 0.5 * (X[n, r, c] + X[n, c, r].conjugate())
+
+
+def from_eig(V, f, out):
+    """out = V diag(f) V^dagger for real f (d,)."""
+    d = V.shape[0]
+    for r in range(d):
+        for c in range(d):
+            acc = 0.0 * V[0, 0]
+            for k in range(d):
+                acc += V[r, k] * f[k] * V[c, k].conjugate()
+            out[r, c] = acc
+
+
+def mm(X, Y, out):
+    """out = X Y."""
+    d = X.shape[0]
+    for r in range(d):
+        for c in range(d):
+            acc = 0.0 * X[0, 0]
+            for k in range(d):
+                acc += X[r, k] * Y[k, c]
+            out[r, c] = acc
+
+
+def mm_add(X, Y, out):
+    """out += X Y."""
+    d = X.shape[0]
+    for r in range(d):
+        for c in range(d):
+            acc = 0.0 * X[0, 0]
+            for k in range(d):
+                acc += X[r, k] * Y[k, c]
+            out[r, c] += acc
+
+
+def mm_dl(X, Y, out):
+    """out = X^dagger Y."""
+    d = X.shape[0]
+    for r in range(d):
+        for c in range(d):
+            acc = 0.0 * X[0, 0]
+            for k in range(d):
+                acc += X[k, r].conjugate() * Y[k, c]
+            out[r, c] = acc
+
+
+def mm_dr(X, Y, out):
+    """out = X Y^dagger."""
+    d = X.shape[0]
+    for r in range(d):
+        for c in range(d):
+            acc = 0.0 * X[0, 0]
+            for k in range(d):
+                acc += X[r, k] * Y[c, k].conjugate()
+            out[r, c] = acc
+
+
+def pull_back(U, X, T, out):
+    """out = U^dagger X U (T: scratch)."""
+    mm_dl(U, X, T)
+    mm(T, U, out)
+
+
+def push_forward(U, X, T, out):
+    """out = U X U^dagger (T: scratch)."""
+    mm(U, X, T)
+    mm_dr(T, U, out)
+
+
+def hvec_store(X, scale, out):
+    """out (d^2,) = scale * [diag X, sqrt2 Re triu X, sqrt2 Im triu X] (row-major strict upper triangle)."""
+    d = X.shape[0]
+    m = d * (d - 1) // 2
+    for k in range(d):
+        out[k] = scale * X[k, k].real
+    i = 0
+    for p in range(d):
+        for q in range(p + 1, d):
+            out[d + i] = scale * SQRT2 * X[p, q].real
+            out[d + m + i] = scale * SQRT2 * X[p, q].imag
+            i += 1
+
+
+def hmat_load(v, scale, X):
+    """X = the Hermitian matrix of coordinates scale * v (inverse of :func:`hvec_store`)."""
+    d = X.shape[0]
+    m = d * (d - 1) // 2
+    for k in range(d):
+        X[k, k] = scale * v[k]
+    i = 0
+    for p in range(d):
+        for q in range(p + 1, d):
+            z = complex(scale * v[d + i] / SQRT2, scale * v[d + m + i] / SQRT2)
+            X[p, q] = z
+            X[q, p] = z.conjugate()
+            i += 1
+
+
+def dd_log(a, b):
+    """log^[1](a, b) for a, b > 0: 2 atanh(delta) / (delta (a + b)) for |delta| < 1/2, delta = (a - b) / (a + b)
+    (1/a at a tie), else (log a - log b) / (a - b)."""
+    tot = a + b
+    delta = (a - b) / tot
+    if abs(delta) < 0.5:
+        ratio = 1.0 if delta == 0.0 else math.atanh(delta) / delta
+        return 2.0 * ratio / tot
+    return (math.log(a) - math.log(b)) / (a - b)
+
+
+def dd_exp(la, lb, pa, pb):
+    """exp^[1] at log-values la, lb (pa = e^la, pb = e^lb): sqrt(pa pb) sinh(x) / x, x = (la - lb) / 2, for
+    |la - lb| < 1, else (pa - pb) / (la - lb)."""
+    dl = la - lb
+    if abs(dl) < 1.0:
+        x = 0.5 * dl
+        sinhc = 1.0 if x == 0.0 else math.sinh(x) / x
+        return math.sqrt(pa * pb) * sinhc
+    return (pa - pb) / dl
+
+
+def dd_expi_conj(ka, kb):
+    """conj of f^[1](ka, kb) for f(k) = exp(-i k): i exp(i (ka + kb) / 2) sinc((ka - kb) / 2)."""
+    y = 0.5 * (ka - kb)
+    sc = 1.0 if y == 0.0 else math.sin(y) / y
+    th = 0.5 * (ka + kb)
+    return complex(-math.sin(th) * sc, math.cos(th) * sc)
+
+
+def eig_log_agent(x, n, s, W, logx, xlx, A, r, tol2):
+    """s[n], W[n]: eigen-decomposition of herm(x[n]); logx[n] = W diag(log s) W^dagger; xlx[n] = tr(x log x).
+    Scratch A (d, d), r (d,)."""
+    d = A.shape[0]
+    load_herm(x, n, A)
+    jacobi_eigh(A, s[n], W[n], tol2)
+    h = 0.0
+    for k in range(d):
+        r[k] = math.log(s[n, k])
+        h += s[n, k] * r[k]
+    from_eig(W[n], r, logx[n])
+    xlx[n] = h
+
+
+def gibbs_agent(H, T, n, sigma, logsig, l, p, V, A, tol2):
+    """Gibbs prior of agent n: herm(H[n]) = V diag(h) V^dagger, l = -h/T - log Z (log-sum-exp with the
+    maximum shifted out), p = exp(l), sigma = V diag(p) V^dagger, logsig = V diag(l) V^dagger."""
+    d = A.shape[0]
+    load_herm(H, n, A)
+    ln = l[n]
+    jacobi_eigh(A, ln, V[n], tol2)
+    tn = T[n]
+    m = -ln[0] / tn
+    for k in range(1, d):
+        m = max(m, -ln[k] / tn)
+    acc = 0.0
+    for k in range(d):
+        acc += math.exp(-ln[k] / tn - m)
+    lz = m + math.log(acc)
+    for k in range(d):
+        ln[k] = -ln[k] / tn - lz
+        p[n, k] = math.exp(ln[k])
+    from_eig(V[n], p[n], sigma[n])
+    from_eig(V[n], ln, logsig[n])
+
+
+def frames_agent(phi, J, n, U, k, V, A, tol2):
+    """U[n] = exp(-i phi[n] . J) = V diag(exp(-i k)) V^dagger with phi[n] . J = V diag(k) V^dagger."""
+    d = A.shape[0]
+    for r in range(d):
+        for c in range(d):
+            A[r, c] = phi[n, 0] * J[0, r, c] + phi[n, 1] * J[1, r, c] + phi[n, 2] * J[2, r, c]
+    kn = k[n]
+    Vn = V[n]
+    jacobi_eigh(A, kn, Vn, tol2)
+    for r in range(d):
+        for c in range(d):
+            acc = 0.0 * Vn[0, 0]
+            for j in range(d):
+                acc += Vn[r, j] * complex(math.cos(kn[j]), -math.sin(kn[j])) * Vn[c, j].conjugate()
+            U[n, r, c] = acc
+
+
+def pull_features_agent(U, a, loga, n, Aout, Bout, T1, T2):
+    """Aout[n] = hvec(U^dagger a U), Bout[n] = -2 hvec(U^dagger (log a) U) for agent n."""
+    pull_back(U[n], a[n], T1, T2)
+    hvec_store(T2, 1.0, Aout[n])
+    pull_back(U[n], loga[n], T1, T2)
+    hvec_store(T2, -2.0, Bout[n])
+
+
+def pull_vjp_agent(gA, gB, U, a, loga, n, abar, labar, Ubar, C, M, T):
+    """Adjoint of :func:`pull_features_agent`: with C = hmat(gA[n]) and M = hmat(-2 gB[n]) (cotangents of
+    the pulled-back a and log a), abar[n] = U C U^dagger, labar[n] = U M U^dagger and
+    Ubar[n] = 2 (a U C + (log a) U M) (dL = Re tr(Ubar^dagger dU))."""
+    d = C.shape[0]
+    Un = U[n]
+    hmat_load(gA[n], 1.0, C)
+    hmat_load(gB[n], -2.0, M)
+    push_forward(Un, C, T, abar[n])
+    push_forward(Un, M, T, labar[n])
+    mm(Un, C, T)
+    mm(a[n], T, Ubar[n])
+    mm(Un, M, T)
+    mm_add(loga[n], T, Ubar[n])
+    for r in range(d):
+        for c in range(d):
+            Ubar[n, r, c] = 2.0 * Ubar[n, r, c]
+
+
+def dk_log_agent(s, W, E, n, out, T1, T2):
+    """out[n] = Dlog(x)[E[n]] = W (log^[1](s) o W^dagger E W) W^dagger (x = W diag(s) W^dagger)."""
+    d = T1.shape[0]
+    pull_back(W[n], E[n], T1, T2)
+    for r in range(d):
+        for c in range(d):
+            T2[r, c] = T2[r, c] * dd_log(s[n, r], s[n, c])
+    push_forward(W[n], T2, T1, out[n])
+
+
+def dk_exp_agent(l, p, V, E, n, out, T1, T2):
+    """out[n] = Dexp(L)[E[n]] = V (exp^[1](l) o V^dagger E V) V^dagger (L = V diag(l) V^dagger)."""
+    d = T1.shape[0]
+    pull_back(V[n], E[n], T1, T2)
+    for r in range(d):
+        for c in range(d):
+            T2[r, c] = T2[r, c] * dd_exp(l[n, r], l[n, c], p[n, r], p[n, c])
+    push_forward(V[n], T2, T1, out[n])
+
+
+def frames_vjp_agent(Ubar, k, V, J, n, out, T1, T2, T3):
+    """out[n, a] = Re tr(Kbar^dagger J_a), Kbar = V (conj(f^[1](k)) o V^dagger Ubar V) V^dagger, f = exp(-i .)
+    (rule R2)."""
+    d = T1.shape[0]
+    pull_back(V[n], Ubar[n], T1, T2)
+    for r in range(d):
+        for c in range(d):
+            T2[r, c] = T2[r, c] * dd_expi_conj(k[n, r], k[n, c])
+    push_forward(V[n], T2, T1, T3)
+    for a in range(3):
+        acc = 0.0
+        for r in range(d):
+            for c in range(d):
+                z = T3[r, c]
+                j = J[a, r, c]
+                acc += z.real * j.real + z.imag * j.imag
+        out[n, a] = acc
+
+
+# In dependency order (callees first): :func:`link` compiles them in this order.
+FUNCTIONS = (
+    "jacobi_eigh",
+    "load_herm",
+    "from_eig",
+    "mm",
+    "mm_add",
+    "mm_dl",
+    "mm_dr",
+    "pull_back",
+    "push_forward",
+    "hvec_store",
+    "hmat_load",
+    "dd_log",
+    "dd_exp",
+    "dd_expi_conj",
+    "eig_log_agent",
+    "gibbs_agent",
+    "frames_agent",
+    "pull_features_agent",
+    "pull_vjp_agent",
+    "dk_log_agent",
+    "dk_exp_agent",
+    "frames_vjp_agent",
+)
+
+
+def link(jit, suffix: str):
+    """Compile every function of :data:`FUNCTIONS` with ``jit`` (a decorator), each seeing the compiled
+    versions of the others under their names. ``suffix`` names the copies (numba keys caches and inlining
+    by qualified name). Returns a namespace of compiled functions."""
+    compiled = {}
+    g = dict(globals())
+    for name in FUNCTIONS:
+        f = globals()[name]
+        copy = types.FunctionType(f.__code__, g, f"{name}_{suffix}", f.__defaults__, f.__closure__)
+        copy.__qualname__ = f"{f.__qualname__}_{suffix}"
+        copy.__doc__ = f.__doc__
+        compiled[name] = jit(copy)
+        g[name] = compiled[name]
+    return types.SimpleNamespace(**compiled)
