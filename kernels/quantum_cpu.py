@@ -1,10 +1,10 @@
 """Numba CPU kernels of the density-matrix per-agent stages: :mod:`vfesim_kernels.quantum_math` run over
-agents in parallel, each agent's matrices in per-agent scratch (no batched temporaries).
+agent ranges on a few threads, each agent's matrices in per-thread scratch (no batched temporaries).
 
-The operations and their shapes are those of the NumPy stages in ``vfesim.quantum`` (see
-``vfesim.quantum.energy.QuantumOps``): complex64 or complex128 matrices (N, d, d), real vectors (N, d) of
-the matching precision. Agents are independent and every result is per agent, so results do not depend
-on the thread count.
+The operations, arguments and shapes are those of the CUDA kernels
+(:func:`vfesim_kernels.cuda.make_quantum_kernels`); ``vfesim.quantum.kernel_ops`` wraps either set as
+the stages of the one assembly. Agents are independent and every result is per agent, so results do not
+depend on the thread count.
 """
 
 from __future__ import annotations
@@ -16,17 +16,7 @@ import numpy as np
 
 from . import quantum_math as _qm
 
-__all__ = [
-    "eig_log",
-    "gibbs",
-    "frames",
-    "frames_vjp",
-    "pull_features",
-    "pull_vjp",
-    "dk_log",
-    "dk_exp",
-    "jacobi_tol2",
-]
+__all__ = ["KERNELS", "launch", "MIN_AGENTS_PER_THREAD"]
 
 _m = _qm.link(numba.njit(nogil=True, cache=True), "cpu")
 _eig_log_agent = _m.eig_log_agent
@@ -60,16 +50,6 @@ def _run(kernel, N: int, *args) -> None:
     futures = [_pool.submit(kernel, bounds[k], bounds[k + 1], *args) for k in range(parts)]
     for f in futures:
         f.result()
-
-
-def jacobi_tol2(dtype) -> float:
-    """Stopping threshold of the Jacobi sweeps (squared relative off-diagonal norm): a few ulps squared."""
-    eps = float(np.finfo(np.dtype(dtype)).eps)
-    return (4.0 * eps) ** 2
-
-
-def _real(dtype) -> np.dtype:
-    return np.finfo(np.dtype(dtype)).dtype
 
 
 @_kernel
@@ -137,77 +117,20 @@ def _frames_vjp(n0, n1, Ubar, k, V, J, out):
         _frames_vjp_agent(Ubar, k, V, J, n, out, T[0], T[1], T[2])
 
 
-def _c(a):
-    return np.ascontiguousarray(a)
+KERNELS = {
+    "eig_log": _eig_log,
+    "gibbs": _gibbs,
+    "frames": _frames,
+    "pull_features": _pull_features,
+    "pull_vjp": _pull_vjp,
+    "dk_log": _dk_log,
+    "dk_exp": _dk_exp,
+    "frames_vjp": _frames_vjp,
+}
 
 
-def eig_log(x):
-    """(s, W, log x, tr(x log x)) of floored beliefs x (N, d, d)."""
-    N, d = x.shape[:2]
-    s = np.empty((N, d), _real(x.dtype))
-    W, logx = np.empty_like(x), np.empty_like(x)
-    xlx = np.empty(N, s.dtype)
-    _run(_eig_log, N, _c(x), jacobi_tol2(x.dtype), s, W, logx, xlx)
-    return s, W, logx, xlx
-
-
-def gibbs(H, T):
-    """(sigma, log sigma, l, p, V) of Gibbs priors exp(-H/T)/Z."""
-    N, d = H.shape[:2]
-    l, p = np.empty((N, d), T.dtype), np.empty((N, d), T.dtype)
-    sigma, logsig, V = np.empty_like(H), np.empty_like(H), np.empty_like(H)
-    _run(_gibbs, N, _c(H), _c(T), jacobi_tol2(H.dtype), sigma, logsig, l, p, V)
-    return sigma, logsig, l, p, V
-
-
-def frames(phi, J, dtype):
-    """(U, (k, V)): U_i = exp(-i phi_i . J) of complex ``dtype`` and the eigen-decomposition of phi_i . J."""
-    dtype = np.dtype(dtype)
-    N, d = phi.shape[0], J.shape[-1]
-    U, V = np.empty((N, d, d), dtype), np.empty((N, d, d), dtype)
-    k = np.empty((N, d), _real(dtype))
-    phi = _c(phi.astype(_real(dtype), copy=False))
-    _run(_frames, N, phi, _c(np.asarray(J, dtype)), jacobi_tol2(dtype), U, k, V)
-    return U, (k, V)
-
-
-def pull_features(U, a, loga):
-    """(hvec(U^dagger a U), -2 hvec(U^dagger (log a) U)) (N, d^2) each."""
-    N, d = U.shape[:2]
-    A = np.empty((N, d * d), _real(U.dtype))
-    B = np.empty_like(A)
-    _run(_pull_features, N, _c(U), _c(a), _c(loga), A, B)
-    return A, B
-
-
-def pull_vjp(gA, gB, U, a, loga):
-    """(a_bar, log_a_bar, U_bar) from the feature cotangents gA, gB (N, d^2)."""
-    N = U.shape[0]
-    abar, labar, Ubar = np.empty_like(U), np.empty_like(U), np.empty_like(U)
-    _run(_pull_vjp, N, _c(gA), _c(gB), _c(U), _c(a), _c(loga), abar, labar, Ubar)
-    return abar, labar, Ubar
-
-
-def dk_log(s, W, E):
-    """Dlog(x)[E] for x = W diag(s) W^dagger."""
-    N = W.shape[0]
-    out = np.empty_like(W)
-    _run(_dk_log, N, _c(s), _c(W), _c(E.astype(W.dtype, copy=False)), out)
-    return out
-
-
-def dk_exp(l, p, V, E):
-    """Dexp(L)[E] for L = V diag(l) V^dagger, p = exp(l)."""
-    N = V.shape[0]
-    out = np.empty_like(V)
-    _run(_dk_exp, N, _c(l), _c(p), _c(V), _c(E.astype(V.dtype, copy=False)), out)
-    return out
-
-
-def frames_vjp(U_bar, cache, J):
-    """phi_bar (N, 3) of the cotangent U_bar of U = exp(-i phi . J) (rule R2)."""
-    k, V = cache
-    N = V.shape[0]
-    out = np.empty((N, 3), k.dtype)
-    _run(_frames_vjp, N, _c(U_bar), _c(k), _c(V), _c(np.asarray(J, V.dtype)), out)
-    return out
+def launch(name: str, N: int, d: int, dtype, *args) -> None:
+    """Run kernel ``name`` over agents 0 .. N (arguments as the CUDA kernels of
+    :func:`vfesim_kernels.cuda.make_quantum_kernels`; d and dtype unused: the CPU kernels specialise on
+    their arguments)."""
+    _run(KERNELS[name], N, *args)

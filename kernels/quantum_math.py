@@ -32,8 +32,9 @@ __all__ = ["link", "FUNCTIONS", "MAX_SWEEPS", "SQRT2"]
 # Sweeps of the Jacobi eigensolver at most (quadratic convergence: 4-8 reach round-off for d <= 8).
 MAX_SWEEPS = 30
 SQRT2 = math.sqrt(2.0)
-# |tau| above which t = 1 / (2 tau) replaces 1 / (|tau| + sqrt(1 + tau^2)) (tau^2 would overflow).
-_TAU_BIG = 1e100
+# |tau| above which t = 1 / (2 |tau|) replaces 1 / (|tau| + sqrt(1 + tau^2)): equal to relative 1e-30
+# there, and tau^2 cannot overflow (not even in float32, as the CUDA simulator evaluates complex64).
+_TAU_BIG = 1e15
 
 
 def jacobi_eigh(A, w, V, tol2):
@@ -202,8 +203,8 @@ def hmat_load(v, scale, X):
 
 
 def dd_log(a, b):
-    """log^[1](a, b) for a, b > 0: 2 atanh(delta) / (delta (a + b)) for |delta| < 1/2, delta = (a - b) / (a + b)
-    (1/a at a tie), else (log a - log b) / (a - b)."""
+    """log^[1](a, b) for a, b > 0: 2 atanh(delta) / (delta (a + b)) for |delta| < 1/2 with
+    delta = (a - b) / (a + b) (1/a at a tie), else (log a - log b) / (a - b)."""
     tot = a + b
     delta = (a - b) / tot
     if abs(delta) < 0.5:

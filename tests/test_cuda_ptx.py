@@ -146,3 +146,22 @@ def test_thread_per_agent_kernels_keep_matrices_in_registers(dtype):
         ptx = _ptx(3, dtype, "agent", name)
         depot = sum(int(n) for n in re.findall(r"__local_depot\d+\[(\d+)\]", ptx))
         assert depot <= 64, f"{name}: {depot} bytes of local memory"
+
+
+# ------------------------------------------------------------------------------------------------
+# Density-matrix per-agent kernels (make_quantum_kernels): every kernel at d = 4 in complex128, and the
+# kernels with the most complex64 / float64 mixing in complex64.
+# ------------------------------------------------------------------------------------------------
+
+QUANTUM_CASES = [("complex128", name) for name in kc.quantum_kernel_signatures("complex128")] + [
+    ("complex64", name) for name in ("eig_log", "pull_vjp", "frames_vjp")
+]
+
+
+@pytest.mark.parametrize("dtype, name", QUANTUM_CASES, ids=[f"{d}-{n}" for d, n in QUANTUM_CASES])
+def test_quantum_kernel_compiles_for_sm90(dtype, name):
+    ks = kc.make_quantum_kernels(4, dtype)
+    assert set(ks["_py"]) == set(kc.quantum_kernel_signatures(dtype))
+    ptx = kc.cuda.compile_ptx(ks["_py"][name], kc.quantum_kernel_signatures(dtype)[name], cc=(9, 0))[0]
+    assert ".target sm_90" in ptx
+    assert re.search(r"\.entry\s", ptx), "no kernel entry point"

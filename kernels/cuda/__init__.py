@@ -6,6 +6,8 @@
 - :mod:`.pairwise`: family-free pairwise kernels over feature rows (dense streaming, sparse, GEMM rows),
   keyed by the feature width D;
 - :mod:`.checks`: input checks of a state on the device (SPD batches);
+- :mod:`.quantum`: density-matrix per-agent stages (Jacobi eigensolver, Daleckii–Krein adjoints), one
+  thread per agent;
 - :mod:`.gaussian`: Gaussian per-agent stages, one source for two launch shapes: one thread per agent
   (small K) and one thread block per agent (large K).
 Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run on NumPy arrays.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checks, gaussian
+from . import checks, gaussian, quantum
 from .core import (
     BLOCK,
     PAIR_OPT,
@@ -37,10 +39,12 @@ from .gaussian import (
     make_block_kernels,
 )
 from .pairwise import ROW_THREADS, dense_splits, make_dense_kernels, make_gemm_row_kernel, make_sparse_kernels
+from .quantum import make_quantum_kernels
 
 __all__ = [
     "checks",
     "gaussian",
+    "quantum",
     "SIMULATOR",
     "cuda",
     "as_device_view",
@@ -55,7 +59,9 @@ __all__ = [
     "block_threads",
     "block_kernel_signatures",
     "make_gemm_row_kernel",
+    "make_quantum_kernels",
     "kernel_signatures",
+    "quantum_kernel_signatures",
     "BLOCK",
     "BLOCK_SHARED_BYTES",
     "BLOCK_THREADS_MAX",
@@ -86,6 +92,24 @@ def kernel_signatures(K: int, dtype: str) -> dict[str, str]:
         "rows": f"void({a3}, {a3}, {a2}, {i}[:, ::1], boolean[:, ::1], {a1}, {i}, {a3}, {a2}, {a4})",
         "senders": f"void({a3}, {a3}, {i}[::1], {i}[::1], {i}[::1], {i}, {a4})",
         "spd": f"void({a3}, {f}, int32[::1], float64[::1])",
+    }
+
+
+def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
+    """Signature strings of the density-matrix kernels (:func:`make_quantum_kernels`) for a complex dtype."""
+    c = "complex64" if np.dtype(dtype) == np.complex64 else "complex128"
+    f = "float32" if c == "complex64" else "float64"
+    c3 = f"{c}[:, :, ::1]"
+    r1, r2 = f"{f}[::1]", f"{f}[:, ::1]"
+    return {
+        "eig_log": f"void({c3}, float64, {r2}, {c3}, {c3}, {r1})",
+        "gibbs": f"void({c3}, {r1}, float64, {c3}, {c3}, {r2}, {r2}, {c3})",
+        "frames": f"void({r2}, {c3}, float64, {c3}, {r2}, {c3})",
+        "pull_features": f"void({c3}, {c3}, {c3}, {r2}, {r2})",
+        "pull_vjp": f"void({r2}, {r2}, {c3}, {c3}, {c3}, {c3}, {c3}, {c3})",
+        "dk_log": f"void({r2}, {c3}, {c3}, {c3})",
+        "dk_exp": f"void({r2}, {r2}, {c3}, {c3}, {c3})",
+        "frames_vjp": f"void({c3}, {r2}, {c3}, {c3}, {r2})",
     }
 
 

@@ -14,6 +14,11 @@ stages (:class:`FusedStages`: both alignment terms per launch, energies kept on 
 transfer) and its pair kernels. Where the block kernels' matrices do not fit in shared memory, the
 array-generic stages run on CuPy arrays with the device GEMM and sparse pair kernels. The observation
 term (rare, cheap) is array-generic code in the assembly. Kernels: :mod:`vfesim_kernels.cuda`.
+
+Density-matrix agents run the one assembly of :mod:`vfesim.quantum.energy` with the per-agent kernels
+of :func:`vfesim_kernels.cuda.make_quantum_kernels` (Jacobi eigensolver, Daleckii–Krein adjoints; one
+thread per agent) and this backend's family-free pair functions: dense pairs of short feature rows
+(D <= STREAM_MAX_D, e.g. D = 16 at d = 4) in the streaming kernels, longer ones as row-blocked GEMMs.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ..config import ModelConfig
 from ..gaussian.energy import NUMPY_AGENT_OPS, StagedStages
 from ..groups import generators
 from ..pairwise.gemm import pairwise_dense_gemm, pairwise_gemm
+from ..quantum.kernel_ops import kernel_ops
 from . import Backend
 
 __all__ = [
@@ -58,6 +64,10 @@ MAX_WORKSPACES = 2
 # block kernels + GEMMs 1.15 ms (N = 1024). At K = 3 the thread-per-agent kernels win (their per-thread
 # arrays stay in registers).
 LARGE_K = 9
+# Dense pairs of feature rows up to this width run in the streaming kernels (no N x N slab in memory),
+# longer ones as GEMMs (vfesim.pairwise.gemm). Measured on an H100 at d = 4 (D = 16), N = 65 536:
+# see benchmarks/results/quantum_cuda_h100.log.
+STREAM_MAX_D = 64
 # Register cap of the block-per-agent kernels (None: the compiler's choice).
 BLOCK_MAX_REGISTERS = None
 
@@ -440,14 +450,61 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
 
 
+def _pairwise_dense(A, B, c, kappa: float, aggregator: str):
+    """Dense pairs (the contract of :func:`vfesim.pairwise.pairwise_dense`) on device arrays: the
+    streaming kernels for D <= STREAM_MAX_D (no N x N array), else row-blocked GEMMs."""
+    N, D = A.shape
+    if D > STREAM_MAX_D:
+        return pairwise_dense_gemm(A, B, c, kappa, aggregator)
+    xp = array_module()
+    dt = A.dtype
+    k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+    S, chunk = kc.dense_splits(N, kc.PAIR_OPT, kc.PAIR_THREADS)
+    scale = dt.type(0.5 / kappa)
+    # Receiver features pre-scaled by 1 / (2 kappa): logits -KL / kappa (vfesim_kernels.cuda.pairwise).
+    Ah, Bb, ch = (xp.ascontiguousarray(a[None]) for a in (A * scale, B, c * scale))
+    pm, ps, pt = (xp.empty((S, 1, N), dt) for _ in range(3))
+    m, inv_s, abar, energy = (xp.empty((1, N), dt) for _ in range(4))
+    gAr = xp.empty((S, 1, N, D + 1), dt)
+    gBs = xp.empty((S, 1, N, D), dt)
+    kap = xp.ones(1, dt)
+    v = kc.as_device_view
+    dA, dB, dc = v(Ah), v(Bb), v(ch)
+    nt = k["threads"]
+    nb = _cdiv(N, nt * k["opt"])
+    k["stats"][(nb, S, 1), nt](dA, dB, dc, 0, chunk, v(pm), v(ps), v(pt))
+    k["merge"][(_cdiv(N, kc.BLOCK), 1), kc.BLOCK](
+        v(pm), v(ps), v(pt), v(kap), 0, v(m), v(inv_s), v(abar), v(energy)
+    )
+    k["grads"][(nb, 2 * S, 1), nt](dA, dB, dc, v(m), v(inv_s), v(abar), 0, chunk, v(gAr), v(gBs))
+    gA = gAr[0, 0]
+    gB = gBs[0, 0]
+    for sl in range(1, S):  # the slices in order: a fixed summation order
+        gA = gA + gAr[sl, 0]
+        gB = gB + gBs[sl, 0]
+    E = kappa * float(energy[0].sum(dtype=np.float64))
+    # gA = 1/2 sum_j W B_j, gc = 1/2 sum_j W, gB = 1/2 sum_i W A_i = kappa sum_i W Ah_i
+    return E, 0.5 * gA[:, :-1], kappa * gB, 0.5 * gA[:, -1]
+
+
+def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
+    """Launch density-matrix kernel ``name`` with one thread per agent (vfesim.quantum.kernel_ops)."""
+    ks = kc.make_quantum_kernels(d, np.dtype(dtype).name)
+    FIRST_USE.begin(("quantum", d, np.dtype(dtype).str), f"density-matrix agents, d={d}, {np.dtype(dtype)}")
+    views = [kc.as_device_view(a) if hasattr(a, "shape") else a for a in args]
+    ks[name][_cdiv(N, kc.BLOCK), kc.BLOCK](*views)
+
+
+QUANTUM_OPS = kernel_ops(array_module, _quantum_launch)
+
 BACKEND = Backend(
     name="cuda",
     array_module=array_module,
     to_device=to_device,
     to_host=to_host,
-    pairwise_dense=pairwise_dense_gemm,
+    pairwise_dense=_pairwise_dense,
     pairwise_sparse=_pairwise_sparse,
     updates=_device_updates,
-    agent_ops={"gaussian": _stages},
+    agent_ops={"gaussian": _stages, "quantum": QUANTUM_OPS},
     on_device=True,
 )

@@ -18,11 +18,19 @@ from ..gaussian.features import agent_features
 from ..gaussian.geometry import MOVABLE
 from ..gaussian.terms import self_kl
 from ..groups import generators
-from ..quantum.energy import QuantumOps
+from ..quantum.kernel_ops import kernel_ops
 from . import Backend
 from .numpy_backend import to_device, to_host  # host arrays: nothing to move
 
-__all__ = ["BACKEND", "to_device", "to_host", "energy_and_gradient", "AGENT_OPS", "QUANTUM_OPS", "NumbaUpdates"]
+__all__ = [
+    "BACKEND",
+    "to_device",
+    "to_host",
+    "energy_and_gradient",
+    "AGENT_OPS",
+    "QUANTUM_OPS",
+    "NumbaUpdates",
+]
 
 
 def _frames(phi, irreps):
@@ -91,16 +99,7 @@ class NumbaUpdates:
         return out
 
 
-QUANTUM_OPS = QuantumOps(
-    quantum_cpu.eig_log,
-    quantum_cpu.gibbs,
-    quantum_cpu.frames,
-    quantum_cpu.pull_features,
-    quantum_cpu.pull_vjp,
-    quantum_cpu.dk_log,
-    quantum_cpu.dk_exp,
-    quantum_cpu.frames_vjp,
-)
+QUANTUM_OPS = kernel_ops(lambda: np, quantum_cpu.launch)
 
 BACKEND = Backend(
     name="numba",

@@ -1,0 +1,94 @@
+"""The density-matrix per-agent kernels (kernels/quantum_math.py, compiled for the CPU in
+kernels/quantum_cpu.py): the Jacobi eigensolver on hard spectra, and every stage of ``QuantumOps`` against
+the NumPy stages (complex128 to round-off, complex64 to its precision). The same kernels compiled for CUDA
+are checked under the simulator (tests/cudasim/test_quantum_sim.py) and for sm_90 (tests/test_cuda_ptx.py)."""
+
+import numba
+import numpy as np
+import pytest
+from quantum_stages import stage_inputs, stage_outputs
+from vfesim_kernels import quantum_cpu, quantum_math
+
+from vfesim.backends.numba_backend import QUANTUM_OPS
+from vfesim.quantum.energy import NUMPY_OPS
+from vfesim.quantum.kernel_ops import jacobi_tol2
+
+_jac = quantum_math.link(numba.njit, "test")
+_jacobi, _load = _jac.jacobi_eigh, _jac.load_herm
+
+
+@numba.njit
+def _eigh_all(X, tol2):
+    N, d = X.shape[0], X.shape[1]
+    w = np.empty((N, d))
+    V = np.empty_like(X)
+    A = np.empty((d, d), X.dtype)
+    for n in range(N):
+        _load(X, n, A)
+        _jacobi(A, w[n], V[n], tol2)
+    return w, V
+
+
+def _herm(rng, N, d):
+    X = rng.normal(size=(N, d, d)) + 1j * rng.normal(size=(N, d, d))
+    return X + X.conj().swapaxes(1, 2)
+
+
+def _hard_spectra(rng, d):
+    """Matrices whose eigen-decomposition is hard for a Jacobi solver: zero, multiples of the identity,
+    degenerate and clustered spectra, diagonal input, a tiny off-diagonal against a large gap (|tau| far
+    beyond 1e100), entries spanning 1e-8 .. 1e8, and purely imaginary off-diagonals."""
+    Q, _ = np.linalg.qr(rng.normal(size=(d, d)) + 1j * rng.normal(size=(d, d)))
+    conj = lambda w: (Q * w) @ Q.conj().T
+    mats = [
+        np.zeros((d, d), complex),
+        3.0 * np.eye(d, dtype=complex),
+        conj(np.r_[np.full(d - 1, 2.0), -1.0]),
+        conj(1.0 + 1e-9 * np.arange(d)),
+        np.diag(np.linspace(-2, 5, d)).astype(complex),
+        conj(np.logspace(-8, 8, d)),
+    ]
+    tiny = np.diag(np.arange(d, dtype=float) * 1e3).astype(complex)
+    tiny[0, 1], tiny[1, 0] = 1e-200, 1e-200
+    mats.append(tiny)
+    im = np.zeros((d, d), complex)
+    im[np.triu_indices(d, 1)] = 1j
+    mats.append(im + im.conj().T)
+    return np.stack(mats)
+
+
+@pytest.mark.parametrize("d", [2, 3, 4, 5, 8])
+def test_jacobi_eigh_reconstructs_and_is_unitary(d):
+    rng = np.random.default_rng(d)
+    X = np.concatenate([_herm(rng, 20, d), _hard_spectra(rng, d)])
+    w, V = _eigh_all(X, jacobi_tol2(np.complex128))
+    scale = np.abs(X).reshape(len(X), -1).max(axis=1)[:, None, None] + 1e-300
+    R = (V * w[:, None, :]) @ V.conj().swapaxes(1, 2)
+    assert (np.abs(R - X) / scale).max() < 1e-13
+    assert np.abs(V.conj().swapaxes(1, 2) @ V - np.eye(d)).max() < 1e-13
+    ref = np.linalg.eigvalsh(X)
+    assert (np.abs(np.sort(w, axis=1) - ref) / scale[:, :, 0]).max() < 1e-13
+
+
+@pytest.mark.parametrize(
+    "d, dtype, rtol",
+    [(2, "complex128", 1e-12), (3, "complex128", 1e-12), (4, "complex128", 1e-12), (5, "complex128", 1e-12),
+     (8, "complex128", 1e-11), (4, "complex64", 2e-5)],
+)  # fmt: skip
+def test_cpu_kernels_match_numpy_stages(d, dtype, rtol):
+    v = stage_inputs(d, dtype)
+    ref = stage_outputs(NUMPY_OPS, v, dtype)
+    got = stage_outputs(QUANTUM_OPS, v, dtype)
+    for k, b in ref.items():
+        a = got[k]
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.abs(b).max()), err_msg=k)
+
+
+def test_results_do_not_depend_on_the_thread_split(monkeypatch):
+    v = stage_inputs(4, "complex128", N=40, seed=5)
+    one = stage_outputs(QUANTUM_OPS, v, "complex128")
+    monkeypatch.setattr(quantum_cpu, "MIN_AGENTS_PER_THREAD", 1)
+    split = stage_outputs(QUANTUM_OPS, v, "complex128")
+    for k in one:
+        np.testing.assert_array_equal(one[k], split[k], err_msg=k)

@@ -1,0 +1,104 @@
+"""The per-agent stages of density-matrix agents (:class:`~.energy.QuantumOps`) run by kernels: the CPU
+kernels of :mod:`vfesim_kernels.quantum_cpu` or the CUDA kernels of
+:func:`vfesim_kernels.cuda.make_quantum_kernels` (one source, :mod:`vfesim_kernels.quantum_math`).
+
+:func:`kernel_ops` allocates the outputs with the backend's array module (``array_module()``, asked at
+each call: a backend module imports without its device) and hands every operation to a
+``launch(name, N, d, dtype, *args)`` of the backend; the arguments are C-contiguous arrays in the
+kernels' dtypes (complex matrices, real vectors of the matching precision, a float64 tolerance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from .energy import QuantumOps
+
+__all__ = ["kernel_ops", "jacobi_tol2"]
+
+
+def jacobi_tol2(dtype) -> float:
+    """Stopping threshold of the Jacobi sweeps (squared relative off-diagonal norm): (4 ulp)^2."""
+    eps = float(np.finfo(np.dtype(dtype)).eps)
+    return (4.0 * eps) ** 2
+
+
+def _real(dtype) -> np.dtype:
+    return np.finfo(np.dtype(dtype)).dtype
+
+
+def kernel_ops(array_module: Callable, launch: Callable) -> QuantumOps:
+    """A :class:`QuantumOps` whose stages run ``launch`` on arrays of ``array_module()``."""
+
+    def c(a):
+        return array_module().ascontiguousarray(a)
+
+    def run(name, like, *args):
+        N, d = like.shape[0], like.shape[-1]
+        launch(name, N, d, like.dtype, *args)
+
+    def eig_log(x):
+        xp = array_module()
+        x = c(x)
+        N, d = x.shape[:2]
+        s = xp.empty((N, d), _real(x.dtype))
+        W, logx = xp.empty_like(x), xp.empty_like(x)
+        xlx = xp.empty(N, s.dtype)
+        run("eig_log", x, x, jacobi_tol2(x.dtype), s, W, logx, xlx)
+        return s, W, logx, xlx
+
+    def gibbs(H, T):
+        xp = array_module()
+        H = c(H)
+        N, d = H.shape[:2]
+        l, p = xp.empty((N, d), T.dtype), xp.empty((N, d), T.dtype)
+        sigma, logsig, V = xp.empty_like(H), xp.empty_like(H), xp.empty_like(H)
+        run("gibbs", H, H, c(T), jacobi_tol2(H.dtype), sigma, logsig, l, p, V)
+        return sigma, logsig, l, p, V
+
+    def frames(phi, J, dtype):
+        xp = array_module()
+        dtype = np.dtype(dtype)
+        N, d = phi.shape[0], J.shape[-1]
+        U, V = xp.empty((N, d, d), dtype), xp.empty((N, d, d), dtype)
+        k = xp.empty((N, d), _real(dtype))
+        phi = c(phi.astype(_real(dtype), copy=False))
+        run("frames", U, phi, xp.array(J, dtype), jacobi_tol2(dtype), U, k, V)
+        return U, (k, V)
+
+    def pull_features(U, a, loga):
+        xp = array_module()
+        N, d = U.shape[:2]
+        A = xp.empty((N, d * d), _real(U.dtype))
+        B = xp.empty_like(A)
+        run("pull_features", U, c(U), c(a), c(loga), A, B)
+        return A, B
+
+    def pull_vjp(gA, gB, U, a, loga):
+        xp = array_module()
+        abar, labar, Ubar = xp.empty_like(U), xp.empty_like(U), xp.empty_like(U)
+        run("pull_vjp", U, c(gA), c(gB), c(U), c(a), c(loga), abar, labar, Ubar)
+        return abar, labar, Ubar
+
+    def dk_log(s, W, E):
+        xp = array_module()
+        out = xp.empty_like(W)
+        run("dk_log", W, c(s), c(W), c(E.astype(W.dtype, copy=False)), out)
+        return out
+
+    def dk_exp(l, p, V, E):
+        xp = array_module()
+        out = xp.empty_like(V)
+        run("dk_exp", V, c(l), c(p), c(V), c(E.astype(V.dtype, copy=False)), out)
+        return out
+
+    def frames_vjp(U_bar, cache, J):
+        xp = array_module()
+        k, V = cache
+        out = xp.empty((V.shape[0], 3), k.dtype)
+        run("frames_vjp", V, c(U_bar), c(k), c(V), xp.array(J, V.dtype), out)
+        return out
+
+    return QuantumOps(eig_log, gibbs, frames, pull_features, pull_vjp, dk_log, dk_exp, frames_vjp)
