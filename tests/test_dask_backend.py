@@ -5,6 +5,7 @@ with two worker processes, and errors naming the bad option, variable and agent.
 from __future__ import annotations
 
 import logging
+import tomllib
 
 import dask.array as da
 import numpy as np
@@ -15,7 +16,10 @@ from vfesim_kernels.pairwise_cpu import pairwise_dense, pairwise_dense_rows
 
 import vfesim
 from vfesim.backends.dask_backend import chunk_bounds, default_chunk
+from vfesim.cli import main
+from vfesim.io import open_run
 from vfesim.quantum import QuantumConfig
+from vfesim.scenario import Scenario, ScenarioError
 
 distributed = pytest.importorskip("distributed")
 
@@ -149,6 +153,56 @@ def test_bad_state_names_variable_and_global_agent(lazy):
         state = state.chunk(agent=10)  # agent 23 is row 3 of the third chunk
     with pytest.raises(vfesim.StateError, match=r"sigma_q\[agent=23\]: is not positive definite"):
         vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=None if lazy else 10)
+
+
+SCENARIO = """
+[model]
+K = 3
+kappa_beta = 2.0
+lambda_prior = 0.3
+[population]
+n_agents = 11
+seed = 3
+neighbours = "ring"
+half_width = 2
+[integrator]
+method = "verlet"
+dt = 0.05
+friction = 0.1
+[run]
+n_steps = 6
+save_every = 2
+checkpoint_every = 2
+backend = "dask"
+chunks = 4
+"""
+
+
+def test_cli_run_and_resume_on_dask_are_bitwise(tmp_path):
+    toml = tmp_path / "s.toml"
+    toml.write_text(SCENARIO)
+    assert main(["run", str(toml), "--out", str(tmp_path / "ref.zarr"), "-q"]) == 0
+    assert main(["run", str(toml), "--out", str(tmp_path / "r.zarr"), "--steps", "2", "-q"]) == 0
+    assert main(["resume", str(tmp_path / "r.zarr"), "--steps", "6", "-q"]) == 0
+    ref, res = open_run(tmp_path / "ref.zarr").load(), open_run(tmp_path / "r.zarr").load()
+    assert ref["step"].values.tolist() == res["step"].values.tolist() == [0, 2, 4, 6]
+    for k in ref.data_vars:
+        np.testing.assert_array_equal(res[k].values, ref[k].values, err_msg=k)
+
+
+def test_run_dynamics_on_dask_matches_numpy():
+    cfg = vfesim.ModelConfig(K=3, lambda_prior=0.5, aggregator="softmin")
+    state = vfesim.random_state(cfg, 20, seed=4)
+    ref, _ = vfesim.run_dynamics(state, cfg, method="verlet", dt=0.02, n_steps=3, backend="numpy")
+    out, _ = vfesim.run_dynamics(state, cfg, method="verlet", dt=0.02, n_steps=3, backend="dask")
+    for k in ref.data_vars:
+        np.testing.assert_allclose(out[k].values, ref[k].values, rtol=1e-12, atol=1e-13, err_msg=k)
+
+
+def test_run_chunks_needs_the_dask_backend():
+    bad = SCENARIO.replace('backend = "dask"', 'backend = "numpy"')
+    with pytest.raises(ScenarioError, match="run.chunks"):
+        Scenario.from_dict(tomllib.loads(bad))
 
 
 # LocalCluster tests last: the threaded tests above have compiled (and cached) the kernels by then.

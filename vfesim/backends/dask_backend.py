@@ -35,6 +35,7 @@ the default (``Client(...)``, ``LocalCluster``), else ``dask.config``'s schedule
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import re
@@ -533,12 +534,17 @@ def energy_and_gradient_dataset(
     return terms, ds
 
 
+@dataclasses.dataclass(frozen=True)
 class DaskBackend(Backend):
-    """The dask :class:`Backend`: raw arrays are evaluated chunk by chunk (:func:`energy_and_gradient_arrays`,
-    default chunks), so integrators step on it like on any host backend."""
+    """The dask :class:`Backend`: raw arrays are evaluated chunk by chunk (:func:`energy_and_gradient_arrays`
+    with ``chunks``, default :func:`default_chunk`, and ``inner``), so integrators step on it like on any
+    host backend; ``dataclasses.replace(BACKEND, chunks=n)`` fixes the chunking of a run."""
+
+    chunks: Any = None
+    inner: str = "numba"
 
     def energy_and_gradient(self, arrays: dict[str, Any], cfg) -> tuple[dict[str, float], dict[str, Any]]:
-        return energy_and_gradient_arrays(arrays, cfg)
+        return energy_and_gradient_arrays(arrays, cfg, chunks=self.chunks, inner=self.inner)
 
 
 BACKEND = DaskBackend(
