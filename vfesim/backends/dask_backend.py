@@ -64,6 +64,7 @@ __all__ = [
     "TASK_WORK",
     "AGENT_WORK",
     "default_chunk",
+    "auto_chunk",
     "chunk_bounds",
     "energy_and_gradient_dataset",
 ]
@@ -427,7 +428,9 @@ def _check_inner(inner: str) -> None:
         )
 
 
-def _auto_chunk(cfg, n_agents: int, arrays: dict) -> int:
+def auto_chunk(cfg, n_agents: int, arrays: dict) -> int:
+    """The default agents per chunk of a population: :func:`default_chunk` with the feature length D of
+    the family (read off a one-agent evaluation) and dense or sparse pair counts."""
     family = family_of(cfg)
     probe = {k: np.asarray(v[:1]) for k, v in arrays.items()}
     rec = _Record()
@@ -457,7 +460,7 @@ def energy_and_gradient_arrays(
     first = next(iter(arrays.values()))
     n = int(first.shape[0])
     _check_neighbours(cfg, n)
-    bounds = chunk_bounds(n, _auto_chunk(cfg, n, arrays) if chunks is None else chunks)
+    bounds = chunk_bounds(n, auto_chunk(cfg, n, arrays) if chunks is None else chunks)
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
     chunk_arrays = [{k: np.ascontiguousarray(v[r0:r1]) for k, v in arrays.items()} for r0, r1 in spans]
     _log_client()
