@@ -39,7 +39,14 @@ from numba.extending import intrinsic, overload
 
 from . import pair_math as _pm
 
-__all__ = ["pairwise_dense", "pairwise_sparse", "SENDER_TILE", "RECEIVER_TILE"]
+__all__ = [
+    "pairwise_dense",
+    "pairwise_sparse",
+    "pairwise_dense_rows",
+    "pairwise_sparse_rows",
+    "SENDER_TILE",
+    "RECEIVER_TILE",
+]
 
 # Sender tile of sweeps 1-2. It fixes the grouping of the online log-sum-exp, so it is a constant (the
 # results must not depend on the thread count). 256 columns x 32 rows of float64 = 64 KiB per thread.
@@ -254,8 +261,9 @@ def _row_min_typed(v, n, one):
 
 
 @_inline
-def _row_weights(Ah, Bt, ch, i, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, w):
-    """w[:nj] = W_ij (pair_math.pair_weight_e) for receiver i and senders j0 + jj, 0 on the diagonal."""
+def _row_weights(Ah, Bt, ch, i, gi, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, w):
+    """w[:nj] = W_ij (pair_math.pair_weight_e) for receiver row i (global agent gi) and senders j0 + jj,
+    0 on the diagonal (sender gi)."""
     _kl_row(Ah, Bt, ch, i, j0, nj, kl)
     mi, isi, ai = m[i], inv_s[i], abar[i]
     for jj in range(nj):
@@ -269,13 +277,17 @@ def _row_weights(Ah, Bt, ch, i, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, w):
     else:
         for jj in range(nj):
             w[jj] = _pair_weight_e(w[jj], kl[jj], isi, ai, kappa, _pm.AGG_EXPECTED)
-    if j0 <= i < j0 + nj:
-        w[i - j0] = kappa - kappa
+    if j0 <= gi < j0 + nj:
+        w[gi - j0] = kappa - kappa
 
 
 @_kernel
-def _dense_chunks(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gBp):
+def _dense_chunks(Ah, B, Bt, ch, r0, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gBp):
     """Sweeps 1-2 over P chunks of receiver blocks (parallel over chunks).
+
+    Receivers are the rows of Ah, ch (n_r, D), (n_r,): global agents r0 .. r0 + n_r - 1 (the pair with
+    sender r0 + i is excluded); senders are all columns of Bt (D, N). Per-receiver outputs (m, inv_s,
+    abar, erow, gA, gc) are indexed by receiver row, gBp (P, D, N) by sender.
 
     Per block of RECEIVER_TILE receivers: sweep 1 gathers their row statistics by an online log-sum-exp
     over sender tiles, sweep 2 recomputes the tiles as weights W_ij and accumulates both gA_i and
@@ -283,11 +295,12 @@ def _dense_chunks(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gB
     gc and gBp are float64: each float32 partial sum spans at most one tile (SENDER_TILE senders or
     RECEIVER_TILE receivers) and the tiles are summed in float64.
     """
-    N, D = Ah.shape
+    NR, D = Ah.shape
+    N = Bt.shape[1]
     TR, TS, RB = RECEIVER_TILE, SENDER_TILE, ROW_GROUP
     dt = Ah.dtype
     zero = kappa - kappa
-    nblk = (N + TR - 1) // TR
+    nblk = (NR + TR - 1) // TR
     for c in numba.prange(P):
         kl, xs, es = np.empty(TS, dt), np.empty(TS, dt), np.empty(TS, dt)
         W = np.empty((RB, TS), dt)
@@ -298,7 +311,7 @@ def _dense_chunks(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gB
         mr, sr, tr = np.empty(TR, np.float64), np.empty(TR, np.float64), np.empty(TR, np.float64)
         for b in range(c * nblk // P, (c + 1) * nblk // P):
             i0 = b * TR
-            ni = min(TR, N - i0)
+            ni = min(TR, NR - i0)
             # Sweep 1: per receiver and sender tile, the tile's max logit, then one merge.
             for ii in range(ni):
                 mr[ii], sr[ii], tr[ii] = -np.inf, 0.0, 0.0
@@ -306,7 +319,7 @@ def _dense_chunks(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gB
                 nj = min(TS, N - j0)
                 for ii in range(ni):
                     i = i0 + ii
-                    dj = i - j0
+                    dj = r0 + i - j0
                     diag = 0 <= dj < nj
                     if diag and nj == 1:
                         continue  # only the diagonal in this tile
@@ -352,6 +365,7 @@ def _dense_chunks(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gB
                                 Bt,
                                 ch,
                                 i0 + g0 + r,
+                                r0 + i0 + g0 + r,
                                 j0,
                                 nj,
                                 m,
@@ -475,14 +489,16 @@ def _dot_tile(X, i0, ni, Y, j0, nj, flat):
 
 
 @_kernel
-def _blas_receivers(Ah, B, ch, kappa, one, agg, T, m, inv_s, abar, erow, gA, gc):
+def _blas_receivers(Ah, B, ch, r0, kappa, one, agg, T, m, inv_s, abar, erow, gA, gc):
     """Per block of T receivers (parallel): the whole KL rows by (T, T) gemm tiles, exact row statistics,
-    the weights, gc = sum_j W_ij and gA = sum_j W_ij B_j (gemm tiles accumulated in ascending j)."""
-    N, D = Ah.shape
-    nblk = (N + T - 1) // T
+    the weights, gc = sum_j W_ij and gA = sum_j W_ij B_j (gemm tiles accumulated in ascending j).
+    Receivers: the rows of Ah (n_r, D), global agents r0 + i; senders: all rows of B (N, D)."""
+    NR, D = Ah.shape
+    N = B.shape[0]
+    nblk = (NR + T - 1) // T
     for b in numba.prange(nblk):
         i0 = b * T
-        ni = min(T, N - i0)
+        ni = min(T, NR - i0)
         slab = np.empty((ni, N), Ah.dtype)
         flat = np.empty(T * max(T, D), Ah.dtype)
         wt = np.empty((ni, T), Ah.dtype)
@@ -497,17 +513,18 @@ def _blas_receivers(Ah, B, ch, kappa, one, agg, T, m, inv_s, abar, erow, gA, gc)
                     slab[ii, j0 + jj] = t[ii, jj] + ci
         for ii in range(ni):
             i = i0 + ii
+            gi = r0 + i
             row = slab[ii]
-            kmin = row[1] if i == 0 else row[0]
-            for j in range(i):
+            kmin = row[1] if gi == 0 else row[0]
+            for j in range(gi):
                 kmin = min(kmin, row[j])
-            for j in range(i + 1, N):
+            for j in range(gi + 1, N):
                 kmin = min(kmin, row[j])
             mi = _pair_logit(kmin, kappa)
             for j in range(N):
                 xs[j] = _pair_logit(row[j], kappa) - mi
             _exp_row(xs, N, es)
-            es[i] = zero
+            es[gi] = zero
             si, ti = zero, zero
             for j in range(N):
                 si += es[j]
@@ -521,7 +538,7 @@ def _blas_receivers(Ah, B, ch, kappa, one, agg, T, m, inv_s, abar, erow, gA, gc)
                 w = _pair_weight_e(es[j], row[j], isi, ai, kappa, agg)
                 row[j] = w
                 ws += w
-            row[i] = zero  # already 0 (es[i] = 0); this also clears a -0
+            row[gi] = zero  # already 0 (es[gi] = 0); this also clears a -0
             gc[i] = ws
         acc = np.zeros((ni, D), Ah.dtype)
         for j0 in range(0, N, T):
@@ -539,10 +556,12 @@ def _blas_receivers(Ah, B, ch, kappa, one, agg, T, m, inv_s, abar, erow, gA, gc)
 
 
 @_kernel
-def _blas_senders(Ah, B, ch, kappa, agg, T, m, inv_s, abar, gB):
+def _blas_senders(Ah, B, ch, r0, kappa, agg, T, m, inv_s, abar, gB):
     """Per block of T senders (parallel): gB_j = sum_i W_ij Ah_i over receiver tiles in ascending i. The
-    KL tiles are the same gemm calls as in _blas_receivers, so the same values bit for bit."""
-    N, D = Ah.shape
+    KL tiles are the same gemm calls as in _blas_receivers, so the same values bit for bit. Receivers and
+    senders as in _blas_receivers: gB (N, D) is these receivers' share."""
+    NR, D = Ah.shape
+    N = B.shape[0]
     nblk = (N + T - 1) // T
     for b in numba.prange(nblk):
         j0 = b * T
@@ -551,20 +570,21 @@ def _blas_senders(Ah, B, ch, kappa, agg, T, m, inv_s, abar, gB):
         wt = np.empty((nj, T), Ah.dtype)
         xs, es = np.empty(T, Ah.dtype), np.empty(T, Ah.dtype)
         acc = np.zeros((nj, D), Ah.dtype)
-        for i0 in range(0, N, T):
-            ni = min(T, N - i0)
+        for i0 in range(0, NR, T):
+            ni = min(T, NR - i0)
             t = _dot_tile(Ah, i0, ni, B, j0, nj, flat)
             w = wt[:, :ni].copy() if ni < T else wt
             for ii in range(ni):
                 i = i0 + ii
+                gi = r0 + i
                 ci, mi, isi, ai = ch[i], m[i], inv_s[i], abar[i]
                 for jj in range(nj):
                     xs[jj] = _pair_logit(t[ii, jj] + ci, kappa) - mi
                 _exp_row(xs, nj, es)
                 for jj in range(nj):
                     w[jj, ii] = _pair_weight_e(es[jj], t[ii, jj] + ci, isi, ai, kappa, agg)
-                if j0 <= i < j0 + nj:
-                    w[i - j0, ii] = w[i - j0, ii] - w[i - j0, ii]
+                if j0 <= gi < j0 + nj:
+                    w[gi - j0, ii] = w[gi - j0, ii] - w[gi - j0, ii]
             prod = flat[: nj * D].reshape((nj, D))
             np.dot(w, Ah[i0 : i0 + ni], prod)
             for jj in range(nj):
@@ -577,23 +597,23 @@ _blas_receivers_serial = _serial_copy(_blas_receivers)
 _blas_senders_serial = _serial_copy(_blas_senders)
 
 
-def _dense_blas(Ah, B, ch, kappa, agg, dt):
+def _dense_blas(Ah, B, ch, r0, kappa, agg, dt, serial):
     """Long features (D >= DOT_MIN_D): KL tiles and the gA / gB products as (T, T) gemm calls (np.dot in
     Numba calls SciPy's BLAS), softmax and weights in Numba. Sweep 1 holds whole KL rows per block of T
     receivers (memory threads * T * N), so it needs no online log-sum-exp and no second KL pass; sweep
     2 recomputes the tiles per sender block for gB. 3 passes of N^2 D at gemm speed, against 5 passes
-    of 2-3 FMA/cycle dot products in the tiled kernels."""
-    N, D = Ah.shape
+    of 2-3 FMA/cycle dot products in the tiled kernels. Receivers: rows of Ah (global r0 + i); senders:
+    all rows of B. Returns (erow, gA, gB, gc) with gA, gc not yet halved."""
+    NR, D = Ah.shape
     T = blas_tile(D)
-    m, inv_s, abar, erow, gc = (np.empty(N, dt) for _ in range(5))
-    gA = np.empty((N, D), dt)
-    gB = np.empty((N, D), dt)
-    serial = N * N * D < SERIAL_WORK
+    m, inv_s, abar, erow, gc = (np.empty(NR, dt) for _ in range(5))
+    gA = np.empty((NR, D), dt)
+    gB = np.empty(B.shape, dt)
     recv, send = (
         (_blas_receivers_serial, _blas_senders_serial) if serial else (_blas_receivers, _blas_senders)
     )
-    recv(Ah, B, ch, kappa, dt.type(1), agg, T, m, inv_s, abar, erow, gA, gc)
-    send(Ah, B, ch, kappa, agg, T, m, inv_s, abar, gB)
+    recv(Ah, B, ch, r0, kappa, dt.type(1), agg, T, m, inv_s, abar, erow, gA, gc)
+    send(Ah, B, ch, r0, kappa, agg, T, m, inv_s, abar, gB)
     return erow, gA, gB, gc
 
 
@@ -608,7 +628,7 @@ def pairwise_dense(A, B, c, kappa: float, aggregator: str):
     if N < 2:
         return 0.0, gA, gB, gc
     if D >= DOT_MIN_D:
-        erow, gA, gB, gc = _dense_blas(Ah, B, ch, kappa, agg, dt)
+        erow, gA, gB, gc = _dense_blas(Ah, B, ch, 0, kappa, agg, dt, N * N * D < SERIAL_WORK)
         gA *= dt.type(0.5)
         gc *= dt.type(0.5)
         return float(erow.sum(dtype=np.float64)), gA, gB, gc
@@ -619,11 +639,45 @@ def pairwise_dense(A, B, c, kappa: float, aggregator: str):
     P = chunks(N, D)
     gBp = np.zeros((P, D, N))
     kernel = _dense_chunks_serial if N * N * D < SERIAL_WORK else _dense_chunks
-    kernel(Ah, B, Bt, ch, kappa, agg, P, m, inv_s, abar, erow, gA64, gc64, gBp)
+    kernel(Ah, B, Bt, ch, 0, kappa, agg, P, m, inv_s, abar, erow, gA64, gc64, gBp)
     gB = np.empty((N, D), dt)
     _sum_chunks(gBp, gB)
     # The halvings are exact; the float64 sums are rounded to the dtype once, here.
     return float(erow.sum()), (0.5 * gA64).astype(dt), gB, (0.5 * gc64).astype(dt)
+
+
+def pairwise_dense_rows(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
+    """One receiver range against all senders, j != i: the unit of work of a scheduler task.
+
+    A_r (n_r, D), c_r (n_r,): receivers r0 .. r0 + n_r - 1 (global agent indices); B (N, D): every
+    sender. Returns (erow (n_r,) float64 row energies, gA_r (n_r, D) and gc_r (n_r,) in the input dtype,
+    gB_part (N, D) float64: these receivers' share of gB). The full gB is the sum of the shares over
+    receiver ranges, taken in a fixed order and rounded to the dtype once.
+
+    Runs the serial builds only (``nogil``): the scheduler's threads or processes are the parallelism,
+    and Numba's parallel kernels must not be launched from inside them. Per receiver, the sums are those
+    of :func:`pairwise_dense` (sender tiles at the same global offsets); gB's grouping over receivers,
+    and on the BLAS path (D >= DOT_MIN_D) the gemm tile boundaries, follow the range, which changes
+    results by rounding only.
+    """
+    agg = _pm.aggregator_code(aggregator)
+    dt, Ah, B, ch, kappa = _prepare(A_r, B, c_r, kappa)
+    NR, D = Ah.shape
+    N = B.shape[0]
+    if not (0 <= r0 and r0 + NR <= N):
+        raise ValueError(f"receivers r0={r0} .. {r0 + NR - 1} are not agents of the {N} senders")
+    if N < 2 or NR == 0:
+        return np.zeros(NR), np.zeros((NR, D), dt), np.zeros(NR, dt), np.zeros((N, D))
+    if D >= DOT_MIN_D:
+        erow, gA, gB, gc = _dense_blas(Ah, B, ch, r0, kappa, agg, dt, True)
+        return erow.astype(np.float64), gA * dt.type(0.5), gc * dt.type(0.5), gB.astype(np.float64)
+    Bt = np.ascontiguousarray(B.T)
+    m, inv_s, abar = np.empty(NR, dt), np.empty(NR, dt), np.empty(NR, dt)
+    erow, gc64 = np.empty(NR), np.empty(NR)
+    gA64 = np.empty((NR, D))
+    gBp = np.zeros((1, D, N))
+    _dense_chunks_serial(Ah, B, Bt, ch, r0, kappa, agg, 1, m, inv_s, abar, erow, gA64, gc64, gBp)
+    return erow, (0.5 * gA64).astype(dt), (0.5 * gc64).astype(dt), np.ascontiguousarray(gBp[0].T)
 
 
 @_kernel
@@ -654,19 +708,19 @@ def _sparse_receivers(Ah, B, ch, index, mask, kappa, one, ninf, agg, erow, W, gA
 
 
 @_serial
-def _csc(index, mask):
-    """Reverse index by a stable counting sort: entries of sender j are flat[ptr[j]:ptr[j+1]] (flat
-    positions i * k + q of the (N, k) lists), in ascending receiver order."""
+def _csc(index, mask, n_senders):
+    """Reverse index by a stable counting sort: entries of sender j < n_senders are flat[ptr[j]:ptr[j+1]]
+    (flat positions i * k + q of the (N, k) lists), in ascending receiver order."""
     N, k = index.shape
-    ptr = np.zeros(N + 1, np.int64)
+    ptr = np.zeros(n_senders + 1, np.int64)
     for i in range(N):
         for q in range(k):
             if mask[i, q]:
                 ptr[index[i, q] + 1] += 1
-    for j in range(N):
+    for j in range(n_senders):
         ptr[j + 1] += ptr[j]
     cur = ptr[:-1].copy()
-    flat = np.empty(ptr[N], np.int64)
+    flat = np.empty(ptr[n_senders], np.int64)
     for i in range(N):
         for q in range(k):
             if mask[i, q]:
@@ -678,16 +732,20 @@ def _csc(index, mask):
 
 @_kernel
 def _sparse_senders(Ah, W, k, ptr, flat, gB):
-    """gB_j = sum over receivers i listing j (ascending) of W_iq Ah_i; W flattened (N * k,)."""
-    N = Ah.shape[0]
-    for j in numba.prange(N):
+    """gB_j = sum over receivers i listing j (ascending) of W_iq Ah_i; W flattened (N * k,), gB (n_s, D)."""
+    for j in numba.prange(gB.shape[0]):
         for e in range(ptr[j], ptr[j + 1]):
             p = flat[e]
             _accumulate_row(gB, j, W[p], Ah, p // k)
 
 
-def pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
-    """Fixed-width neighbour lists index/mask (N, k) -> (E, gA, gB, gc); masked entries are ignored."""
+_sparse_receivers_serial = _serial_copy(_sparse_receivers)
+_sparse_senders_serial = _serial_copy(_sparse_senders)
+
+
+def _sparse(A, B, c, index, mask, kappa: float, aggregator: str, serial: bool):
+    """Receivers A (N, D), c (N,) with lists index/mask (N, k) into the rows of B (n_s, D) ->
+    (erow, gA, gB (n_s, D), gc) in the input dtype; gA, gc halved."""
     agg = _pm.aggregator_code(aggregator)
     dt, Ah, B, ch, kappa = _prepare(A, B, c, kappa)
     N, D = Ah.shape
@@ -697,14 +755,37 @@ def pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
         raise ValueError(f"index/mask must both be (N={N}, k), got {index.shape} and {mask.shape}")
     k = index.shape[1]
     gA = np.zeros((N, D), dt)
-    gB = np.zeros((N, D), dt)
+    gB = np.zeros(B.shape, dt)
     gc = np.zeros(N, dt)
     erow = np.zeros(N, dt)
     W = np.zeros((N, k), dt)
     if k > 0:
-        _sparse_receivers(Ah, B, ch, index, mask, kappa, dt.type(1), dt.type(-np.inf), agg, erow, W, gA, gc)
-        ptr, flat = _csc(index, mask)
-        _sparse_senders(Ah, W.reshape(-1), k, ptr, flat, gB)
+        recv, send = (
+            (_sparse_receivers_serial, _sparse_senders_serial)
+            if serial
+            else (_sparse_receivers, _sparse_senders)
+        )
+        recv(Ah, B, ch, index, mask, kappa, dt.type(1), dt.type(-np.inf), agg, erow, W, gA, gc)
+        ptr, flat = _csc(index, mask, B.shape[0])
+        send(Ah, W.reshape(-1), k, ptr, flat, gB)
     gA *= dt.type(0.5)
     gc *= dt.type(0.5)
+    return erow, gA, gB, gc
+
+
+def pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
+    """Fixed-width neighbour lists index/mask (N, k) -> (E, gA, gB, gc); masked entries are ignored."""
+    erow, gA, gB, gc = _sparse(A, B, c, index, mask, kappa, aggregator, False)
     return float(erow.sum(dtype=np.float64)), gA, gB, gc
+
+
+def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: str):
+    """Receivers A_r (n_r, D), c_r (n_r,) with lists index/mask (n_r, k) into the rows of B_s (n_s, D),
+    a gathered subset of the senders (local row numbers): the unit of work of a scheduler task.
+
+    Returns (erow (n_r,) float64, gA_r (n_r, D), gc_r (n_r,) in the input dtype, gB_part (n_s, D)
+    float64: these receivers' share of the gathered senders' gB, each sender's sum over its receivers in
+    ascending order). Serial kernels only (see :func:`pairwise_dense_rows`).
+    """
+    erow, gA, gB, gc = _sparse(A_r, B_s, c_r, index, mask, kappa, aggregator, True)
+    return erow.astype(np.float64), gA, gc, gB.astype(np.float64)

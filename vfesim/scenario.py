@@ -8,7 +8,8 @@ Sections and keys (all optional except ``model.K`` or ``model.irreps`` and ``pop
                    camps (>= 1 prior camps), camp_offset (distance between camp centres)
     [integrator]   method, dt, friction, options (a table passed to make_integrator)
     [run]          n_steps, save_every (a frame every save_every steps; the last step is always
-                   saved), checkpoint_every, backend, dtype, seed
+                   saved), checkpoint_every, backend, dtype, seed, chunks (agents per task of
+                   backend "dask"; default: vfesim.backends.dask_backend.default_chunk)
     [output]       path (relative to the working directory), time_chunk (frames per Zarr chunk),
                    keep_checkpoints (>= 2: the newest and the one before are always kept)
 
@@ -175,7 +176,7 @@ def _integrator(d: dict) -> dict:
 
 
 def _run(d: dict) -> dict:
-    _no_unknown("run", d, RUN)
+    _no_unknown("run", d, {**RUN, "chunks": None})
     p = {**RUN, **d}
     if p["n_steps"] is None:
         raise ScenarioError("run.n_steps", "is required")
@@ -187,6 +188,12 @@ def _run(d: dict) -> dict:
     p["backend"] = _str("run.backend", p["backend"], BACKENDS)
     p["dtype"] = _str("run.dtype", p["dtype"], ("float32", "float64"))
     p["seed"] = _int("run.seed", p["seed"], 0)
+    if "chunks" in p:  # stored only when given: scenarios of earlier runs compare equal on resume
+        p["chunks"] = _int("run.chunks", p["chunks"], 1)
+        if p["backend"] != "dask":
+            raise ScenarioError(
+                "run.chunks", f"agents per chunk apply to backend 'dask', not {p['backend']!r}"
+            )
     return p
 
 

@@ -110,6 +110,10 @@ def _make_integrator(scn: Scenario, backend: str):
     from .integrators import make_integrator
 
     ig = scn.integrator
+    if scn.run.get("chunks") is not None:
+        from .backends import get
+
+        backend = dataclasses.replace(get(backend), chunks=scn.run["chunks"])
     try:
         return make_integrator(
             ig["method"],

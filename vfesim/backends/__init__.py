@@ -10,6 +10,7 @@ never the name.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -41,6 +42,7 @@ BACKENDS = {
     "numpy": "vfesim.backends.numpy_backend",
     "numba": "vfesim.backends.numba_backend",
     "cuda": "vfesim.backends.cuda_backend",
+    "dask": "vfesim.backends.dask_backend",
 }
 
 
@@ -57,6 +59,9 @@ class Backend:
         stages); a family uses its array-generic stages where none is given.
     updates(K) -> the integrator update operations (gradient-flow step, kick/drift, chart maps).
     on_device: state and integrator arrays live on an accelerator (integrators then keep them there).
+    dataset_energy_and_gradient(state, cfg, validate=..., **options) -> (terms, grads Dataset): set by a
+        backend that runs whole state Datasets itself (dask: chunked states stay chunked); it takes the
+        backend's keyword options of :func:`energy_and_gradient`.
     """
 
     name: str
@@ -68,6 +73,7 @@ class Backend:
     updates: Callable[[int], Any]
     agent_ops: Mapping[str, Any] = field(default_factory=dict)
     on_device: bool = False
+    dataset_energy_and_gradient: Callable | None = None
 
     def energy_and_gradient(self, arrays: dict[str, Any], cfg) -> tuple[dict[str, float], dict[str, Any]]:
         """Terms and exact gradient of ``cfg``'s family for raw arrays on this backend's device (no
@@ -131,6 +137,8 @@ def resolve(name: str) -> str:
         return chosen
     if name not in BACKENDS:
         raise ValueError(f"backend: unknown {name!r}; choose one of {sorted(BACKENDS)} or 'auto'")
+    if name == "dask" and importlib.util.find_spec("dask") is None:
+        raise RuntimeError("backend 'dask' needs dask[array] and distributed (install the 'dask' extra)")
     if name == "cuda" and not cuda_available():
         raise RuntimeError(
             "backend 'cuda' needs CuPy and a CUDA GPU, and none was found "
@@ -154,7 +162,7 @@ def energy_and_gradient_arrays(
 
 
 def energy_and_gradient(
-    state: xr.Dataset, cfg, backend: str = "numpy", *, validate: bool = True
+    state: xr.Dataset, cfg, backend: str = "numpy", *, validate: bool = True, **options
 ) -> tuple[dict[str, float], xr.Dataset]:
     """Free-energy terms (dict of floats) and the exact gradient Dataset (SPEC §1, §2.2–2.3).
 
@@ -162,9 +170,20 @@ def energy_and_gradient(
     "prior_align", "observation", "total". grads: same variables, dims and dtype as ``state``;
     covariance gradients are symmetric. A term or gradient that is NaN or Inf raises
     :class:`~vfesim.state.NonFiniteError` naming the variable and agent, on every backend.
+
+    options: keyword options of the backend; "dask" takes ``chunks`` (agents per chunk or chunk sizes,
+    for an in-memory state; a Dask-backed state keeps its own) and ``inner`` ("numba"), see
+    :func:`vfesim.backends.dask_backend.energy_and_gradient_dataset`. Other backends take none.
     """
     require_dataset(state)
     be = get(backend)
+    if be.dataset_energy_and_gradient is not None:
+        return be.dataset_energy_and_gradient(state, cfg, validate=validate, **options)
+    if options:
+        raise TypeError(
+            f"energy_and_gradient: option(s) {sorted(options)} are not options of backend {be.name!r} "
+            "(chunks= and inner= are the dask backend's)"
+        )
     arrays = be.to_device({k: state[k].data for k in state.data_vars})
     if validate:
         # Where the arrays will be used: on a GPU, one transfer and device-side checks.

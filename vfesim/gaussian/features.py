@@ -11,7 +11,8 @@ With nu_i = R_i^T mu_i, Lam_i = R_i^T Sigma_i R_i, P_i = Lam_i^-1, ld_i = ln|Lam
 Feature length D = K(K+1)/2 + K + 1. The means are centred on the population mean of nu before the
 features are formed: the pairwise KL is exactly invariant under a common shift of both means, so this
 changes no value or gradient, and it removes the cancellation between the three mean terms when the
-population sits far from the origin.
+population sits far from the origin. A chunk of a population (the dask backend) passes the whole
+population's mean as ``centre``, so that every chunk's features share one shift.
 
 Functions are array-module generic (NumPy or CuPy): ``xp`` is taken from the inputs.
 """
@@ -51,16 +52,17 @@ def _triu(K: int):
     return np.triu_indices(K)
 
 
-def agent_features(mu, sigma, R, name: str = "sigma"):
+def agent_features(mu, sigma, R, name: str = "sigma", centre=None):
     """(mu (N,K), sigma (N,K,K), R (N,K,K)) -> A (N,D), B (N,D), c (N,), cache.
 
-    ``name`` labels sigma in the error raised when a transported covariance is not SPD.
+    ``name`` labels sigma in the error raised when a transported covariance is not SPD. ``centre`` (K,):
+    the shift of nu (default: its mean over these agents).
     """
     xp = _xp(mu)
     N, K = mu.shape
     Rt = xp.swapaxes(R, 1, 2)
     nu = xp.einsum("nkl,nk->nl", R, mu)
-    nu = nu - nu.mean(axis=0)
+    nu = nu - (nu.mean(axis=0) if centre is None else xp.asarray(centre, mu.dtype))
     lam = Rt @ sigma @ R
     lam = 0.5 * (lam + xp.swapaxes(lam, 1, 2))
     L = cholesky_named(lam, name)

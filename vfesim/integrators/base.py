@@ -109,14 +109,13 @@ def energy_fn(cfg: ModelConfig, backend, override: EnergyFn | None = None) -> En
             raise ValueError(f"option 'energy' must be callable (arrays) -> (terms, grads), got {override!r}")
         return override
     from ..backends import get
-    from ..family import family_of
 
-    # Look the backend and family up once: a per-call lookup re-checks device availability every time.
+    # Look the backend up once: a per-call lookup re-checks device availability every time. The backend
+    # runs the family's assembly (the dask backend schedules it over agent chunks).
     be = get(backend)
-    energy = family_of(cfg).energy_and_gradient
 
     def fn(arrays):
-        return energy(arrays, cfg, be)
+        return be.energy_and_gradient(arrays, cfg)
 
     return fn
 

@@ -1,0 +1,237 @@
+"""The dask backend (SPEC §4): chunk independence, agreement with the numpy backend for both agent
+families, dense and sparse neighbours and both aggregators, chunked Datasets in and out, a LocalCluster
+with two worker processes, and errors naming the bad option, variable and agent."""
+
+from __future__ import annotations
+
+import logging
+import tomllib
+
+import dask.array as da
+import numpy as np
+import pytest
+from conftest import make_obs_config
+from dask.core import flatten
+from vfesim_kernels.pairwise_cpu import pairwise_dense, pairwise_dense_rows
+
+import vfesim
+from vfesim.backends.dask_backend import chunk_bounds, default_chunk
+from vfesim.cli import main
+from vfesim.io import open_run
+from vfesim.quantum import QuantumConfig
+from vfesim.scenario import Scenario, ScenarioError
+
+distributed = pytest.importorskip("distributed")
+
+RTOL = 1e-13  # chunkings change only the grouping of float64 sums
+N = 37
+CHUNKINGS = [N, 19, 13, (5, 29, 3)]  # 1, 2, 3 and uneven chunks
+
+
+def _config(family: str, neighbours: str, aggregator: str):
+    nb = "dense" if neighbours == "dense" else vfesim.SparseNeighbours.ring(N, 2)
+    if family == "gaussian":
+        return vfesim.ModelConfig(K=3, lambda_prior=0.6, kappa_beta=0.8, aggregator=aggregator, neighbours=nb)
+    return QuantumConfig(d=2, lambda_prior=0.6, kappa_beta=0.8, aggregator=aggregator, neighbours=nb)
+
+
+def _assert_close(a, b, rtol=RTOL):
+    """Terms within rtol of the total; every gradient within rtol of its largest entry."""
+    (ta, ga), (tb, gb) = a, b
+    assert set(ta) == set(tb) and set(ga.data_vars) == set(gb.data_vars)
+    for k in tb:
+        assert abs(ta[k] - tb[k]) <= rtol * abs(tb["total"]), k
+    for k in gb.data_vars:
+        assert ga[k].dims == gb[k].dims and ga[k].dtype == gb[k].dtype, k
+        x, y = np.asarray(ga[k].values), np.asarray(gb[k].values)
+        assert np.abs(x - y).max() <= rtol * np.abs(y).max(), k
+
+
+CASES = [
+    (f, n, a) for f in ("gaussian", "quantum") for n in ("dense", "ring") for a in ("softmin", "expected")
+]
+
+
+@pytest.mark.parametrize(("family", "neighbours", "aggregator"), CASES)
+def test_chunk_independence_and_numpy_parity(family, neighbours, aggregator):
+    cfg = _config(family, neighbours, aggregator)
+    state = vfesim.random_state(cfg, N, seed=5)
+    ref = vfesim.energy_and_gradient(state, cfg, backend="numpy")
+    first = None
+    for chunks in CHUNKINGS:
+        out = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=chunks)
+        assert all(isinstance(v.data, np.ndarray) for v in out[1].data_vars.values())
+        _assert_close(out, ref)
+        if first is not None:
+            _assert_close(out, first)
+        first = first or out
+
+
+def test_same_chunking_is_bitwise_reproducible():
+    cfg = make_obs_config(K=3, lambda_prior=0.5, aggregator="expected")
+    state = vfesim.random_state(cfg, N, seed=2)
+    t1, g1 = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(9, 20, 8))
+    t2, g2 = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(9, 20, 8))
+    assert t1 == t2
+    for k in g1.data_vars:
+        np.testing.assert_array_equal(g1[k].values, g2[k].values)
+
+
+@pytest.mark.parametrize("family", ["gaussian", "quantum"])
+def test_chunked_dataset_gives_chunked_gradients(family):
+    cfg = _config(family, "ring", "softmin")
+    state = vfesim.random_state(cfg, N, seed=7)
+    chunked = state.chunk(agent=(10, 20, 7))
+    terms, grads = vfesim.energy_and_gradient(chunked, cfg, backend="dask")
+    for k in grads.data_vars:
+        assert isinstance(grads[k].data, da.Array), k
+        assert grads[k].chunks[0] == (10, 20, 7), k
+    _assert_close((terms, grads), vfesim.energy_and_gradient(state, cfg, backend="numpy"))
+
+
+def test_float32_chunked():
+    cfg = vfesim.ModelConfig(K=3, lambda_prior=0.5, aggregator="softmin")
+    state = vfesim.random_state(cfg, N, seed=3, dtype="float32")
+    out = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=12)
+    assert out[1]["sigma_q"].dtype == np.float32
+    _assert_close(out, vfesim.energy_and_gradient(state, cfg, backend="numpy"), rtol=1e-5)
+
+
+@pytest.mark.parametrize("D", [10, 40])  # the tiled and the BLAS paths
+def test_receiver_ranges_sum_to_the_full_kernel(D):
+    rng = np.random.default_rng(0)
+    n = 70
+    A, B, c = rng.normal(size=(n, D)), rng.normal(size=(n, D)), rng.normal(size=n)
+    E, gA, gB, gc = pairwise_dense(A, B, c, 1.3, "expected")
+    bounds = (0, 3, 40, 70)
+    spans = zip(bounds[:-1], bounds[1:], strict=True)
+    parts = [pairwise_dense_rows(A[a:b], c[a:b], B, a, 1.3, "expected") for a, b in spans]
+    assert abs(sum(p[0].sum() for p in parts) - E) <= 1e-13 * abs(E)
+    np.testing.assert_allclose(np.concatenate([p[1] for p in parts]), gA, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(np.concatenate([p[2] for p in parts]), gc, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(sum(p[3] for p in parts), gB, rtol=1e-13, atol=1e-14)
+
+
+def test_chunk_bounds_and_default_chunk():
+    assert chunk_bounds(10, 4) == (0, 4, 8, 10)
+    assert chunk_bounds(10, (3, 7)) == (0, 3, 10)
+    assert default_chunk(10, 9, 10) == 10
+    assert 1 <= default_chunk(1 << 20, (1 << 20) - 1, 10) < 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"chunks": 0}, "chunks: agents per chunk must be >= 1"),
+        ({"chunks": (10, 10)}, r"chunks: chunk sizes \(10, 10\) sum to 20, not the 37 agents"),
+        ({"chunks": "auto"}, "chunks: expected agents per chunk"),
+        ({"inner": "cuda"}, "inner: unknown 'cuda'"),
+    ],
+)
+def test_bad_options_are_named(options, match):
+    cfg = _config("gaussian", "dense", "softmin")
+    state = vfesim.random_state(cfg, N, seed=1)
+    with pytest.raises(ValueError, match=match):
+        vfesim.energy_and_gradient(state, cfg, backend="dask", **options)
+
+
+def test_dask_options_rejected_by_other_backends():
+    cfg = _config("gaussian", "dense", "softmin")
+    state = vfesim.random_state(cfg, 8, seed=1)
+    with pytest.raises(TypeError, match=r"option\(s\) \['chunks'\] are not options of backend 'numpy'"):
+        vfesim.energy_and_gradient(state, cfg, backend="numpy", chunks=4)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_bad_state_names_variable_and_global_agent(lazy):
+    cfg = _config("gaussian", "ring", "softmin")
+    state = vfesim.random_state(cfg, N, seed=1)
+    sigma = state["sigma_q"].values.copy()
+    sigma[23] = -np.eye(3)
+    state = state.assign(sigma_q=(state["sigma_q"].dims, sigma))
+    if lazy:
+        state = state.chunk(agent=10)  # agent 23 is row 3 of the third chunk
+    with pytest.raises(vfesim.StateError, match=r"sigma_q\[agent=23\]: is not positive definite"):
+        vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=None if lazy else 10)
+
+
+SCENARIO = """
+[model]
+K = 3
+kappa_beta = 2.0
+lambda_prior = 0.3
+[population]
+n_agents = 11
+seed = 3
+neighbours = "ring"
+half_width = 2
+[integrator]
+method = "verlet"
+dt = 0.05
+friction = 0.1
+[run]
+n_steps = 6
+save_every = 2
+checkpoint_every = 2
+backend = "dask"
+chunks = 4
+"""
+
+
+def test_cli_run_and_resume_on_dask_are_bitwise(tmp_path):
+    toml = tmp_path / "s.toml"
+    toml.write_text(SCENARIO)
+    assert main(["run", str(toml), "--out", str(tmp_path / "ref.zarr"), "-q"]) == 0
+    assert main(["run", str(toml), "--out", str(tmp_path / "r.zarr"), "--steps", "2", "-q"]) == 0
+    assert main(["resume", str(tmp_path / "r.zarr"), "--steps", "6", "-q"]) == 0
+    ref, res = open_run(tmp_path / "ref.zarr").load(), open_run(tmp_path / "r.zarr").load()
+    assert ref["step"].values.tolist() == res["step"].values.tolist() == [0, 2, 4, 6]
+    for k in ref.data_vars:
+        np.testing.assert_array_equal(res[k].values, ref[k].values, err_msg=k)
+
+
+def test_run_dynamics_on_dask_matches_numpy():
+    cfg = vfesim.ModelConfig(K=3, lambda_prior=0.5, aggregator="softmin")
+    state = vfesim.random_state(cfg, 20, seed=4)
+    ref, _ = vfesim.run_dynamics(state, cfg, method="verlet", dt=0.02, n_steps=3, backend="numpy")
+    out, _ = vfesim.run_dynamics(state, cfg, method="verlet", dt=0.02, n_steps=3, backend="dask")
+    for k in ref.data_vars:
+        np.testing.assert_allclose(out[k].values, ref[k].values, rtol=1e-12, atol=1e-13, err_msg=k)
+
+
+def test_run_chunks_needs_the_dask_backend():
+    bad = SCENARIO.replace('backend = "dask"', 'backend = "numpy"')
+    with pytest.raises(ScenarioError, match="run.chunks"):
+        Scenario.from_dict(tomllib.loads(bad))
+
+
+# LocalCluster tests last: the threaded tests above have compiled (and cached) the kernels by then.
+@pytest.fixture(scope="module")
+def client():
+    cluster = distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=logging.ERROR
+    )
+    client = distributed.Client(cluster, set_as_default=False)
+    yield client
+    client.close()
+    cluster.close()
+
+
+@pytest.mark.parametrize(
+    ("family", "neighbours", "aggregator", "lazy"),
+    [("gaussian", "dense", "softmin", False), ("quantum", "ring", "expected", True)],
+)
+def test_local_cluster_two_processes(client, family, neighbours, aggregator, lazy):
+    cfg = _config(family, neighbours, aggregator)
+    state = vfesim.random_state(cfg, N, seed=11)
+    ref = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(10, 20, 7))
+    with client.as_current():
+        if lazy:
+            out = vfesim.energy_and_gradient(state.chunk(agent=(10, 20, 7)), cfg, backend="dask")
+            # persisted on the workers: the gradient's chunks are the cluster's futures
+            keys = {k for v in out[1].data_vars.values() for k in flatten(v.data.__dask_keys__())}
+            assert keys <= set(client.who_has())
+        else:
+            out = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(10, 20, 7))
+        _assert_close(out, ref, rtol=0.0)  # the same tasks in another process: bitwise equal
+        _assert_close(out, vfesim.energy_and_gradient(state, cfg, backend="numpy"))

@@ -1,0 +1,562 @@
+"""Dask backend: the agent axis in chunks, one task graph per evaluation (SPEC §4).
+
+The model is defined once, by the family's assembly (``family.energy_and_gradient(arrays, cfg,
+backend)``); this backend only schedules it. The assembly calls the family-free pairwise layer once per
+alignment term with feature rows A, B (N, D), c (N,), and every pairwise interaction goes through those
+rows, so an evaluation splits into tasks over agent chunks ``[r0, r1)``:
+
+1. *features* (one task per chunk): the family's assembly on the chunk's arrays, with a pairwise
+   function that records each term's (A, B, c, kappa, aggregator) and returns zero energy and zero
+   cotangents (the per-agent work of the chunk, O(n K^3), nothing pairwise);
+2. *pairs* (one task per receiver chunk): the chunk's receivers against every sender (dense) or against
+   the sender chunks its neighbour lists name (sparse), with the online log-sum-exp of
+   :func:`vfesim_kernels.pairwise_cpu.pairwise_dense_rows` / ``pairwise_sparse_rows`` (serial Numba
+   kernels, ``nogil``): row energies, the receivers' gA, gc and their share of the senders' gB;
+3. *gB reduction*: dense shares (N, D) float64 are summed in a binary tree over receiver chunks in
+   ascending order (fixed by the chunking, so deterministic); sparse shares are split by sender chunk and
+   each sender chunk sums the shares of the receiver chunks that name it, in ascending order;
+4. *assembly* (one task per chunk): the family's assembly again on the chunk's arrays, with a pairwise
+   function that returns the chunk's precomputed (E, gA, gB, gc): the chain rule back to the state
+   variables and the per-agent terms. Terms are summed over chunks in float64 in chunk order.
+
+The per-agent stages therefore run twice (steps 1 and 4): O(N K^3) beside the O(N^2 D) pairs of a dense
+term, a few per cent at N = 16 384, K = 3 (``benchmarks/bench_dask.py``). No task holds an N x N array;
+a dense pair task holds its chunk, every sender's B and one (N, D) float64 share: peak memory per task
+O(n D + N D). Per-agent stages run as the family's array-generic (NumPy) stages: the fused Numba
+per-agent kernels pick their parallel builds by problem size, and Numba's parallel kernels must not be
+launched from the scheduler's threads.
+
+Chunks: as the state Dataset is chunked along ``agent`` (``state.chunk(agent=n)``; the gradient Dataset
+comes back chunked the same way, persisted), or ``chunks=`` (agents per chunk, or a tuple of chunk sizes)
+for an in-memory state, by default :func:`default_chunk` (about TASK_WORK pair-feature products per
+task, >= 100 ms on one core). Scheduler: Dask's current one: the ``dask.distributed`` client when one is
+the default (``Client(...)``, ``LocalCluster``), else ``dask.config``'s scheduler, else threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import re
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import xarray as xr
+from vfesim_kernels.pairwise_cpu import pairwise_dense_rows, pairwise_sparse_rows
+
+from ..family import family_of
+from ..state import NonFiniteError, StateError, validate_state
+from . import Backend, check_outputs
+from .numba_backend import NumbaUpdates
+from .numba_backend import pairwise_dense as _numba_dense
+from .numba_backend import pairwise_sparse as _numba_sparse
+from .numpy_backend import to_device, to_host
+
+__all__ = [
+    "BACKEND",
+    "DaskBackend",
+    "INNER",
+    "TASK_WORK",
+    "AGENT_WORK",
+    "default_chunk",
+    "auto_chunk",
+    "chunk_bounds",
+    "energy_and_gradient_dataset",
+]
+
+log = logging.getLogger("vfesim")
+
+# Kernels a task may run on its chunk ("cuda": one GPU per worker, not written yet).
+INNER = ("numba",)
+# Pair-feature products (receivers x senders x D) per task that make >= 100 ms on one core: the serial
+# tiled kernel runs about 1.5e9 products/s at D = 10 (2 sweeps), so 2^28 products is about 180 ms.
+TASK_WORK = 1 << 28
+# Stand-in cost of one agent's per-agent stages, in pair-feature products (sparse chunks are sized by it).
+AGENT_WORK = 4096
+
+
+def default_chunk(n_agents: int, pairs_per_agent: int, D: int) -> int:
+    """Agents per chunk: about TASK_WORK units of work per task (pairs_per_agent = N - 1 dense, the list
+    width k sparse; D the feature length), and never more than n_agents."""
+    per_agent = pairs_per_agent * D + AGENT_WORK
+    return int(min(n_agents, max(1, -(-TASK_WORK // per_agent))))
+
+
+def chunk_bounds(n_agents: int, chunks: int | Sequence[int]) -> tuple[int, ...]:
+    """Chunk boundaries (0, ..., n_agents) of ``chunks``: agents per chunk (the last may be smaller) or
+    the chunk sizes. ValueError naming ``chunks`` for anything else."""
+    if isinstance(chunks, (int, np.integer)) and not isinstance(chunks, bool):
+        if chunks < 1:
+            raise ValueError(f"chunks: agents per chunk must be >= 1, got {chunks}")
+        sizes = [int(chunks)] * (n_agents // chunks) + ([n_agents % chunks] if n_agents % chunks else [])
+    elif isinstance(chunks, Sequence) and not isinstance(chunks, str):
+        sizes = list(chunks)
+        if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1 for s in sizes):
+            raise ValueError(f"chunks: chunk sizes must be integers >= 1, got {tuple(chunks)}")
+        if sum(sizes) != n_agents:
+            raise ValueError(
+                f"chunks: chunk sizes {tuple(sizes)} sum to {sum(sizes)}, not the {n_agents} agents"
+            )
+    else:
+        raise ValueError(f"chunks: expected agents per chunk (int) or chunk sizes (tuple), got {chunks!r}")
+    return tuple(int(b) for b in np.cumsum([0, *sizes]))
+
+
+# ---- errors raised inside tasks -------------------------------------------------------------------------
+class ChunkError(Exception):
+    """A StateError (or NonFiniteError) raised inside a task, with the agent made global; picklable (the
+    state errors' own constructors are not the one pickle calls), rebuilt on the client by :meth:`error`."""
+
+    def __init__(self, kind: str, variable: str, message: str, agent: int | None):
+        super().__init__(kind, variable, message, agent)
+
+    @classmethod
+    def wrap(cls, e: StateError, r0: int) -> ChunkError:
+        where = e.variable if e.agent is None else f"{e.variable}[agent={e.agent}]"
+        message = str(e)[len(where) + 2 :]
+        agent = None if e.agent is None else e.agent + r0
+        return cls("nonfinite" if isinstance(e, NonFiniteError) else "state", e.variable, message, agent)
+
+    def error(self) -> StateError:
+        kind, variable, message, agent = self.args
+        return (NonFiniteError if kind == "nonfinite" else StateError)(variable, message, agent=agent)
+
+
+_AGENT = re.compile(r"\[agent=(\d+)\]")
+
+
+def _shift_warning(w: warnings.WarningMessage, r0: int) -> tuple[type, str]:
+    """(category, message) of a warning recorded in a task, agent indices made global."""
+    text = _AGENT.sub(lambda m: f"[agent={int(m.group(1)) + r0}]", str(w.message))
+    return w.category, text
+
+
+# ---- the two assembly passes ----------------------------------------------------------------------------
+class _Record:
+    """Pairwise functions for the features pass: record each term's rows, return zeros."""
+
+    def __init__(self):
+        self.terms: list[tuple] = []
+
+    def dense(self, A, B, c, kappa, aggregator):
+        self.terms.append((A, B, c, float(kappa), aggregator))
+        return 0.0, np.zeros_like(A), np.zeros_like(B), np.zeros_like(c)
+
+    def sparse(self, A, B, c, index, mask, kappa, aggregator):
+        return self.dense(A, B, c, kappa, aggregator)
+
+
+class _Replay:
+    """Pairwise functions for the assembly pass: the chunk's precomputed (E, gA, gB, gc) per term, in the
+    order the assembly asks for them (the order the features pass recorded)."""
+
+    def __init__(self, results: list[tuple]):
+        self.results = list(results)
+        self.next = 0
+
+    def dense(self, A, B, c, kappa, aggregator):
+        E, gA, gB, gc = self.results[self.next]
+        self.next += 1
+        if gA.shape != A.shape or gB.shape != B.shape or gc.shape != c.shape:
+            raise RuntimeError("dask backend: the assembly asked for other pairwise terms than it recorded")
+        return E, gA, gB, gc
+
+    def sparse(self, A, B, c, index, mask, kappa, aggregator):
+        return self.dense(A, B, c, kappa, aggregator)
+
+
+# Families whose per-agent stages use a population-wide quantity (Gaussian: the centre of the transported
+# means): a module with population_sum(arrays, cfg) -> {name: array} (one chunk's sums) and
+# chunk_agent_ops(means) -> the family's per-agent stages using the population means.
+POPULATION = {"gaussian": "vfesim.gaussian.chunks"}
+
+
+def _population_module(cfg):
+    name = POPULATION.get(family_of(cfg).name)
+    return None if name is None else importlib.import_module(name)
+
+
+def _population_task(arrays: dict, cfg):
+    arrays = _own(arrays)
+    return _population_module(cfg).population_sum(arrays, cfg)
+
+
+def _population_mean(n: int, *sums):
+    """Sums of every chunk, added in chunk order and divided by the number of agents."""
+    return {k: sum((s[k] for s in sums[1:]), start=sums[0][k].copy()) / n for k in sums[0]}
+
+
+def _chunk_backend(pairwise, cfg, population=None) -> Backend:
+    """A host Backend whose pairwise kernels are ``pairwise``'s (a _Record or _Replay); its per-agent
+    stages use the population means where the family has some."""
+    ops = (
+        {}
+        if population is None
+        else {family_of(cfg).name: _population_module(cfg).chunk_agent_ops(population)}
+    )
+    return Backend(
+        agent_ops=ops,
+        name="dask-chunk",
+        array_module=lambda: np,
+        to_device=to_device,
+        to_host=to_host,
+        pairwise_dense=pairwise.dense,
+        pairwise_sparse=pairwise.sparse,
+        updates=NumbaUpdates,
+    )
+
+
+def _own(arrays: dict) -> dict:
+    """Fresh C-ordered copies of a chunk's arrays: NumPy's vectorised loops may round the last bit of an
+    element differently by its memory alignment, which differs between a slice of the client's array and
+    a buffer received from another process; copies make every task see the same layout."""
+    return {k: np.array(v, order="C", copy=True) for k, v in arrays.items()}
+
+
+def _features_task(arrays: dict, cfg, population, r0: int, validate: bool):
+    """Step 1 for one chunk: ([(A, B, c, kappa, aggregator) per term], warnings). ``cfg`` has dense
+    neighbours (the lists are the pair tasks' business)."""
+    arrays = _own(arrays)
+    caught: list = []
+    try:
+        if validate:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                validate_state(arrays, cfg)
+        rec = _Record()
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            family_of(cfg).energy_and_gradient(arrays, cfg, _chunk_backend(rec, cfg, population))
+    except StateError as e:
+        raise ChunkError.wrap(e, r0) from None
+    return rec.terms, [_shift_warning(w, r0) for w in caught]
+
+
+def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows):
+    """Step 4 for one chunk: (terms, grads, warnings). ``pairs``: this chunk's pair results; ``gB_rows``:
+    per term, the float64 gB of the chunk's agents as senders."""
+    arrays = _own(arrays)
+    results = [
+        (E, gA, gB.astype(B.dtype), gc)
+        for (E, gA, gc, _), gB, (_, B, *_) in zip(pairs, gB_rows, feats[0], strict=True)
+    ]
+    try:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            backend = _chunk_backend(_Replay(results), cfg, population)
+            terms, grads = family_of(cfg).energy_and_gradient(arrays, cfg, backend)
+        check_outputs({}, grads)
+    except StateError as e:
+        raise ChunkError.wrap(e, r0) from None
+    return terms, grads, feats[1]
+
+
+# ---- pair tasks and the gB reduction --------------------------------------------------------------------
+def _dense_pairs_task(feats, senders, r0: int):
+    """Step 2, dense: per term (E, gA, gc, gB share (N, D) float64) of the chunk's receivers."""
+    out = []
+    for (A, _, c, kappa, agg), B in zip(feats[0], senders, strict=True):
+        erow, gA, gc, share = pairwise_dense_rows(A, c, B, r0, kappa, agg)
+        out.append((float(erow.sum()), gA, gc, share))
+    return out
+
+
+def _all_senders(*feats):
+    """Per term, every chunk's B rows in chunk order (N, D)."""
+    return [np.concatenate([f[0][t][1] for f in feats]) for t in range(len(feats[0][0]))]
+
+
+def _shares(x):
+    """Per term, the gB share of a pair result, or a partial sum itself."""
+    return [t[3] for t in x] if x and isinstance(x[0], tuple) else x
+
+
+def _add_shares(x, y):
+    return [a + b for a, b in zip(_shares(x), _shares(y), strict=True)]
+
+
+def _tree(items: list, combine) -> Any:
+    """Pairwise sums of adjacent items, level by level, in ascending order (a fixed tree for a given
+    number of items)."""
+    while len(items) > 1:
+        nxt = [dask.delayed(combine, pure=False)(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
+        items = nxt + ([items[-1]] if len(items) % 2 else [])
+    return items[0]
+
+
+def _dense_gB_rows(total, r0: int, r1: int):
+    return [s[r0:r1] for s in _shares(total)]
+
+
+def _sparse_pairs_task(feats, sender_feats, starts, index, mask, r0: int):
+    """Step 2, sparse: per term (E, gA, gc, {sender chunk position: gB share (n_s, D) float64}).
+
+    sender_feats: the features of the sender chunks the lists name (ascending), starting at ``starts``;
+    index (n_r, k) global sender ids, mask (n_r, k)."""
+    sizes = [len(f[0][0][1]) if f[0] else 0 for f in sender_feats]
+    offs = np.cumsum([0, *sizes])
+    # Global sender id -> row of the gathered senders: chunk position by the chunk starts.
+    pos = np.searchsorted(np.asarray(starts), index, side="right") - 1
+    local = np.where(mask, index - np.asarray(starts)[np.clip(pos, 0, None)] + offs[np.clip(pos, 0, None)], 0)
+    out = []
+    for t, (A, _, c, kappa, agg) in enumerate(feats[0]):
+        B = np.concatenate([f[0][t][1] for f in sender_feats]) if sender_feats else A[:0]
+        erow, gA, gc, share = pairwise_sparse_rows(A, c, B, local, mask, kappa, agg)
+        out.append((float(erow.sum()), gA, gc, [share[offs[s] : offs[s + 1]] for s in range(len(sizes))]))
+    return out
+
+
+def _sparse_gB_rows(pos_in: list[int], *pairs):
+    """Per term, the gB of one sender chunk: its shares from the receiver chunks ``pairs`` (ascending),
+    where it is sender chunk number pos_in[r] of pairs[r], summed in float64 in that order."""
+    n_terms = len(pairs[0])
+    out = []
+    for t in range(n_terms):
+        acc = pairs[0][t][3][pos_in[0]].copy()
+        for p, s in zip(pairs[1:], pos_in[1:], strict=True):
+            acc += p[t][3][s]
+        out.append(acc)
+    return out
+
+
+def _sparse_plan(cfg, bounds: tuple[int, ...]):
+    """Per receiver chunk: the sender chunks its lists name (ascending), and its (index, mask) rows."""
+    index, mask = np.asarray(cfg.neighbours.index), np.asarray(cfg.neighbours.mask)
+    starts = np.asarray(bounds[:-1])
+    plan = []
+    for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True):
+        idx, msk = index[r0:r1].astype(np.int64), mask[r0:r1]
+        owners = np.unique(np.searchsorted(starts, idx[msk], side="right") - 1)
+        plan.append(([int(s) for s in owners], idx, msk))
+    return plan
+
+
+# ---- the graph ------------------------------------------------------------------------------------------
+def _pick(result, key: str):
+    return result[1][key]
+
+
+def _sum_terms(*results) -> tuple[dict[str, float], list]:
+    """Terms summed over chunks in chunk order (float64), and every chunk's recorded warnings."""
+    terms: dict[str, float] = {}
+    for t, _, _ in results:
+        for k, v in t.items():
+            terms[k] = terms.get(k, 0.0) + float(v)
+    return terms, [w for r in results for w in r[2]]
+
+
+def _graph(chunk_arrays: list[dict], cfg, bounds: tuple[int, ...], validate: bool) -> list:
+    """Delayed (terms, grads, warnings) of every chunk (steps 1-4 of the module docstring)."""
+    delayed = lambda f: dask.delayed(f, pure=False)  # noqa: E731
+    chunk_cfg = cfg if cfg.dense else cfg.replace(neighbours="dense")
+    cfg_d = delayed(_identity)(chunk_cfg)  # one copy in the graph, shipped once per worker
+    spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    population = None
+    if _population_module(cfg) is not None:
+        sums = [delayed(_population_task)(a, cfg_d) for a in chunk_arrays]
+        population = delayed(_population_mean)(bounds[-1], *sums)
+    feats = [
+        delayed(_features_task)(a, cfg_d, population, r0, validate)
+        for a, (r0, _) in zip(chunk_arrays, spans, strict=True)
+    ]
+    if cfg.dense:
+        senders = delayed(_all_senders)(*feats)
+        pairs = [delayed(_dense_pairs_task)(f, senders, r0) for f, (r0, _) in zip(feats, spans, strict=True)]
+        total = _tree(list(pairs), _add_shares)
+        gB_rows = [delayed(_dense_gB_rows)(total, r0, r1) for r0, r1 in spans]
+    else:
+        plan = _sparse_plan(cfg, bounds)
+        pairs = [
+            delayed(_sparse_pairs_task)(
+                f, [feats[s] for s in owners], [bounds[s] for s in owners], idx, msk, r0
+            )
+            for f, (owners, idx, msk), (r0, _) in zip(feats, plan, spans, strict=True)
+        ]
+        gB_rows = []
+        for s in range(len(spans)):
+            users = [r for r, (owners, _, _) in enumerate(plan) if s in owners]
+            if users:
+                pos_in = [plan[r][0].index(s) for r in users]
+                gB_rows.append(delayed(_sparse_gB_rows)(pos_in, *(pairs[r] for r in users)))
+            else:  # nobody lists these agents: their gB is 0
+                gB_rows.append(delayed(_zero_rows)(feats[s]))
+    return [
+        delayed(_assembly_task)(a, cfg_d, population, r0, f, p, g)
+        for a, (r0, _), f, p, g in zip(chunk_arrays, spans, feats, pairs, gB_rows, strict=True)
+    ]
+
+
+def _identity(x):
+    return x
+
+
+def _zero_rows(feats):
+    return [np.zeros(B.shape) for _, B, *_ in feats[0]]
+
+
+def _reraise(fn, *args):
+    """fn(*args), with a task's ChunkError turned back into the StateError it stands for."""
+    try:
+        return fn(*args)
+    except ChunkError as e:
+        raise e.error() from None
+
+
+def _emit(recorded: list) -> None:
+    for category, text in recorded:
+        warnings.warn(text, category, stacklevel=4)
+
+
+def _log_client() -> None:
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except (ImportError, ValueError):
+        return
+    log.info("dask backend: distributed client %s (dashboard %s)", client, client.dashboard_link)
+
+
+# ---- entry points ---------------------------------------------------------------------------------------
+def _check_inner(inner: str) -> None:
+    if inner not in INNER:
+        raise ValueError(
+            f"inner: unknown {inner!r}; choose one of {INNER} (per-chunk CUDA kernels are not available yet)"
+        )
+
+
+def auto_chunk(cfg, n_agents: int, arrays: dict) -> int:
+    """The default agents per chunk of a population: :func:`default_chunk` with the feature length D of
+    the family (read off a one-agent evaluation) and dense or sparse pair counts."""
+    family = family_of(cfg)
+    probe = {k: np.asarray(v[:1]) for k, v in arrays.items()}
+    rec = _Record()
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chunk_cfg = cfg if cfg.dense else cfg.replace(neighbours="dense")
+        family.energy_and_gradient(probe, chunk_cfg, _chunk_backend(rec, chunk_cfg))
+    D = max((t[0].shape[1] for t in rec.terms), default=1)
+    pairs = n_agents - 1 if cfg.dense else cfg.neighbours.index.shape[1]
+    return default_chunk(n_agents, pairs, D)
+
+
+def _check_neighbours(cfg, n: int) -> None:
+    if not cfg.dense and cfg.neighbours.n_agents != n:
+        raise StateError(
+            "agent",
+            f"config has sparse neighbours for {cfg.neighbours.n_agents} agents but the state has {n}",
+        )
+
+
+def energy_and_gradient_arrays(
+    arrays: dict[str, Any], cfg, *, chunks: int | Sequence[int] | None = None, inner: str = "numba"
+) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """Terms and gradient of in-memory (NumPy) arrays, computed chunk by chunk on Dask's current
+    scheduler (no validation; results gathered as NumPy arrays)."""
+    _check_inner(inner)
+    first = next(iter(arrays.values()))
+    n = int(first.shape[0])
+    _check_neighbours(cfg, n)
+    bounds = chunk_bounds(n, auto_chunk(cfg, n, arrays) if chunks is None else chunks)
+    spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    chunk_arrays = [{k: np.ascontiguousarray(v[r0:r1]) for k, v in arrays.items()} for r0, r1 in spans]
+    _log_client()
+    (results,) = _reraise(dask.compute, _graph(chunk_arrays, cfg, bounds, False))
+    terms, recorded = _sum_terms(*results)
+    _emit(recorded)
+    grads = {k: np.concatenate([r[1][k] for r in results]) for k in results[0][1]}
+    return terms, grads
+
+
+def energy_and_gradient_dataset(
+    state: xr.Dataset,
+    cfg,
+    *,
+    validate: bool = True,
+    chunks: int | Sequence[int] | None = None,
+    inner: str = "numba",
+) -> tuple[dict[str, float], xr.Dataset]:
+    """:func:`vfesim.energy_and_gradient` on the dask backend.
+
+    An in-memory state is validated on the client (as on every backend), split into ``chunks`` (agents
+    per chunk or chunk sizes; default :func:`default_chunk`) and the gradient returned as NumPy arrays. A
+    Dask-backed state (``state.chunk(agent=n)``) is validated chunk by chunk inside the tasks (errors and
+    warnings name global agents) and the gradient comes back as Dask arrays persisted with the state's
+    agent chunks (``chunks=`` rechunks it first). inner: the kernels of a task ("numba").
+    """
+    _check_inner(inner)
+    family = family_of(cfg)
+    lazy = any(isinstance(state[k].data, da.Array) for k in state.data_vars)
+    if not lazy:
+        if validate:
+            validate_state(state, cfg)
+        arrays = {k: state[k].data for k in state.data_vars}
+        terms, grads = energy_and_gradient_arrays(arrays, cfg, chunks=chunks, inner=inner)
+        check_outputs(terms, {})
+        ds = xr.Dataset({k: (state[k].dims, v) for k, v in grads.items()}, attrs=dict(state.attrs))
+        return terms, ds
+
+    n = state.sizes["agent"]
+    for k in state.data_vars:
+        if k in family.variables and state[k].dims != family.variables[k]:
+            raise StateError(k, f"dims must be {family.variables[k]}, got {state[k].dims}")
+    _check_neighbours(cfg, n)
+    if chunks is None:
+        chunks = state[next(iter(state.data_vars))].chunksizes.get("agent", (n,))
+    bounds = chunk_bounds(n, chunks)
+    sizes = tuple(np.diff(bounds).tolist())
+    spec = {d: (sizes if d == "agent" else -1) for d in state.dims}
+    state = state.chunk(spec)
+    blocks = {k: state[k].data.to_delayed().ravel() for k in state.data_vars}
+    chunk_arrays = [{k: blocks[k][i] for k in blocks} for i in range(len(sizes))]
+    results = _graph(chunk_arrays, cfg, bounds, validate)
+    grad_names = [k for k in state.data_vars if np.issubdtype(state[k].dtype, np.inexact)]
+    grads = {}
+    for k in grad_names:
+        v = state[k]
+        parts = [
+            da.from_delayed(
+                dask.delayed(_pick, pure=False)(r, k),
+                shape=(size, *v.shape[1:]),
+                dtype=v.dtype,
+                meta=np.array(()),
+            )
+            for r, size in zip(results, sizes, strict=True)
+        ]
+        grads[k] = da.concatenate(parts, axis=0)
+    _log_client()
+    summary = dask.delayed(_sum_terms, pure=False)(*results)
+    summary, grads = _reraise(dask.persist, summary, grads)
+    terms, recorded = _reraise(summary.compute)
+    _emit(recorded)
+    check_outputs(terms, {})
+    ds = xr.Dataset({k: (state[k].dims, v) for k, v in grads.items()}, attrs=dict(state.attrs))
+    return terms, ds
+
+
+@dataclasses.dataclass(frozen=True)
+class DaskBackend(Backend):
+    """The dask :class:`Backend`: raw arrays are evaluated chunk by chunk (:func:`energy_and_gradient_arrays`
+    with ``chunks``, default :func:`default_chunk`, and ``inner``), so integrators step on it like on any
+    host backend; ``dataclasses.replace(BACKEND, chunks=n)`` fixes the chunking of a run."""
+
+    chunks: Any = None
+    inner: str = "numba"
+
+    def energy_and_gradient(self, arrays: dict[str, Any], cfg) -> tuple[dict[str, float], dict[str, Any]]:
+        return energy_and_gradient_arrays(arrays, cfg, chunks=self.chunks, inner=self.inner)
+
+
+BACKEND = DaskBackend(
+    name="dask",
+    array_module=lambda: np,
+    to_device=to_device,
+    to_host=to_host,
+    pairwise_dense=_numba_dense,
+    pairwise_sparse=_numba_sparse,
+    updates=NumbaUpdates,
+    dataset_energy_and_gradient=energy_and_gradient_dataset,
+)
