@@ -3,13 +3,16 @@
     python benchmarks/bench_quantum.py [--backends numpy numba] [--sizes 256 1024 4096] [--ds 2 4 8]
                                        [--dtypes complex128] [--terms belief|both] [--oracle] [--out DIR]
     python benchmarks/bench_quantum.py --backends cuda --sizes 1024 16384 65536 262144 --ds 4 8 \\
-                                       --dtypes complex128 complex64
+                                       --dtypes complex128 complex64 --pairs --torch 1024 4096 16384 65536
 
 Self + belief terms by default (``--terms both`` adds the prior term), dense neighbours, softmin. State on
 the backend's device before timing (arrays in, arrays out: the public Dataset API adds validation and,
 for NumPy-backed states on a GPU, transfers). ``--oracle`` also times the naive per-pair oracle
 (tests/reference/quantum.py, energy only) at N = 64 against the numba backend's energy + gradient.
-Medians of repeated calls after one warm-up (which compiles). Writes DIR/quantum_bench.jsonl and .txt.
+``--pairs`` also times the pairwise part alone with its FLOP/s (10 d^2 N (N - 1), :func:`pair_flops`) and,
+on a GPU, the cuBLAS GEMM rate as the ceiling; ``--torch`` adds the PyTorch autograd baseline
+(benchmarks/torch_quantum_baseline.py). Medians of repeated calls after one warm-up (which compiles).
+Writes DIR/quantum_bench.jsonl and .txt.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 
 import vfesim
 from vfesim.backends import get
+from vfesim.quantum import spin_generators
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,6 +64,42 @@ def bench(backend_name: str, N: int, d: int, dtype: str, terms: str) -> dict:
     return dict(kind="eval", backend=backend_name, N=N, d=d, dtype=dtype, terms=terms, t_s=t, reps=reps)
 
 
+def pair_flops(N: int, d: int) -> float:
+    """Floating-point operations of the dense streaming pairs per evaluation: per ordered pair a D-term dot
+    product in the statistics pass and in each of the two gradient passes, plus a D-term accumulation in
+    each gradient pass (D = d^2; 2 flops per multiply-add): 10 D N (N - 1)."""
+    return 10.0 * d * d * N * (N - 1)
+
+
+def bench_pairs(backend_name: str, N: int, d: int, dtype: str) -> dict:
+    """The pairwise part alone (the backend's dense pair function on the belief features)."""
+    from vfesim.quantum.energy import NUMPY_OPS, _floored
+
+    be = get(backend_name)
+    cfg = config(d, "belief")
+    st = vfesim.random_state(cfg, n_agents=N, seed=0, dtype=dtype)
+    arrays = be.to_device({k: st[k].values for k in st.data_vars})
+    ops = be.agent_ops.get("quantum", NUMPY_OPS)
+    x, _ = _floored(arrays["rho"])
+    _, _, log_x, xlx = ops.eig_log(x)
+    U, _ = ops.frames(arrays["phi"], spin_generators(d), x.dtype)
+    A, B = ops.pull_features(U, x, log_x)
+    c = 2.0 * xlx
+    t, reps = timeit(lambda: be.pairwise_dense(A, B, c, 1.0, "softmin"), lambda: _sync(be))
+    return dict(kind="pairs", backend=backend_name, N=N, d=d, dtype=dtype, terms="belief", t_s=t, reps=reps,
+                tflops=pair_flops(N, d) / t / 1e12)  # fmt: skip
+
+
+def gemm_ceiling(dtype: str, n: int = 8192) -> dict:
+    """Measured GEMM rate of CuPy (cuBLAS) for the real dtype of ``dtype``: the ceiling of the table."""
+    import cupy
+
+    real = np.finfo(np.dtype(dtype)).dtype
+    a = cupy.random.default_rng(0).standard_normal((n, n), dtype=real)
+    t, _ = timeit(lambda: a @ a, lambda: cupy.cuda.Device().synchronize())
+    return dict(kind="gemm", dtype=real.name, n=n, t_s=t, tflops=2.0 * n**3 / t / 1e12)
+
+
 def oracle_speedup(d: int = 4, N: int = 64) -> dict:
     path = ROOT / "tests" / "reference" / "quantum.py"
     spec = importlib.util.spec_from_file_location("vfesim_quantum_oracle", path)
@@ -78,11 +118,18 @@ def table(rows: list[dict]) -> str:
     lines = [f"# {platform.node()}: one energy + gradient, dense softmin, state on the backend's device"]
     lines.append(f"{'backend':>8} {'terms':>6} {'d':>3} {'dtype':>10} {'N':>8} {'time ms':>10} {'reps':>5}")
     for r in rows:
-        if r["kind"] == "eval":
+        if r["kind"] in ("eval", "pairs"):
+            what = r["backend"] if r["kind"] == "eval" else "pairs"
+            flops = f"  {r['tflops']:.1f} TFLOP/s" if "tflops" in r else ""
             lines.append(
-                f"{r['backend']:>8} {r['terms']:>6} {r['d']:3d} {r['dtype']:>10} {r['N']:8d} "
-                f"{r['t_s'] * 1e3:10.2f} {r['reps']:5d}"
+                f"{what:>8} {r['terms']:>6} {r['d']:3d} {r['dtype']:>10} {r['N']:8d} "
+                f"{r['t_s'] * 1e3:10.2f} {r['reps']:5d}{flops}"
             )
+        elif r["kind"] == "gemm":
+            lines.append(f"GEMM ceiling ({r['dtype']}, {r['n']}^3): {r['tflops']:.1f} TFLOP/s")
+        elif r["kind"] == "torch":
+            t = f"{r['t_s'] * 1e3:10.2f}" if "t_s" in r else f"    failed: {r['error']}"
+            lines.append(f"{'torch':>8} {'belief':>6} {r['d']:3d} {r['dtype']:>10} {r['N']:8d} {t}")
         else:
             lines.append(
                 f"oracle (energy only) at N = {r['N']}, d = {r['d']}: {r['oracle_s']:.3f} s; numba energy + "
@@ -99,6 +146,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtypes", nargs="*", default=["complex128"])
     ap.add_argument("--terms", choices=["belief", "both"], default="belief")
     ap.add_argument("--oracle", action="store_true")
+    ap.add_argument("--pairs", action="store_true", help="also time the pairwise part alone (FLOP/s)")
+    ap.add_argument("--torch", type=int, nargs="*", help="PyTorch autograd baseline at these N (GPU)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -109,6 +158,19 @@ def main(argv=None) -> None:
             for d in args.ds:
                 for N in args.sizes:
                     rows.append(bench(backend, N, d, dtype, args.terms))
+                    print(json.dumps(rows[-1]), flush=True)
+                    if args.pairs:
+                        rows.append(bench_pairs(backend, N, d, dtype))
+                        print(json.dumps(rows[-1]), flush=True)
+            if args.pairs and backend == "cuda":
+                rows.append(gemm_ceiling(dtype))
+    if args.torch:
+        from torch_quantum_baseline import bench as torch_bench
+
+        for dtype in args.dtypes:
+            for d in args.ds:
+                for N in args.torch:
+                    rows.append(torch_bench(N, d, dtype))
                     print(json.dumps(rows[-1]), flush=True)
     if args.oracle:
         rows.append(oracle_speedup())
