@@ -162,12 +162,20 @@ def dense_splits(N: int, opt: int = PAIR_OPT, threads: int = PAIR_THREADS) -> tu
 def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_THREADS, opt: int = PAIR_OPT):
     """Dense streaming kernels ``stats``, ``merge``, ``grads`` for one (feature width D, dtype, aggregator).
 
-    Launch (N agents, S slices of ``chunk`` others, nf terms, nb = ceil(N / (threads * opt))):
-      stats[(nb, S, nf), threads](A, B, c, f0, chunk, pm, ps, pt)          pm, ps, pt (S, 2, N)
-      merge[(ceil(N / BLOCK), nf), BLOCK](pm, ps, pt, kappa, f0, m, inv_s, abar, energy)   (2, N) each
-      grads[(nb, 2 S, nf), threads](A, B, c, m, inv_s, abar, f0, chunk, gAr, gBs)
-    With KL' = KL / kappa = A'_i . B_j + c'_i (A' = A / (2 kappa), c' likewise) and kappa' = 1:
-    W'_ij = W_ij, energy = kappa E', sum_i W_ij A'_i = (sum_i W_ij A_i) / (2 kappa).
+    Receivers are a contiguous range of the agents: A (nf, NR, D), c (nf, NR) hold receivers r0 ..
+    r0 + NR - 1 (global indices; r0 = 0, NR = N for all pairs), B (nf, N, D) every sender. Launch (S
+    slices of the other side, ``chunk_s`` senders and ``chunk_r`` receivers per slice, nf terms,
+    nb(n) = ceil(n / (threads * opt))):
+      stats[(nb(NR), S, nf), threads](A, B, c, r0, f0, chunk_s, pm, ps, pt)         pm, ps, pt (S, nf, NR)
+      merge[(ceil(NR / BLOCK), nf), BLOCK](pm, ps, pt, kappa, f0, m, inv_s, abar, energy)   (nf, NR) each
+      grads[(nb(max(NR, N)), 2 S, nf), threads](A, B, c, m, inv_s, abar, r0, f0, chunk_s, chunk_r, gAr, gBs)
+    gAr (S, nf, NR, D + 1): per slice of senders, sum_j W_ij B_j and sum_j W_ij per receiver; gBs (S, nf, N,
+    D): per slice of receivers, sum_i W_ij A'_i per sender. With KL' = KL / kappa = A'_i . B_j + c'_i
+    (A' = A / (2 kappa), c' likewise) and kappa' = 1: W'_ij = W_ij, energy = kappa E',
+    sum_i W_ij A'_i = (sum_i W_ij A_i) / (2 kappa).
+    The pair i == j is skipped by a per-pair test only in the shared tiles that hold one of the block's
+    own agents (and, in ``grads``, owners past the end only in the last block); every other tile runs
+    the same loop without the tests.
     """
     dt = _NB[np.dtype(dtype)]
     one = np.dtype(dtype).type(1.0)
@@ -178,13 +186,27 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
     OPT = opt
     NT = threads
 
-    def stats(A, B, c, f0, chunk, pm, ps, pt):
+    def push(own, o, rw, oc, m, s, t):
+        """Online log-sum-exp of owner o over one more sender (row rw)."""
+        kl = pair_kl(own, o, rw, 0, oc)
+        x = pair_logit(kl, one)
+        mm, ss, tt = lse_push_e(m[o], s[o], t[o], x, kl, ex(-abs(x - m[o])), one)
+        m[o] = mm
+        s[o] = ss
+        t[o] = tt
+
+    def stats(A, B, c, r0, f0, chunk, pm, ps, pt):
         """Partial row statistics (max, sum, weighted sum) of receivers over one slice of senders."""
         tid = cuda.threadIdx.x
         f = f0 + cuda.blockIdx.z
         sl = cuda.blockIdx.y
-        N = A.shape[1]
-        i0 = cuda.blockIdx.x * (NT * OPT) + tid
+        NR = A.shape[1]
+        N = B.shape[1]
+        b0 = cuda.blockIdx.x * (NT * OPT)
+        i0 = b0 + tid
+        g0 = r0 + i0  # global index of owner 0
+        lo = r0 + b0  # the block's owners, global: lo .. hi - 1
+        hi = r0 + min(NR, b0 + NT * OPT)
         j_begin = sl * chunk
         j_end = min(N, j_begin + chunk)
         own = cuda.local.array((OPT, D), dt)
@@ -194,7 +216,7 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
         t = cuda.local.array(OPT, dt)
         rw = cuda.local.array((1, D), dt)
         for o in range(OPT):
-            ii = min(i0 + o * NT, N - 1)
+            ii = min(i0 + o * NT, NR - 1)
             for d in range(D):
                 own[o, d] = A[f, ii, d]
             oc[o] = c[f, ii]
@@ -209,21 +231,23 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
                 if j0 + row < j_end:
                     sX[row, r - row * D] = B[f, j0 + row, r - row * D]
             cuda.syncthreads()
-            for jj in range(min(TS, j_end - j0)):
-                j = j0 + jj
-                for d in range(D):  # the sender's row once into registers, for all OPT owners
-                    rw[0, d] = sX[jj, d]
-                for o in range(OPT):
-                    if j != i0 + o * NT:
-                        kl = pair_kl(own, o, rw, 0, oc)
-                        x = pair_logit(kl, one)
-                        mm, ss, tt = lse_push_e(m[o], s[o], t[o], x, kl, ex(-abs(x - m[o])), one)
-                        m[o] = mm
-                        s[o] = ss
-                        t[o] = tt
+            nj = min(TS, j_end - j0)
+            if j0 < hi and j0 + nj > lo:  # a tile with the block's own agents: skip i == j
+                for jj in range(nj):
+                    for d in range(D):  # the sender's row once into registers, for all OPT owners
+                        rw[0, d] = sX[jj, d]
+                    for o in range(OPT):
+                        if j0 + jj != g0 + o * NT:
+                            push(own, o, rw, oc, m, s, t)
+            else:
+                for jj in range(nj):
+                    for d in range(D):
+                        rw[0, d] = sX[jj, d]
+                    for o in range(OPT):
+                        push(own, o, rw, oc, m, s, t)
         for o in range(OPT):
             i = i0 + o * NT
-            if i < N:
+            if i < NR:
                 pm[sl, f, i] = m[o]
                 ps[sl, f, i] = s[o]
                 pt[sl, f, i] = t[o]
@@ -244,17 +268,45 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
         abar[f, i] = row_abar(ss, tt)
         energy[f, i] = kappa[f] * row_energy(mm, ss, tt, one, agg)
 
-    def grads(A, B, c, m, inv_s, abar, f0, chunk, gAr, gBs):
-        """Blocks y < S: receiver sums over a slice of senders; y >= S: sender sums over receivers."""
+    def recv_acc(own, o, rw, oc, om, oi, oa, acc, accw):
+        """Receiver role: W of owner o (a receiver) and sender row rw; acc += W B_j, accw += W."""
+        kl = pair_kl(own, o, rw, 0, oc)
+        e = ex(pair_logit(kl, one) - om[o])
+        w = pair_weight_e(e, kl, oi[o], oa[o], one, agg)
+        accumulate_row(acc, o, w, rw, 0)
+        accw[o] += w
+
+    def send_acc(own, o, rw, rc, rm, ri, ra, acc):
+        """Sender role: W of receiver row rw (statistics rc, rm, ri, ra) and owner o (a sender)."""
+        kl = pair_kl(rw, 0, own, o, rc)
+        e = ex(pair_logit(kl, one) - rm)
+        w = pair_weight_e(e, kl, ri, ra, one, agg)
+        accumulate_row(acc, o, w, rw, 0)
+
+    def grads(A, B, c, m, inv_s, abar, r0, f0, chunk_s, chunk_r, gAr, gBs):
+        """Blocks y < S: receiver sums over a slice of senders; y >= S: sender sums over a slice of
+        receivers."""
         tid = cuda.threadIdx.x
         f = f0 + cuda.blockIdx.z
         S = gAr.shape[0]
-        N = A.shape[1]
+        NR = A.shape[1]
+        N = B.shape[1]
         sender = cuda.blockIdx.y >= S
         sl = cuda.blockIdx.y - S if sender else cuda.blockIdx.y
-        i0 = cuda.blockIdx.x * (NT * OPT) + tid
+        n_own = N if sender else NR
+        b0 = cuda.blockIdx.x * (NT * OPT)
+        if b0 >= n_own:
+            return  # the whole block: the grid covers the larger side
+        i0 = b0 + tid
+        # Owners and others as global agent indices (receivers are r0 + local index).
+        g_off = 0 if sender else r0  # global = local + g_off for the owners
+        o_off = r0 if sender else 0  # ... and for the others
+        lo = g_off + b0
+        hi = g_off + min(n_own, b0 + NT * OPT)
+        n_oth = NR if sender else N
+        chunk = chunk_r if sender else chunk_s
         k_begin = sl * chunk
-        k_end = min(N, k_begin + chunk)
+        k_end = min(n_oth, k_begin + chunk)
         own = cuda.local.array((OPT, D), dt)
         oc = cuda.local.array(OPT, dt)
         om = cuda.local.array(OPT, dt)
@@ -265,14 +317,15 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
         rw = cuda.local.array((1, D), dt)
         rc = cuda.local.array(1, dt)
         for o in range(OPT):
-            ii = min(i0 + o * NT, N - 1)
+            ii = min(i0 + o * NT, n_own - 1)
             for d in range(D):
                 own[o, d] = B[f, ii, d] if sender else A[f, ii, d]
                 acc[o, d] = 0.0
-            oc[o] = c[f, ii]
-            om[o] = m[f, ii]
-            oi[o] = inv_s[f, ii]
-            oa[o] = abar[f, ii]
+            if not sender:
+                oc[o] = c[f, ii]
+                om[o] = m[f, ii]
+                oi[o] = inv_s[f, ii]
+                oa[o] = abar[f, ii]
             accw[o] = 0.0
         sX = cuda.shared.array((TS, D), dt)
         sc = cuda.shared.array(TS, dt)
@@ -295,29 +348,33 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
                         sa[r] = abar[f, k0 + r]
             cuda.syncthreads()
             nk = min(TS, k_end - k0)
+            # Checked pairs: tiles with the block's own agents (skip i == j) and the last, partial block
+            # (skip owners past the end, whose clamped loads would meet empty statistics).
+            checked = (o_off + k0 < hi and o_off + k0 + nk > lo) or b0 + NT * OPT > n_own
             for kk in range(nk):
-                k = k0 + kk
                 for d in range(D):  # the other side's row once into registers, for all OPT owners
                     rw[0, d] = sX[kk, d]
+                kg = o_off + k0 + kk
                 if sender:  # own = B_j; rw is receiver k's A_k with its statistics
                     rc[0] = sc[kk]
+                    rm, ri, ra = sm[kk], si[kk], sa[kk]
+                    if checked:
+                        for o in range(OPT):
+                            if kg != lo + tid + o * NT and i0 + o * NT < n_own:
+                                send_acc(own, o, rw, rc, rm, ri, ra, acc)
+                    else:
+                        for o in range(OPT):
+                            send_acc(own, o, rw, rc, rm, ri, ra, acc)
+                elif checked:  # own = A_i with its statistics; rw is sender k's B_k
                     for o in range(OPT):
-                        if k != i0 + o * NT and i0 + o * NT < N:
-                            kl = pair_kl(rw, 0, own, o, rc)
-                            e = ex(pair_logit(kl, one) - sm[kk])
-                            w = pair_weight_e(e, kl, si[kk], sa[kk], one, agg)
-                            accumulate_row(acc, o, w, rw, 0)
-                else:  # own = A_i with its statistics; rw is sender k's B_k
+                        if kg != lo + tid + o * NT and i0 + o * NT < n_own:
+                            recv_acc(own, o, rw, oc, om, oi, oa, acc, accw)
+                else:
                     for o in range(OPT):
-                        if k != i0 + o * NT and i0 + o * NT < N:
-                            kl = pair_kl(own, o, rw, 0, oc)
-                            e = ex(pair_logit(kl, one) - om[o])
-                            w = pair_weight_e(e, kl, oi[o], oa[o], one, agg)
-                            accumulate_row(acc, o, w, rw, 0)
-                            accw[o] += w
+                        recv_acc(own, o, rw, oc, om, oi, oa, acc, accw)
         for o in range(OPT):
             i = i0 + o * NT
-            if i < N:
+            if i < n_own:
                 if sender:
                     for d in range(D):
                         gBs[sl, f, i, d] = acc[o, d]
@@ -326,6 +383,9 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
                         gAr[sl, f, i, d] = acc[o, d]
                     gAr[sl, f, i, D] = accw[o]
 
+    push = device(push)
+    recv_acc = device(recv_acc)
+    send_acc = device(send_acc)
     pyfuncs = {"stats": stats, "merge": merge, "grads": grads}
     return compile_kernels(pyfuncs) | {"tile": TS, "threads": NT, "opt": OPT}
 

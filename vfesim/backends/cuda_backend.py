@@ -65,9 +65,10 @@ MAX_WORKSPACES = 2
 # arrays stay in registers).
 LARGE_K = 9
 # Dense pairs of feature rows up to this width run in the streaming kernels (no N x N slab in memory),
-# longer ones as GEMMs (vfesim.pairwise.gemm). Measured on an H100 at d = 4 (D = 16), N = 65 536:
-# see benchmarks/results/quantum_cuda_h100.log.
-STREAM_MAX_D = 64
+# longer ones as GEMMs (vfesim.pairwise.gemm). Measured on an H100 at N = 65 536 (density-matrix agents,
+# benchmarks/results/quantum_cuda_h100.log): D = 16 streaming 37 ms (float32) / 104 ms (float64) against
+# GEMMs ~90 / ~115 ms; D = 64 streaming 197 / 2048 ms (per-thread rows spill to local memory).
+STREAM_MAX_D = 16
 # Register cap of the block-per-agent kernels (None: the compiler's choice).
 BLOCK_MAX_REGISTERS = None
 
@@ -360,13 +361,14 @@ class FusedStages:
             k = self.pair_kern = kc.make_dense_kernels(D, dt, cfg.aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
             nt = k["threads"]
             nb = _cdiv(N, nt * k["opt"])
-            k["stats"][(nb, ws.S, nf), nt](d["A"], d["B"], d["c"], f0, ws.chunk, d["pm"], d["ps"], d["pt"])
+            k["stats"][(nb, ws.S, nf), nt](d["A"], d["B"], d["c"], 0, f0, ws.chunk, d["pm"], d["ps"], d["pt"])
             k["merge"][(nblk, nf), blk](
                 d["pm"], d["ps"], d["pt"], d["kappa"], f0, d["m"], d["inv_s"], d["abar"], d["energy"]
             )
             k["grads"][(nb, 2 * ws.S, nf), nt](
-                d["A"], d["B"], d["c"], d["m"], d["inv_s"], d["abar"], f0, ws.chunk, d["gAr"], d["gBs"]
-            )
+                d["A"], d["B"], d["c"], d["m"], d["inv_s"], d["abar"], 0, f0, ws.chunk, ws.chunk,
+                d["gAr"], d["gBs"],
+            )  # fmt: skip
         else:
             k = self.pair_kern = kc.make_sparse_kernels(D, dt, cfg.aggregator)
             nbr = _neighbour_lists(cfg.neighbours).dev
@@ -450,41 +452,66 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
 
 
-def _pairwise_dense(A, B, c, kappa: float, aggregator: str):
-    """Dense pairs (the contract of :func:`vfesim.pairwise.pairwise_dense`) on device arrays: the
-    streaming kernels for D <= STREAM_MAX_D (no N x N array), else row-blocked GEMMs."""
-    N, D = A.shape
-    if D > STREAM_MAX_D:
-        return pairwise_dense_gemm(A, B, c, kappa, aggregator)
+def _dense_streaming(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
+    """Receivers r0 .. r0 + n_r - 1 (features A_r, c_r) against all senders B in the streaming kernels:
+    (row energies (n_r,), gA_r, gc_r, gB (N, D)) in the dtype, each sum over slices in slice order."""
     xp = array_module()
-    dt = A.dtype
+    NR, D = A_r.shape
+    N = B.shape[0]
+    dt = A_r.dtype
     k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
-    S, chunk = kc.dense_splits(N, kc.PAIR_OPT, kc.PAIR_THREADS)
+    nt = k["threads"]
+    S, chunk_s = kc.dense_splits(N, kc.PAIR_OPT, nt)
+    chunk_r = _cdiv(_cdiv(NR, S), nt) * nt
     scale = dt.type(0.5 / kappa)
     # Receiver features pre-scaled by 1 / (2 kappa): logits -KL / kappa (vfesim_kernels.cuda.pairwise).
-    Ah, Bb, ch = (xp.ascontiguousarray(a[None]) for a in (A * scale, B, c * scale))
-    pm, ps, pt = (xp.empty((S, 1, N), dt) for _ in range(3))
-    m, inv_s, abar, energy = (xp.empty((1, N), dt) for _ in range(4))
-    gAr = xp.empty((S, 1, N, D + 1), dt)
+    Ah, Bb, ch = (xp.ascontiguousarray(a[None]) for a in (A_r * scale, B, c_r * scale))
+    pm, ps, pt = (xp.empty((S, 1, NR), dt) for _ in range(3))
+    m, inv_s, abar, energy = (xp.empty((1, NR), dt) for _ in range(4))
+    gAr = xp.empty((S, 1, NR, D + 1), dt)
     gBs = xp.empty((S, 1, N, D), dt)
     kap = xp.ones(1, dt)
     v = kc.as_device_view
     dA, dB, dc = v(Ah), v(Bb), v(ch)
-    nt = k["threads"]
-    nb = _cdiv(N, nt * k["opt"])
-    k["stats"][(nb, S, 1), nt](dA, dB, dc, 0, chunk, v(pm), v(ps), v(pt))
-    k["merge"][(_cdiv(N, kc.BLOCK), 1), kc.BLOCK](
+    k["stats"][(_cdiv(NR, nt * k["opt"]), S, 1), nt](dA, dB, dc, r0, 0, chunk_s, v(pm), v(ps), v(pt))
+    k["merge"][(_cdiv(NR, kc.BLOCK), 1), kc.BLOCK](
         v(pm), v(ps), v(pt), v(kap), 0, v(m), v(inv_s), v(abar), v(energy)
     )
-    k["grads"][(nb, 2 * S, 1), nt](dA, dB, dc, v(m), v(inv_s), v(abar), 0, chunk, v(gAr), v(gBs))
-    gA = gAr[0, 0]
-    gB = gBs[0, 0]
+    nb = _cdiv(max(NR, N), nt * k["opt"])
+    k["grads"][(nb, 2 * S, 1), nt](
+        dA, dB, dc, v(m), v(inv_s), v(abar), r0, 0, chunk_s, chunk_r, v(gAr), v(gBs)
+    )
+    gA, gB = gAr[0, 0], gBs[0, 0]
     for sl in range(1, S):  # the slices in order: a fixed summation order
         gA = gA + gAr[sl, 0]
         gB = gB + gBs[sl, 0]
-    E = kappa * float(energy[0].sum(dtype=np.float64))
     # gA = 1/2 sum_j W B_j, gc = 1/2 sum_j W, gB = 1/2 sum_i W A_i = kappa sum_i W Ah_i
-    return E, 0.5 * gA[:, :-1], kappa * gB, 0.5 * gA[:, -1]
+    return kappa * energy[0], 0.5 * gA[:, :-1], 0.5 * gA[:, -1], kappa * gB
+
+
+def _pairwise_dense(A, B, c, kappa: float, aggregator: str):
+    """Dense pairs (the contract of :func:`vfesim.pairwise.pairwise_dense`) on device arrays: the
+    streaming kernels for D <= STREAM_MAX_D (no N x N array), else row-blocked GEMMs."""
+    if A.shape[1] > STREAM_MAX_D:
+        return pairwise_dense_gemm(A, B, c, kappa, aggregator)
+    erow, gA, gc, gB = _dense_streaming(A, c, B, 0, kappa, aggregator)
+    return float(erow.sum(dtype=np.float64)), gA, gB, gc
+
+
+def pairwise_dense_rows(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
+    """One receiver range against all senders on the device (the unit of work of a scheduler task; the
+    contract of :func:`vfesim_kernels.pairwise_cpu.pairwise_dense_rows`): receivers r0 .. r0 + n_r - 1
+    with features A_r (n_r, D), c_r (n_r,), every sender's B (N, D). Returns (row energies (n_r,)
+    float64, gA_r (n_r, D), gc_r (n_r,), gB_part (N, D) float64: these receivers' share of gB)."""
+    N, D = B.shape
+    NR = A_r.shape[0]
+    if not (0 <= r0 and r0 + NR <= N):
+        raise ValueError(f"receivers r0={r0} .. {r0 + NR - 1} are not agents of the {N} senders")
+    xp = array_module()
+    if N < 2 or NR == 0:
+        return xp.zeros(NR), xp.zeros((NR, D), A_r.dtype), xp.zeros(NR, A_r.dtype), xp.zeros((N, D))
+    erow, gA, gc, gB = _dense_streaming(A_r, c_r, B, r0, kappa, aggregator)
+    return erow.astype(np.float64), gA, gc, gB.astype(np.float64)
 
 
 def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
