@@ -33,13 +33,18 @@ __all__ = [
 
 
 def choi(channel, d: int) -> np.ndarray:
-    """Choi matrix sum_kl |k><l| (x) Phi(|k><l|) (d^2, d^2) of a linear map Phi on d x d matrices."""
+    """Choi matrix sum_kl |k><l| (x) Phi(|k><l|) (d^2, d^2) of a Hermiticity-preserving linear map Phi.
+
+    Phi is only ever evaluated on Hermitian matrices (the domain of the implementations, which may
+    symmetrise their output): Phi(|k><l|) = Phi(X) + i Phi(Y) with the Hermitian X = (E + E^dag)/2,
+    Y = (E - E^dag)/(2i), E = |k><l|."""
     C = np.zeros((d * d, d * d), complex)
     for k in range(d):
         for l in range(d):
             E = np.zeros((d, d), complex)
             E[k, l] = 1.0
-            C += np.kron(E, channel(E))
+            X, Y = (E + E.conj().T) / 2, (E - E.conj().T) / 2j
+            C += np.kron(E, channel(X) + 1j * channel(Y))
     return C
 
 

@@ -46,7 +46,7 @@ from .energy import NUMPY_OPS, TERMS, QuantumOps, energy_and_gradient_arrays
 from .flows import mirror_descent_step
 from .frames import frames, spin_generators
 from .linalg import dagger, eigh
-from .state import tolerance
+from .state import tolerance, validate_state
 from .unitary import (
     gibbs,
     hamiltonian_eig,
@@ -341,6 +341,7 @@ def evolve(
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
             raise ValueError(f"{key}: must be an integer >= {lo}, got {v!r}")
     dt = _check_real("dt", dt, positive=True)
+    validate_state(qstate, qcfg)
     arrays = {k: qstate[k].data for k in qstate.data_vars}
     P = prepare(arrays, qcfg, dynamics)
     rho = arrays["rho"]

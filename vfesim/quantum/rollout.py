@@ -58,6 +58,7 @@ from .evolve import Prepared, QuantumDynamics, prepare, senders, step
 from .flows import mirror_descent_step
 from .frames import frames_vjp, spin_generators
 from .linalg import dagger, herm, traceless
+from .state import validate_state
 from .unitary import gibbs_vjp, relative_entropy_gibbs_vjp, soft_gate_vjp, unitary_step_vjp
 
 __all__ = ["Schedule", "RolloutResult", "LOSS_TERMS", "rollout"]
@@ -261,6 +262,7 @@ def rollout(
     s = math.ceil(math.sqrt(T)) if checkpoint_every is None else checkpoint_every
     if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
         raise ConfigError("checkpoint_every", f"must be an integer >= 1, got {checkpoint_every!r}")
+    validate_state(qstate, qcfg)
     arrays = {k: qstate[k].data for k in qstate.data_vars}
     rho = arrays["rho"]
     n = rho.shape[0]
