@@ -1,10 +1,30 @@
 """Density-matrix ("quantum") agents (spec/quantum.md): config, state, frames and the free energy with its
-exact gradient. Registered as the agent family "quantum" (:mod:`.family`); the top-level
-``vfesim.random_state``, ``validate_state`` and ``energy_and_gradient`` dispatch on :class:`QuantumConfig`.
+exact gradient; dynamics (channels, unitary steps, Lindblad integrators, F-flows, ``evolve``) and rollouts
+with exact hand-written adjoints (``rollout``). Registered as the agent family "quantum" (:mod:`.family`);
+the top-level ``vfesim.random_state``, ``validate_state`` and ``energy_and_gradient`` dispatch on
+:class:`QuantumConfig`.
 """
 
 from .config import QuantumConfig
 from .energy import FLOOR_EPS, TERMS, divergences
+from .evolve import QuantumDynamics, evolve
+from .flows import lie_midpoint_step, mirror_descent_step
 from .frames import spin_generators
+from .lindblad import lindblad_evolve
+from .rollout import RolloutResult, Schedule, rollout
 
-__all__ = ["FLOOR_EPS", "QuantumConfig", "TERMS", "divergences", "spin_generators"]
+__all__ = [
+    "FLOOR_EPS",
+    "QuantumConfig",
+    "QuantumDynamics",
+    "RolloutResult",
+    "Schedule",
+    "TERMS",
+    "divergences",
+    "evolve",
+    "lie_midpoint_step",
+    "lindblad_evolve",
+    "mirror_descent_step",
+    "rollout",
+    "spin_generators",
+]

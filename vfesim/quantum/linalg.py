@@ -147,3 +147,57 @@ def dd_expi(k):
     xp = _xp(k)
     a, b = _pairs(k)
     return -1j * xp.exp(-0.5j * (a + b)) * xp.sinc((a - b) / (2 * np.pi))
+
+
+# ------------------------------------------------------------------------------ dynamics helpers (§3)
+
+
+def diag_part(X):
+    """Pinching Delta(X) = sum_k |k><k| X |k><k| in the computational basis (N, ..., d, d)."""
+    xp = _xp(X)
+    return X * xp.eye(X.shape[-1], dtype=X.dtype)
+
+
+def pinch(X, W):
+    """Pinching in the orthonormal basis W (columns): W Delta(W^dagger X W) W^dagger."""
+    return W @ diag_part(dagger(W) @ X @ W) @ dagger(W)
+
+
+def expm(X, *, degree: int = 18):
+    """Matrix exponential of a batch of square matrices (..., n, n), any (non-normal) X.
+
+    Scaling and squaring with a Taylor polynomial (spec §3.1): s = max(0, ceil(log2 ||X||_1)), so
+    ||X / 2^s||_1 <= 1 and the truncation remainder of degree m = 18 is <= e/(m+1)! ~ 2e-17 relative;
+    then s squarings. One s for the whole batch (the largest norm). Array-module generic (Horner form,
+    m + s matmuls).
+    """
+    xp = _xp(X)
+    n = X.shape[-1]
+    norm = float(xp.abs(X).sum(axis=-2).max()) if X.size else 0.0
+    if not np.isfinite(norm):
+        raise ValueError("expm: the matrix contains NaN or Inf")
+    s = max(0, int(np.ceil(np.log2(norm)))) if norm > 0 else 0
+    Y = X / (2.0**s)
+    eye = xp.eye(n, dtype=X.dtype)
+    E = eye + Y / degree
+    for k in range(degree - 1, 0, -1):
+        E = eye + (Y @ E) / k
+    for _ in range(s):
+        E = E @ E
+    return E
+
+
+def psd_inv_sqrt(S):
+    """S^{-1/2} of Hermitian positive definite S (..., d, d) by eigh, with its cache (s, V).
+
+    Raises ValueError when an eigenvalue is <= 0 (nothing is clamped)."""
+    xp = _xp(S)
+    s, V = xp.linalg.eigh(herm(S))
+    if bool((s <= 0).any()):
+        raise ValueError(
+            f"psd_inv_sqrt: matrix not positive definite (smallest eigenvalue {float(s.min()):.3g})"
+        )
+    return (V * (s**-0.5).astype(V.dtype)[..., None, :]) @ dagger(V), (s, V)
+
+
+__all__ += ["diag_part", "pinch", "expm", "psd_inv_sqrt"]

@@ -1,0 +1,362 @@
+"""Rollouts of density-matrix agents with exact hand-written adjoints (spec/quantum.md §4).
+
+``rollout(qstate, qcfg, schedule, loss=..., grad=True)`` runs T = ``schedule.n_steps`` synchronous steps
+(:mod:`.evolve`, spec §3) and returns the loss
+
+    L = w_born sum_{t=1..T} sum_{i: y_ti >= 0} -log <y_ti| x_i^t |y_ti>  +  w_F F(rho^T)
+
+(x = (1 - e) rho + e I/d the floored state of spec §2.3, y_ti = ``schedule.outcomes[t-1, i]``, -1 for
+unobserved; F the free energy of ``qcfg``) and its exact gradient with respect to the initial beliefs,
+H_i, T_i, phi_i, the dephasing and thermal rates, and the coupling strength eps0 and length ell.
+
+Reverse sweep (§4.2), per step from T-1 down to 0, per agent batch in reverse update order:
+thermalising channel (R4 with the Gibbs prior) -> dephasing (R3; energy basis: the pinching's derivative
+through the eigenvectors of H_i, :func:`.channels.dephase_energy_vjp`) -> unitary (R1, with t = g dt and
+the soft gate g through D(x||sigma), §3.6) -> coupling channels in reverse neighbour order (R4; C2 with
+stop-gradient on the sender). Cotangents of the senders' states are scattered into the cotangent of the
+states they were read at (time t for Jacobi; for Gauss–Seidel the already updated j < i). H_bar, T_bar and
+rate cotangents accumulate per step; the transports' cotangents accumulate over the rollout and pass
+once through U_ij = U_i U_j^dag and rule R2 to phi_bar. Gibbs priors: :func:`.unitary.gibbs_vjp`;
+F(rho^T): :func:`.energy.energy_and_gradient_arrays`; Born terms: rule R7.
+
+Checkpointing (uniform): the states at t = 0, s, 2s, ... are kept (c = ceil(T/s) checkpoints, c N d^2
+complex numbers); the reverse sweep replays one segment of s steps from its checkpoint, keeping that
+segment's tapes ((w + 3) N d^2 per step, w the window width), then runs its adjoint. Memory
+O((c + s (w + 3)) N d^2); every step's forward is computed twice (recomputation factor 2, independent of
+s), plus one adjoint (about 2-3 forward steps). The default s = ceil(sqrt(T)) balances the two memory
+terms. No autograd library is used.
+
+Gradient conventions (as :mod:`.energy`): ``rho`` traceless Hermitian (dL = tr(G d rho) on the tangent
+space of S_d), ``hamiltonian`` Hermitian, the rest plain partial derivatives; a rate given as a number
+gets the derivative with respect to that number (the sum over agents).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+import xarray as xr
+
+from ..arrays import array_module as _xp
+from ..config import ConfigError, _check_real
+from .channels import (
+    coupling_strengths_vjp,
+    dephase_energy_vjp,
+    dephase_vjp,
+    dephasing_strength_vjp,
+    mix_vjp,
+    pinch_mix_vjp,
+    transports_vjp,
+)
+from .config import QuantumConfig
+from .energy import NUMPY_OPS, QuantumOps, energy_and_gradient_arrays, floor_eps
+from .evolve import Prepared, QuantumDynamics, prepare, senders, step
+from .flows import mirror_descent_step
+from .frames import frames_vjp, spin_generators
+from .linalg import dagger, herm, traceless
+from .state import validate_state
+from .unitary import gibbs_vjp, relative_entropy_gibbs_vjp, soft_gate_vjp, unitary_step_vjp
+
+__all__ = ["Schedule", "RolloutResult", "LOSS_TERMS", "rollout"]
+
+LOSS_TERMS = ("born", "free_energy")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+    """What a rollout runs: ``dynamics`` (a QuantumDynamics), ``dt`` > 0 (a number or one per step (T,)),
+    ``n_steps`` T >= 1 and the observed ``outcomes`` (T, N) integers (outcome of agent i measured in the
+    computational basis on the state after step t; -1: not observed), needed by the Born loss."""
+
+    dynamics: QuantumDynamics
+    dt: Any
+    n_steps: int
+    outcomes: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dynamics, QuantumDynamics):
+            raise ConfigError("dynamics", f"must be a QuantumDynamics, got {type(self.dynamics).__name__}")
+        T = self.n_steps
+        if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or T < 1:
+            raise ConfigError("n_steps", f"must be an integer >= 1, got {T!r}")
+        if np.ndim(self.dt) == 0:
+            dts = np.full(T, _check_real("dt", self.dt, positive=True))
+        else:
+            dts = np.array(self.dt, dtype=np.float64)
+            if dts.shape != (T,) or not (np.isfinite(dts) & (dts > 0)).all():
+                raise ConfigError("dt", f"must be > 0, a number or one per step (shape ({T},)), got {dts}")
+        dts.setflags(write=False)
+        object.__setattr__(self, "dt", dts)
+        if self.outcomes is not None:
+            y = np.array(self.outcomes)
+            if y.ndim != 2 or y.shape[0] != T or not np.issubdtype(y.dtype, np.integer):
+                raise ConfigError(
+                    "outcomes", f"must be integers of shape (n_steps={T}, N), got {y.dtype} {y.shape}"
+                )
+            y.setflags(write=False)
+            object.__setattr__(self, "outcomes", y)
+
+
+class RolloutResult(NamedTuple):
+    """loss (float); terms: the weighted loss terms; grads (None without grad); final: the state after T
+    steps; stats: ``checkpoints`` (c), ``segment`` (s), ``forward_steps`` (steps computed, 2T with grad)."""
+
+    loss: float
+    terms: dict
+    grads: dict | None
+    final: xr.Dataset
+    stats: dict
+
+
+def _weights(loss) -> dict[str, float]:
+    if isinstance(loss, str):
+        loss = {loss: 1.0}
+    if not isinstance(loss, Mapping) or not loss:
+        raise ConfigError(
+            "loss", f"must be one of {LOSS_TERMS} or a mapping of them to weights, got {loss!r}"
+        )
+    out = {}
+    for k, v in loss.items():
+        if k not in LOSS_TERMS:
+            raise ConfigError("loss", f"unknown term {k!r} (known: {LOSS_TERMS})")
+        out[k] = _check_real(f"loss.{k}", v, nonneg=True)
+    return out
+
+
+def _born(rho, y, weight: float):
+    """(value, cotangent) of weight sum_i -log x_i[y_i, y_i] over observed agents (y_i >= 0), rule R7."""
+    xp = _xp(rho)
+    e = floor_eps(rho.dtype)
+    d = rho.shape[-1]
+    obs = np.flatnonzero(y >= 0)
+    if np.any(y[obs] >= d):
+        i = int(obs[np.argmax(y[obs] >= d)])
+        raise ConfigError("outcomes", f"agent {i} has outcome {int(y[i])}, outside [0, {d})")
+    bar = xp.zeros_like(rho)
+    if obs.size == 0 or weight == 0:
+        return 0.0, bar
+    yy = xp.asarray(y[obs])
+    oo = xp.asarray(obs)
+    prob = (1.0 - e) * rho[oo, yy, yy].real + e / d
+    bar[oo, yy, yy] = -weight * (1.0 - e) / prob
+    return float(-weight * xp.log(prob).sum()), bar
+
+
+def _zeros_acc(P: Prepared, xp, cdt):
+    n, d = P.lam.shape
+    w = P.index.shape[1]
+    rdt = P.lam.dtype
+    return {
+        "H": xp.zeros((n, d, d), cdt),
+        "T": xp.zeros(n, rdt),
+        "gamma": xp.zeros(n, rdt),
+        "gamma_th": xp.zeros(n, rdt),
+        "eps_c": xp.zeros((n, w), rdt),
+        "M": xp.zeros((n, w, d, d), cdt),
+    }
+
+
+def _update_vjp(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynamics, acc):
+    """Adjoint of :func:`.evolve.agent_update` for the batch ``sel`` -> (x0_bar, R_bar); parameter
+    cotangents are added into ``acc``."""
+    xp = _xp(out_bar)
+    xs, y, z = tape["xs"], tape["y"], tape["z"]
+    x = xs[-1]
+    lam, V, T = P.lam[sel], P.V[sel], P.T[sel]
+    sigma, l, p = P.sigma[sel], P.l[sel], P.p[sel]
+    z_bar, sig_bar, eps_t_bar = mix_vjp(out_bar, z, sigma, tape["eps_t"])
+    if dyn.dephasing_basis == "computational":
+        y_bar, eps_d_bar = dephase_vjp(z_bar, y, tape["eps_d"])
+        H_bar = xp.zeros_like(y)
+    else:
+        y_bar, eps_d_bar, H_bar = dephase_energy_vjp(z_bar, y, tape["eps_d"], V, lam)
+    acc["gamma"][sel] += dephasing_strength_vjp(eps_d_bar, P.gamma[sel], dt)
+    acc["gamma_th"][sel] += dephasing_strength_vjp(eps_t_bar, P.gamma_th[sel], dt)
+    x_bar, H_u, t_bar = unitary_step_vjp(y_bar, x, y, tape["U"], lam, V, tape["t"])
+    H_bar = H_bar + H_u
+    logsig_bar = None
+    if dyn.gate == "soft":
+        D_bar = soft_gate_vjp(t_bar * dt, tape["g"], dyn.gate_width)
+        rb, logsig_bar = relative_entropy_gibbs_vjp(D_bar, tape["gcache"], x.dtype)
+        x_bar = x_bar + rb
+    H_g, T_g = gibbs_vjp(sig_bar, logsig_bar, lam, V, T, sigma, l, p)
+    acc["H"][sel] += H_bar + H_g
+    acc["T"][sel] += T_g
+    R_bar = xp.zeros_like(R)
+    w = R.shape[1]
+    if dyn.coupling != "none" and w:
+        M, eps_c = P.M[sel], P.eps_c[sel]
+        sig = M @ R @ dagger(M)
+        eps_c_bar = xp.zeros_like(eps_c)
+        M_bar = xp.zeros_like(M)
+        for k in range(w - 1, -1, -1):
+            if dyn.coupling == "C1":
+                x_bar, s_bar, e_bar = mix_vjp(x_bar, xs[k], sig[:, k], eps_c[:, k])
+                Mk = M[:, k]
+                R_bar[:, k] = dagger(Mk) @ s_bar @ Mk
+                M_bar[:, k] = 2.0 * s_bar @ Mk @ R[:, k]
+            else:
+                x_bar, e_bar = pinch_mix_vjp(x_bar, xs[k], tape["Ws"][k], eps_c[:, k])
+            eps_c_bar[:, k] = e_bar
+        acc["eps_c"][sel] += eps_c_bar
+        acc["M"][sel] += M_bar
+    return x_bar, R_bar
+
+
+def _step_vjp(P: Prepared, old, new, tapes, out_bar, dt: float, dyn: QuantumDynamics, acc):
+    """Cotangent of the states before a step from the cotangent ``out_bar`` of the states after it."""
+    xp = _xp(old)
+    index = xp.asarray(P.index)
+    if dyn.order == "jacobi":
+        x_bar, R_bar = _update_vjp(P, slice(None), old[index], tapes[0], out_bar, dt, dyn, acc)
+        xp.add.at(x_bar, index.reshape(-1), R_bar.reshape(-1, *old.shape[1:]))
+        return x_bar
+    bar_new = out_bar.copy()
+    bar_old = xp.zeros_like(out_bar)
+    for i in range(old.shape[0] - 1, -1, -1):
+        R = senders(P.index[i : i + 1], i, old, new)
+        x_bar, R_bar = _update_vjp(P, slice(i, i + 1), R, tapes[i], bar_new[i : i + 1], dt, dyn, acc)
+        bar_old[i] += x_bar[0]
+        for k, j in enumerate(P.index[i]):
+            if P.mask[i, k]:
+                (bar_new if j < i else bar_old)[j] += R_bar[0, k]
+    return bar_old
+
+
+def _gradient_shape(key: str, value, g):
+    return float(g.sum()) if np.ndim(value) == 0 else g
+
+
+def rollout(
+    qstate: xr.Dataset,
+    qcfg: QuantumConfig,
+    schedule: Schedule,
+    loss: str | Mapping[str, float] = "born",
+    grad: bool = True,
+    *,
+    checkpoint_every: int | None = None,
+    ops: QuantumOps = NUMPY_OPS,
+) -> RolloutResult:
+    """Loss of a T-step rollout and, with ``grad``, its exact gradient (module docstring).
+
+    loss: "born", "free_energy" or a mapping of both to weights. grads keys: ``rho``, ``hamiltonian``,
+    ``temperature``, ``phi``, ``dephasing_rate``, ``thermal_rate``, ``coupling_strength``,
+    ``coupling_length``. checkpoint_every: segment length s (default ceil(sqrt(T))).
+    The hard gate and mirror-descent steps (rule R9) have no gradient here: with ``grad`` they raise.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule: must be a Schedule, got {type(schedule).__name__}")
+    dyn = schedule.dynamics
+    weights = _weights(loss)
+    T = schedule.n_steps
+    if grad and dyn.gate == "hard":
+        raise ConfigError("gate", "the hard gate has no gradient: use gate='soft', or grad=False")
+    if grad and dyn.mirror_steps:
+        raise ConfigError(
+            "mirror_steps", "gradients through mirror-descent steps (rule R9) are not implemented: use 0"
+        )
+    s = math.ceil(math.sqrt(T)) if checkpoint_every is None else checkpoint_every
+    if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
+        raise ConfigError("checkpoint_every", f"must be an integer >= 1, got {checkpoint_every!r}")
+    validate_state(qstate, qcfg)
+    arrays = {k: qstate[k].data for k in qstate.data_vars}
+    rho = arrays["rho"]
+    n = rho.shape[0]
+    xp = _xp(rho)
+    w_born = weights.get("born", 0.0)
+    if "born" in weights:
+        if schedule.outcomes is None:
+            raise ConfigError("outcomes", "the Born loss needs schedule.outcomes (n_steps, N)")
+        if schedule.outcomes.shape[1] != n:
+            raise ConfigError("outcomes", f"has {schedule.outcomes.shape[1]} agents, the state has {n}")
+    P = prepare(arrays, qcfg, dyn)
+    dts = schedule.dt
+
+    def advance(r, t, keep=False):
+        r, tapes = step(P, r, float(dts[t]), dyn, keep)
+        for _ in range(dyn.mirror_steps):
+            r, _ = mirror_descent_step(
+                {**arrays, "rho": r},
+                qcfg,
+                eta0=dyn.mirror_eta,
+                armijo_c=dyn.armijo_c,
+                max_backtracks=dyn.max_backtracks,
+                ops=ops,
+            )
+        return r, tapes
+
+    ckpt = {0: rho}
+    born = 0.0
+    forward_steps = 0
+    for t in range(T):
+        rho, _ = advance(rho, t)
+        forward_steps += 1
+        if w_born:
+            born += _born(rho, schedule.outcomes[t], w_born)[0]
+        if (t + 1) % s == 0 and t + 1 < T:
+            ckpt[t + 1] = rho
+    terms = {}
+    if "born" in weights:
+        terms["born"] = born
+    w_F = weights.get("free_energy", 0.0)
+    if "free_energy" in weights:
+        Fterms, Fgrads = energy_and_gradient_arrays({**arrays, "rho": rho}, qcfg, ops=ops)
+        terms["free_energy"] = w_F * Fterms["total"]
+    final = qstate.copy()
+    final["rho"] = (qstate["rho"].dims, rho)
+    stats = {"checkpoints": len(ckpt), "segment": s, "forward_steps": forward_steps}
+    total = float(sum(terms.values()))
+    if not grad:
+        return RolloutResult(total, terms, None, final, stats)
+
+    acc = _zeros_acc(P, xp, rho.dtype)
+    bar = xp.zeros_like(rho)
+    if w_F:
+        bar = bar + w_F * Fgrads["rho"]
+    if w_born:
+        bar = bar + _born(rho, schedule.outcomes[T - 1], w_born)[1]
+    for start in sorted(ckpt, reverse=True):
+        stop = min(start + s, T)
+        states, tapes = [ckpt[start]], []
+        for t in range(start, stop):
+            r, tp = advance(states[-1], t, keep=True)
+            forward_steps += 1
+            states.append(r)
+            tapes.append(tp)
+        for t in range(stop - 1, start - 1, -1):
+            old, new = states[t - start], states[t - start + 1]
+            bar = _step_vjp(P, old, new, tapes[t - start], bar, float(dts[t]), dyn, acc)
+            if w_born and t >= 1:
+                bar = bar + _born(old, schedule.outcomes[t - 1], w_born)[1]
+        del states, tapes
+    stats["forward_steps"] = forward_steps
+
+    U_bar = transports_vjp(acc["M"], P.U, xp.asarray(P.index))
+    phi_bar = frames_vjp(U_bar, P.fcache, spin_generators(rho.shape[-1]))
+    H_bar, T_bar = acc["H"], acc["T"]
+    if w_F:
+        H_bar = H_bar + w_F * Fgrads["hamiltonian"]
+        T_bar = T_bar + w_F * Fgrads["temperature"]
+        phi_bar = phi_bar + w_F * Fgrads["phi"]
+    e0_bar, ell_bar = coupling_strengths_vjp(
+        acc["eps_c"].get() if hasattr(acc["eps_c"], "get") else acc["eps_c"],
+        dyn.coupling_strength,
+        dyn.coupling_length,
+        P.dist,
+        P.mask,
+    )
+    grads = {
+        "rho": traceless(herm(bar)),
+        "hamiltonian": herm(H_bar),
+        "temperature": T_bar,
+        "phi": phi_bar,
+        "dephasing_rate": _gradient_shape("dephasing_rate", dyn.dephasing_rate, acc["gamma"]),
+        "thermal_rate": _gradient_shape("thermal_rate", dyn.thermal_rate, acc["gamma_th"]),
+        "coupling_strength": e0_bar,
+        "coupling_length": ell_bar,
+    }
+    return RolloutResult(total, terms, grads, final, stats)
