@@ -21,6 +21,7 @@ import numpy as np
 import xarray as xr
 
 from ..arrays import array_module as _xp
+from ..arrays import max_abs
 from ..family import family_of
 from ..state import NonFiniteError, require_dataset, validate_state
 
@@ -85,11 +86,7 @@ def check_outputs(terms: Mapping[str, float], grads: Mapping[str, Any]) -> None:
     """Raise :class:`~vfesim.state.NonFiniteError` naming the first gradient (and agent) or energy term
     that is NaN or Inf. The gradients are reduced on their device: one small transfer."""
     names = list(grads)
-    if names:
-        xp = _xp(grads[names[0]])
-        ok = xp.stack([xp.isfinite(grads[k]).all() for k in names]).tolist()
-    else:
-        ok = []
+    ok = [np.isfinite(m) for m in max_abs(grads[k] for k in names)]  # one transfer for all gradients
     bad_terms = [k for k, v in terms.items() if not np.isfinite(v)]
     if all(ok) and not bad_terms:
         return
