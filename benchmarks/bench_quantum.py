@@ -90,6 +90,41 @@ def bench_pairs(backend_name: str, N: int, d: int, dtype: str) -> dict:
                 tflops=pair_flops(N, d) / t / 1e12)  # fmt: skip
 
 
+def bench_stages(backend_name: str, N: int, d: int, dtype: str) -> list[dict]:
+    """Each per-agent stage of the backend (QuantumOps) alone, and the whole evaluation: where the time
+    goes besides the pairs."""
+    from vfesim.quantum.energy import NUMPY_OPS, _floored
+
+    be = get(backend_name)
+    cfg = config(d, "belief")
+    st = vfesim.random_state(cfg, n_agents=N, seed=0, dtype=dtype)
+    a = be.to_device({k: st[k].values for k in st.data_vars})
+    ops = be.agent_ops.get("quantum", NUMPY_OPS)
+    J = spin_generators(d)
+    x, _ = _floored(a["rho"])
+    s, W, log_x, xlx = ops.eig_log(x)
+    U, cache = ops.frames(a["phi"], J, x.dtype)
+    A, B = ops.pull_features(U, x, log_x)
+    sig = ops.gibbs(a["hamiltonian"], a["temperature"])
+    calls = {
+        "floor": lambda: _floored(a["rho"]),
+        "eig_log": lambda: ops.eig_log(x),
+        "gibbs": lambda: ops.gibbs(a["hamiltonian"], a["temperature"]),
+        "frames": lambda: ops.frames(a["phi"], J, x.dtype),
+        "pull_features": lambda: ops.pull_features(U, x, log_x),
+        "pull_vjp": lambda: ops.pull_vjp(A, B, U, x, log_x),
+        "dk_log": lambda: ops.dk_log(s, W, x),
+        "dk_exp": lambda: ops.dk_exp(sig[2], sig[3], sig[4], x),
+        "frames_vjp": lambda: ops.frames_vjp(U, cache, J),
+    }
+    rows = []
+    for name, fn in calls.items():
+        t, reps = timeit(fn, lambda: _sync(be))
+        row = dict(kind="stage", backend=backend_name, N=N, d=d, dtype=dtype, stage=name, t_s=t, reps=reps)
+        rows.append(row)
+    return rows
+
+
 def gemm_ceiling(dtype: str, n: int = 8192) -> dict:
     """Measured GEMM rate of CuPy (cuBLAS) for the real dtype of ``dtype``: the ceiling of the table."""
     import cupy
@@ -125,6 +160,9 @@ def table(rows: list[dict]) -> str:
                 f"{what:>8} {r['terms']:>6} {r['d']:3d} {r['dtype']:>10} {r['N']:8d} "
                 f"{r['t_s'] * 1e3:10.2f} {r['reps']:5d}{flops}"
             )
+        elif r["kind"] == "stage":
+            t = r["t_s"] * 1e3
+            lines.append(f"   stage {r['stage']:>14} {r['d']:3d} {r['dtype']:>10} {r['N']:8d} {t:10.3f}")
         elif r["kind"] == "gemm":
             lines.append(f"GEMM ceiling ({r['dtype']}, {r['n']}^3): {r['tflops']:.1f} TFLOP/s")
         elif r["kind"] == "torch":
@@ -147,6 +185,7 @@ def main(argv=None) -> None:
     ap.add_argument("--terms", choices=["belief", "both"], default="belief")
     ap.add_argument("--oracle", action="store_true")
     ap.add_argument("--pairs", action="store_true", help="also time the pairwise part alone (FLOP/s)")
+    ap.add_argument("--stages", action="store_true", help="also time each per-agent stage alone")
     ap.add_argument("--torch", type=int, nargs="*", help="PyTorch autograd baseline at these N (GPU)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
@@ -162,6 +201,8 @@ def main(argv=None) -> None:
                     if args.pairs:
                         rows.append(bench_pairs(backend, N, d, dtype))
                         print(json.dumps(rows[-1]), flush=True)
+                    if args.stages:
+                        rows += bench_stages(backend, N, d, dtype)
             if args.pairs and backend == "cuda":
                 rows.append(gemm_ceiling(dtype))
     if args.torch:
