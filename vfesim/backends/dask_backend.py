@@ -41,7 +41,7 @@ import logging
 import re
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import dask
 import dask.array as da
@@ -335,10 +335,6 @@ def _sparse_plan(cfg, bounds: tuple[int, ...]):
 
 
 # ---- the graph ------------------------------------------------------------------------------------------
-def _pick(result, key: str):
-    return result[1][key]
-
-
 def _sum_terms(*results) -> tuple[dict[str, float], list]:
     """Terms summed over chunks in chunk order (float64), and every chunk's recorded warnings."""
     terms: dict[str, float] = {}
@@ -348,11 +344,40 @@ def _sum_terms(*results) -> tuple[dict[str, float], list]:
     return terms, [w for r in results for w in r[2]]
 
 
-def _graph(chunk_arrays: list[dict], cfg, bounds: tuple[int, ...], validate: bool) -> list:
-    """Delayed (terms, grads, warnings) of every chunk (steps 1-4 of the module docstring)."""
-    delayed = lambda f: dask.delayed(f, pure=False)  # noqa: E731
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What every evaluation of one population with one chunking shares: ``cfg`` with dense neighbours
+    (the chunk tasks' config, one Delayed), and for sparse neighbours per receiver chunk the sender
+    chunks its lists name and its (index, mask) rows (Delayed). :func:`plan` builds one per call;
+    a run persists one (:meth:`persist`) so that the lists travel to the workers once, not per step."""
+
+    bounds: tuple[int, ...]
+    cfg: Any
+    sparse: tuple | None
+
+    def persist(self) -> Plan:
+        return Plan(self.bounds, *dask.persist(self.cfg, self.sparse))
+
+
+def plan(cfg, bounds: tuple[int, ...]) -> Plan:
+    """The :class:`Plan` of ``cfg`` chunked at ``bounds`` (not persisted)."""
     chunk_cfg = cfg if cfg.dense else cfg.replace(neighbours="dense")
-    cfg_d = delayed(_identity)(chunk_cfg)  # one copy in the graph, shipped once per worker
+    cfg_d = dask.delayed(_identity, pure=False)(chunk_cfg)  # one copy in the graph
+    sparse = None
+    if not cfg.dense:
+        d = lambda a: dask.delayed(_identity, pure=False)(a)  # noqa: E731
+        sparse = tuple((owners, d(idx), d(msk)) for owners, idx, msk in _sparse_plan(cfg, bounds))
+    return Plan(tuple(bounds), cfg_d, sparse)
+
+
+def _graph(
+    chunk_arrays: list[dict], cfg, bounds: tuple[int, ...], validate: bool, pl: Plan | None = None
+) -> list:
+    """Delayed (terms, grads, warnings) of every chunk (steps 1-4 of the module docstring). ``pl``: a
+    (persisted) :class:`Plan` of ``cfg`` and ``bounds``, else one is made."""
+    delayed = lambda f: dask.delayed(f, pure=False)  # noqa: E731
+    pl = plan(cfg, bounds) if pl is None else pl
+    cfg_d = pl.cfg
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
     population = None
     if _population_module(cfg) is not None:
@@ -368,18 +393,18 @@ def _graph(chunk_arrays: list[dict], cfg, bounds: tuple[int, ...], validate: boo
         total = _tree(list(pairs), _add_shares)
         gB_rows = [delayed(_dense_gB_rows)(total, r0, r1) for r0, r1 in spans]
     else:
-        plan = _sparse_plan(cfg, bounds)
+        sparse = pl.sparse
         pairs = [
             delayed(_sparse_pairs_task)(
                 f, [feats[s] for s in owners], [bounds[s] for s in owners], idx, msk, r0
             )
-            for f, (owners, idx, msk), (r0, _) in zip(feats, plan, spans, strict=True)
+            for f, (owners, idx, msk), (r0, _) in zip(feats, sparse, spans, strict=True)
         ]
         gB_rows = []
         for s in range(len(spans)):
-            users = [r for r, (owners, _, _) in enumerate(plan) if s in owners]
+            users = [r for r, (owners, _, _) in enumerate(sparse) if s in owners]
             if users:
-                pos_in = [plan[r][0].index(s) for r in users]
+                pos_in = [sparse[r][0].index(s) for r in users]
                 gB_rows.append(delayed(_sparse_gB_rows)(pos_in, *(pairs[r] for r in users)))
             else:  # nobody lists these agents: their gB is 0
                 gB_rows.append(delayed(_zero_rows)(feats[s]))
@@ -408,6 +433,24 @@ def _reraise(fn, *args):
 def _emit(recorded: list) -> None:
     for category, text in recorded:
         warnings.warn(text, category, stacklevel=4)
+
+
+def store_chunk(bounds: tuple[int, ...]) -> int:
+    """Agents per Zarr chunk of a run chunked at ``bounds``: the largest size dividing every chunk
+    boundary but the last (the array's end), so each Zarr chunk lies in one Dask chunk and every worker
+    writes whole Zarr chunks of its own agents (the chunk size itself for regular chunkings)."""
+    return int(np.gcd.reduce(np.asarray(bounds[1:-1] or bounds[-1:], np.int64)))
+
+
+def describe_scheduler() -> str:
+    """Dask's current scheduler in words: "distributed <address> (<n> workers)" or the local one."""
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except (ImportError, ValueError):
+        return str(dask.config.get("scheduler", None) or "threads")
+    return f"distributed {client.scheduler.address} ({len(client.scheduler_info()['workers'])} workers)"
 
 
 def _log_client() -> None:
@@ -507,34 +550,74 @@ def energy_and_gradient_dataset(
     if chunks is None:
         chunks = state[next(iter(state.data_vars))].chunksizes.get("agent", (n,))
     bounds = chunk_bounds(n, chunks)
-    sizes = tuple(np.diff(bounds).tolist())
-    spec = {d: (sizes if d == "agent" else -1) for d in state.dims}
-    state = state.chunk(spec)
-    blocks = {k: state[k].data.to_delayed().ravel() for k in state.data_vars}
-    chunk_arrays = [{k: blocks[k][i] for k in blocks} for i in range(len(sizes))]
-    results = _graph(chunk_arrays, cfg, bounds, validate)
-    grad_names = [k for k in state.data_vars if np.issubdtype(state[k].dtype, np.inexact)]
-    grads = {}
-    for k in grad_names:
-        v = state[k]
-        parts = [
-            da.from_delayed(
-                dask.delayed(_pick, pure=False)(r, k),
-                shape=(size, *v.shape[1:]),
-                dtype=v.dtype,
-                meta=np.array(()),
-            )
-            for r, size in zip(results, sizes, strict=True)
-        ]
-        grads[k] = da.concatenate(parts, axis=0)
+    state = rechunk(state, bounds)
+    summary, grads = lazy_energy({k: state[k].data for k in state.data_vars}, cfg, bounds, validate)
     _log_client()
-    summary = dask.delayed(_sum_terms, pure=False)(*results)
     summary, grads = _reraise(dask.persist, summary, grads)
-    terms, recorded = _reraise(summary.compute)
-    _emit(recorded)
-    check_outputs(terms, {})
+    terms = finish_terms(_reraise(summary.compute))
     ds = xr.Dataset({k: (state[k].dims, v) for k, v in grads.items()}, attrs=dict(state.attrs))
     return terms, ds
+
+
+def rechunk(state: xr.Dataset, bounds: tuple[int, ...]) -> xr.Dataset:
+    """``state`` as Dask arrays with agent chunks at ``bounds`` and one chunk along every other dim."""
+    sizes = tuple(np.diff(bounds).tolist())
+    return state.chunk({d: (sizes if d == "agent" else -1) for d in state.dims})
+
+
+def blocks(arrays: dict[str, da.Array]) -> list[dict[str, Any]]:
+    """Per agent chunk, {name: the chunk's Delayed block} of agent-chunked Dask arrays (first axis)."""
+    d = {k: v.to_delayed(optimize_graph=False).reshape(-1) for k, v in arrays.items()}
+    n = len(next(iter(d.values())))
+    return [{k: d[k][i] for k in d} for i in range(n)]
+
+
+def from_blocks(parts: list, key, like: dict[str, da.Array], sizes) -> dict[str, da.Array]:
+    """Dask arrays shaped like ``like`` (agent chunks ``sizes``) from per-chunk Delayed results:
+    chunk i of array k is ``parts[i][key][k]`` (``key`` None: ``parts[i][k]``)."""
+    out = {}
+    for k, v in like.items():
+        pieces = [
+            da.from_delayed(
+                dask.delayed(_pick_item, pure=False)(p, key, k),
+                shape=(size, *v.shape[1:]),
+                dtype=v.dtype,
+                meta=np.empty((0,) * v.ndim, v.dtype),
+            )
+            for p, size in zip(parts, sizes, strict=True)
+        ]
+        out[k] = da.concatenate(pieces, axis=0)
+    return out
+
+
+def _pick_item(result, key, name):
+    return result[name] if key is None else result[key][name]
+
+
+def lazy_energy(
+    arrays: dict[str, da.Array], cfg, bounds: tuple[int, ...], validate: bool, pl: Plan | None = None
+) -> tuple[Any, dict[str, da.Array]]:
+    """(summary, grads) of agent-chunked Dask arrays (chunks at ``bounds``), not computed: ``summary``
+    a Delayed of (terms, recorded warnings) (:func:`finish_terms` reports them), ``grads`` Dask arrays
+    chunked like ``arrays`` for every floating variable. ``validate``: each chunk is validated in its
+    task (errors name global agents)."""
+    sizes = tuple(np.diff(bounds).tolist())
+    results = _graph(blocks(arrays), cfg, bounds, validate, pl)
+    floats = {k: v for k, v in arrays.items() if np.issubdtype(v.dtype, np.inexact)}
+    grads = from_blocks([dask.delayed(_pick_grads, pure=False)(r) for r in results], None, floats, sizes)
+    return dask.delayed(_sum_terms, pure=False)(*results), grads
+
+
+def _pick_grads(result):
+    return result[1]
+
+
+def finish_terms(summary) -> dict[str, float]:
+    """The terms of a computed summary, its warnings emitted; non-finite terms raise NonFiniteError."""
+    terms, recorded = summary
+    _emit(recorded)
+    check_outputs(terms, {})
+    return terms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -545,6 +628,8 @@ class DaskBackend(Backend):
 
     chunks: Any = None
     inner: str = "numba"
+    # Integrators keep the state chunked on the workers (vfesim.integrators.chunked).
+    chunked: ClassVar[bool] = True
 
     def energy_and_gradient(self, arrays: dict[str, Any], cfg) -> tuple[dict[str, float], dict[str, Any]]:
         return energy_and_gradient_arrays(arrays, cfg, chunks=self.chunks, inner=self.inner)
