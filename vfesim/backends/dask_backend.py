@@ -602,9 +602,20 @@ def lazy_energy(
     chunked like ``arrays`` for every floating variable. ``validate``: each chunk is validated in its
     task (errors name global agents)."""
     sizes = tuple(np.diff(bounds).tolist())
-    results = _graph(blocks(arrays), cfg, bounds, validate, pl)
+    summary, parts = chunk_energy(blocks(arrays), cfg, bounds, validate, pl)
     floats = {k: v for k, v in arrays.items() if np.issubdtype(v.dtype, np.inexact)}
-    grads = from_blocks([dask.delayed(_pick_grads, pure=False)(r) for r in results], None, floats, sizes)
+    return summary, from_blocks(parts, None, floats, sizes)
+
+
+def chunk_energy(
+    parts: list, cfg, bounds: tuple[int, ...], validate: bool, pl: Plan | None = None
+) -> tuple[Any, list]:
+    """(summary, per-chunk gradients) of per-chunk state arrays ``parts`` (each a dict of arrays or a
+    Delayed of one), not computed: ``summary`` a Delayed of (terms, recorded warnings), the gradients a
+    Delayed dict per chunk. The graph of :func:`lazy_energy` without Dask arrays around it (cheaper to
+    build inside a run's step)."""
+    results = _graph(parts, cfg, bounds, validate, pl)
+    grads = [dask.delayed(_pick_grads, pure=False)(r) for r in results]
     return dask.delayed(_sum_terms, pure=False)(*results), grads
 
 

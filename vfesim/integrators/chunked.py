@@ -344,22 +344,23 @@ def _make_flow(cfg, dt, layout: _Layout, friction: float, options) -> Integrator
             carry = restore(carry.state, carry.step, carry.aux, carry.rng_state)
             grads = getattr(carry, _CACHE)
         n = carry.step + 1
-        gb, ab = _blocks(grads), _blocks(carry.aux)
+        sp, gp, ap = _blocks(arrays), _blocks(grads), _blocks(carry.aux)
+        task = dask.delayed(_flow_task, pure=False)
         parts = [
-            dask.delayed(_flow_task, pure=False)(
-                shipped["rule"], layout.plan.cfg, s, gb[i], ab[i] if ab else {}, n, r0
-            )
-            for i, (s, r0) in enumerate(zip(_blocks(arrays), layout.starts, strict=True))
+            task(shipped["rule"], layout.plan.cfg, sp[j], gp[j], ap[j] if ap else {}, n, r0)
+            for j, r0 in enumerate(layout.starts)
         ]
-        from ..backends.dask_backend import from_blocks
-
-        new = dict(arrays)
-        new.update(from_blocks(parts, 0, {k: arrays[k] for k in fields}, layout.sizes))
-        aux = from_blocks(parts, 1, carry.aux, layout.sizes) if carry.aux else {}
-        summary, grads = _evaluate(layout, cfg, new, False)
-        new, aux, grads, summary = _reraise(dask.persist, new, aux, grads, summary)
+        sp = [_delayed(_merge)(sp[j], parts[j]) for j in range(len(parts))]
+        ap = [_delayed(_second)(p) for p in parts]
+        summary, gp = _chunk_energy(layout, cfg, sp, False)
+        sp, ap, gp, summary = _reraise(dask.persist, sp, ap, gp, summary)
         terms = _finish(_reraise(summary.compute))
         guard_terms(n, terms)
+        new, aux, grads = (
+            _arrays(layout, sp, arrays),
+            _arrays(layout, ap, carry.aux),
+            _arrays(layout, gp, grads),
+        )
         return _carry(_dataset(carry.state, new), n, aux, terms, grads)
 
     return ChunkedIntegrator("gradient_flow", init, step, restore, layout)
@@ -466,7 +467,6 @@ def _make_const(method, cfg, dt, layout: _Layout, friction, seed, backend, optio
         return restore(_dataset(state, new), 0, aux, rng.bit_generator.state)
 
     def step(carry: Carry) -> Carry:
-        from ..backends.dask_backend import from_blocks
 
         cached = getattr(carry, _CACHE, None)
         if cached is None:
@@ -475,44 +475,66 @@ def _make_const(method, cfg, dt, layout: _Layout, friction, seed, backend, optio
         eterms, grads = cached
         n = carry.step + 1
         arrays = {k: carry.state[k].data for k in carry.state.data_vars}
-        aux = dict(carry.aux)
-        moved = _moved(c)
+        sp, ap, gp = _blocks(arrays), _blocks(carry.aux), _blocks(grads)
         summaries, valid = [], True
         for i, (kick, drift) in enumerate(table):
             if kick != 0.0 and not valid:
-                summary, grads = _evaluate(layout, cfg, arrays, False)
+                summary, gp = _chunk_energy(layout, cfg, sp, False)
                 summaries.append(summary)
                 valid = True
-            sb, ab, gb = _blocks(arrays), _blocks(aux), _blocks(grads)
             task = dask.delayed(_pair_task, pure=False)
             parts = [
-                task(shipped["c"], sb[j], ab[j], gb[j], kick, drift, i == 0, n, r0)
+                task(shipped["c"], sp[j], ap[j], gp[j], kick, drift, i == 0, n, r0)
                 for j, r0 in enumerate(layout.starts)
             ]
             if drift != 0.0:
-                arrays = {**arrays, **from_blocks(parts, 0, {k: arrays[k] for k in moved}, layout.sizes)}
+                sp = [_delayed(_merge)(sp[j], parts[j]) for j in range(len(parts))]
                 valid = False
-            aux = from_blocks(parts, 1, aux, layout.sizes)
+            ap = [_delayed(_second)(p) for p in parts]
         if not valid:
-            summary, grads = _evaluate(layout, cfg, arrays, False)
+            summary, gp = _chunk_energy(layout, cfg, sp, False)
             summaries.append(summary)
-        sb, ab = _blocks(arrays), _blocks(aux)
-        parts = [
-            dask.delayed(_finish_task, pure=False)(shipped["c"], sb[j], ab[j], n, r0)
-            for j, r0 in enumerate(layout.starts)
-        ]
-        aux = from_blocks(parts, 0, aux, layout.sizes)
-        sums = [dask.delayed(_second, pure=False)(p) for p in parts]
-        arrays, aux, grads, summaries, sums = _reraise(dask.persist, arrays, aux, grads, summaries, sums)
+        task = dask.delayed(_finish_task, pure=False)
+        parts = [task(shipped["c"], sp[j], ap[j], n, r0) for j, r0 in enumerate(layout.starts)]
+        ap = [_delayed(_first)(p) for p in parts]
+        sums = [_delayed(_second)(p) for p in parts]
+        sp, ap, gp, summaries, sums = _reraise(dask.persist, sp, ap, gp, summaries, sums)
         summaries, sums = _reraise(dask.compute, summaries, sums)
         for s in summaries:
             eterms = _finish(s)
             guard_terms(n, eterms)
-        state = _dataset(carry.state, arrays)
+        state = _dataset(carry.state, _arrays(layout, sp, arrays))
+        aux, grads = _arrays(layout, ap, carry.aux), _arrays(layout, gp, grads)
         return make_carry(state, n, aux, eterms, grads, kinetic(sums), carry.rng_state)
 
     return ChunkedIntegrator(method, init, step, restore, layout)
 
 
+def _first(x):
+    return x[0]
+
+
 def _second(x):
     return x[1]
+
+
+def _merge(arrays: dict, part) -> dict:
+    """A chunk's state arrays with those an update task moved (``part[0]``) replaced."""
+    return {**arrays, **part[0]}
+
+
+def _delayed(f):
+    return dask.delayed(f, pure=False)
+
+
+def _chunk_energy(layout: _Layout, cfg, parts: list, validate: bool):
+    from ..backends.dask_backend import chunk_energy
+
+    return chunk_energy(parts, cfg, layout.bounds, validate, layout.plan)
+
+
+def _arrays(layout: _Layout, parts: list, like: dict) -> dict:
+    """Dask arrays like ``like`` from persisted per-chunk dicts ``parts`` (cheap: the parts are keys)."""
+    from ..backends.dask_backend import from_blocks
+
+    return from_blocks(parts, None, like, layout.sizes) if like else {}
