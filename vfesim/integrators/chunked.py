@@ -204,8 +204,9 @@ class _Layout:
         bounds = db.chunk_bounds(n, chunks)
         if self.bounds != bounds:
             db._check_neighbours(self.cfg, n)
+            self.inner = db.resolve_inner(self.inner)
             self.bounds = bounds
-            self.plan = db.plan(self.cfg, bounds).persist()
+            self.plan = db.plan(self.cfg, bounds, self.inner).persist()
             db._log_client()
 
     @property
