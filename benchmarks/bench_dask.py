@@ -2,6 +2,8 @@
 
     python benchmarks/bench_dask.py [--N 16384] [--K 3] [--reps 5] [--workers 2] [--chunks ...] [--out DIR]
 
+    python benchmarks/bench_dask.py --gpu [--gpus 1 2] [--big] [--reps 3] [--out DIR]
+
 Dense neighbours, softmin, float64. Rows: the numba backend in this process (Numba's threads, one per
 core); the dask backend on the threaded scheduler; on a LocalCluster of ``--workers`` processes with one
 thread each, from an in-memory state (the state is sent with the graph) and from a state persisted
@@ -9,6 +11,15 @@ chunked on the workers (``state.chunk(agent=n)``, gradients stay there). Public 
 (``vfesim.energy_and_gradient``, validation off: it is the same for every backend). Medians of
 ``--reps`` calls after one warm-up (which compiles and starts the workers' imports). Writes
 DIR/dask_cpu.txt.
+
+``--gpu``: inner="cuda" tasks, one worker per GPU (``dask_cuda.LocalCUDACluster``; without dask-cuda one
+GPU runs on a LocalCluster of one worker process). Energy + gradient, K = 3, float32, dense softmin:
+strong scaling at N = 1 048 576 on each GPU count of ``--gpus`` (efficiency t1 / (g t_g)), weak scaling
+at 262 144 agents per GPU; ``--big`` adds a full ``vfesim.simulate`` run of 10^7 agents with 32 sparse
+(ring) neighbours each, 10 gradient-flow steps writing Zarr, on the largest GPU count. Each row: the
+median wall time, and from Dask's task stream where the time went: compute (task execution, summed over
+workers and divided by their number), transfer (worker-to-worker), and the rest of the wall time
+(scheduler, client round trips, idle). Writes DIR/dask_gpu.txt.
 """
 
 from __future__ import annotations
@@ -47,7 +58,13 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--chunks", type=int, nargs="*", default=None, help="agents per chunk (default: auto)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--gpu", action="store_true", help="the GPU benchmark (inner='cuda')")
+    ap.add_argument("--gpus", type=int, nargs="*", default=[1, 2], help="GPU counts (--gpu)")
+    ap.add_argument("--big", action="store_true", help="--gpu: also the 10^7-agent sparse run")
     args = ap.parse_args()
+    if args.gpu:
+        gpu_main(args)
+        return
 
     from distributed import Client, LocalCluster
 
@@ -105,6 +122,122 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dask_cpu.txt").write_text(text + "\n")
+
+
+def gpu_cluster(n_gpus: int):
+    """One worker process per GPU: dask_cuda.LocalCUDACluster, or (one GPU, no dask-cuda) a LocalCluster
+    with one single-threaded worker process."""
+    try:
+        from dask_cuda import LocalCUDACluster
+    except ImportError:
+        if n_gpus != 1:
+            msg = f"--gpus {n_gpus}: several GPUs need dask-cuda (pip install 'vfesim[multigpu]')"
+            raise SystemExit(msg) from None
+        from distributed import LocalCluster
+
+        return LocalCluster(n_workers=1, threads_per_worker=1, processes=True, silence_logs=logging.ERROR)
+    devices = ",".join(str(i) for i in range(n_gpus))
+    return LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=1, silence_logs=logging.ERROR)
+
+
+def stream_split(stream: list[dict], n_workers: int, wall: float) -> tuple[float, float, float]:
+    """(compute, transfer, other) seconds of one timed call from Dask's task stream: each action's
+    durations summed and divided by the workers; other = wall - compute - transfer (scheduler, client
+    round trips, idle workers)."""
+    acc = {"compute": 0.0, "transfer": 0.0}
+    for task in stream:
+        for ss in task.get("startstops", ()):
+            if ss["action"] in acc:
+                acc[ss["action"]] += ss["stop"] - ss["start"]
+    compute, transfer = acc["compute"] / n_workers, acc["transfer"] / n_workers
+    return compute, transfer, max(0.0, wall - compute - transfer)
+
+
+def timed_eg(client, state, cfg, reps: int) -> tuple[float, tuple[float, float, float]]:
+    """Median wall time of energy + gradient of a state persisted on the workers (inner="cuda"), and the
+    task-stream split of the median call."""
+    from distributed import get_task_stream
+
+    n_workers = len(client.scheduler_info()["workers"])
+    eg = vfesim.energy_and_gradient
+    with client.as_current():
+        eg(state, cfg, backend="dask", inner="cuda", validate=False)  # warm-up: compiles the kernels
+        runs = []
+        for _ in range(reps):
+            with get_task_stream(client) as ts:
+                t0 = time.perf_counter()
+                eg(state, cfg, backend="dask", inner="cuda", validate=False)
+                wall = time.perf_counter() - t0
+            runs.append((wall, stream_split(ts.data, n_workers, wall)))
+    runs.sort(key=lambda r: r[0])
+    return runs[len(runs) // 2]
+
+
+def gpu_main(args) -> None:
+    from distributed import Client
+
+    cfg = vfesim.ModelConfig(K=3, aggregator="softmin")
+    rows, strong = [], {}
+    for g in args.gpus:
+        with gpu_cluster(g) as cluster, Client(cluster) as client:
+            client.wait_for_workers(g)
+            for kind, n in (("strong", 1 << 20), ("weak", 262_144 * g)):
+                state = vfesim.random_state(cfg, n, seed=0, dtype="float32")
+                lazy = client.persist(state.chunk(agent=-(-n // g)))  # one receiver chunk per GPU
+                wall, split = timed_eg(client, lazy, cfg, args.reps)
+                if kind == "strong":
+                    strong[g] = wall
+                rows.append((kind, g, n, wall, *split))
+                del lazy
+            if args.big and g == max(args.gpus):
+                rows.append(("big run", g, 10**7, *big_run(client, g, args)))
+    t1 = strong.get(1)
+    lines = [
+        "dask backend inner='cuda', energy + gradient, K = 3, float32, dense softmin (big run: 32 sparse",
+        f"neighbours, 10 gradient-flow steps writing Zarr); medians of {args.reps}; GPU: {gpu_name()}",
+        "",
+        f"{'case':<8} {'GPUs':>4} {'N':>9} {'wall (s)':>9} {'compute':>8} {'transfer':>8} {'other':>7} "
+        f"{'eff.':>6}",
+    ]
+    for kind, g, n, wall, comp, tr, other in rows:
+        eff = f"{t1 / (g * wall):.0%}" if kind == "strong" and t1 else "-"
+        lines.append(f"{kind:<8} {g:>4} {n:>9} {wall:>9.3f} {comp:>8.3f} {tr:>8.3f} {other:>7.3f} {eff:>6}")
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dask_gpu.txt").write_text(text + "\n")
+
+
+def big_run(client, g: int, args) -> tuple[float, float, float, float]:
+    """``vfesim.simulate`` of 10^7 agents, ring of 32 neighbours, float32, 10 gradient-flow steps saving
+    and checkpointing every 5, on the cluster: (wall, compute, transfer, other)."""
+    import tempfile
+
+    from distributed import get_task_stream
+
+    scenario = {
+        "model": {"K": 3, "aggregator": "softmin", "lambda_prior": 0.5},
+        "population": {"n_agents": 10**7, "seed": 0, "neighbours": "ring", "half_width": 16},
+        "integrator": {"method": "gradient_flow", "dt": 0.01},
+        "run": {"n_steps": 10, "save_every": 5, "checkpoint_every": 5, "backend": "dask",
+                "dtype": "float32", "chunks": -(-(10**7) // (4 * g))},
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory(dir=args.out) as tmp, client.as_current():
+        with get_task_stream(client) as ts:
+            t0 = time.perf_counter()
+            vfesim.simulate(scenario, out=Path(tmp) / "big.zarr", progress=False)
+            wall = time.perf_counter() - t0
+    return (wall, *stream_split(ts.data, len(client.scheduler_info()["workers"]), wall))
+
+
+def gpu_name() -> str:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except Exception:  # noqa: BLE001 - a label only
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -88,3 +88,12 @@ def kick_drift_cpu(
             i, x_mu, x_theta, p_mu, p_theta, g_mu, g_sigma, kick, drift, inv_m_mu, inv_m_theta, out_sigma,
             x_phi, p_phi, g_phi, inv_m_phi, do_phi, Ls[i],
         )  # fmt: skip
+
+
+# Serial builds of the same kernels (``prange`` runs as ``range``): for callers that already run one
+# kernel per thread, e.g. the dask backend's per-chunk tasks, where Numba's parallel kernels must not be
+# launched from the scheduler's threads. Per agent the same code: results equal the parallel builds'.
+gradient_flow_update_serial = njit(cache=True)(gradient_flow_update_cpu.py_func)
+theta_to_sigma_serial = njit(cache=True)(theta_to_sigma_cpu.py_func)
+kick_drift_serial = njit(cache=True)(kick_drift_cpu.py_func)
+__all__ += ["gradient_flow_update_serial", "theta_to_sigma_serial", "kick_drift_serial"]

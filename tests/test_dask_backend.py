@@ -125,7 +125,7 @@ def test_chunk_bounds_and_default_chunk():
         ({"chunks": 0}, "chunks: agents per chunk must be >= 1"),
         ({"chunks": (10, 10)}, r"chunks: chunk sizes \(10, 10\) sum to 20, not the 37 agents"),
         ({"chunks": "auto"}, "chunks: expected agents per chunk"),
-        ({"inner": "cuda"}, "inner: unknown 'cuda'"),
+        ({"inner": "gpu"}, "inner: unknown 'gpu'"),
     ],
 )
 def test_bad_options_are_named(options, match):

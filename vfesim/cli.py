@@ -98,6 +98,22 @@ def _verify(path: str) -> int:
     return 5 if bad else 0
 
 
+def _chunking_lines(chunking: dict | None) -> list[str]:
+    """The dask backend's chunking of a run (store attr ``chunking``), for ``inspect``."""
+    if not chunking:
+        return []
+    sizes = chunking["chunks"]
+    if len(set(sizes[:-1])) <= 1 and sizes[-1] <= sizes[0]:
+        last = f", the last {sizes[-1]}" if sizes[-1] != sizes[0] else ""
+        what = f"{len(sizes)} chunks of {sizes[0]} agents{last}"
+    else:
+        what = f"{len(sizes)} chunks of {sizes} agents"
+    return [
+        f"chunking     {what} (Zarr: {chunking['agent_chunk']} agents per chunk), "
+        f"inner {chunking['inner']}, scheduler {chunking['scheduler']}"
+    ]
+
+
 def _inspect(path: str, as_json: bool) -> None:
     from .simulate import run_info
 
@@ -112,6 +128,7 @@ def _inspect(path: str, as_json: bool) -> None:
         + ("  (or killed: `vfesim resume` continues it)" if info["status"] == "running" else ""),
         f"version      vfesim {info['vfesim_version']}, backend {info['backend']}, {info['dtype']}",
         f"agents       {info['n_agents']}  (K = {sc['model'].get('K')})",
+        *_chunking_lines(info.get("chunking")),
         f"integrator   {sc['integrator']['method']}, dt = {sc['integrator']['dt']}, "
         f"friction = {sc['integrator']['friction']}",
         f"steps        {info['last_saved_step']} saved of {info['n_steps']} "

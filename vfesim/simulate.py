@@ -96,8 +96,14 @@ def _host_state(state: xr.Dataset) -> xr.Dataset:
     return state.as_numpy()
 
 
-def _frame(carry, names) -> dict[str, np.ndarray]:
-    f = {k: _host(carry.state[k].data) for k in names}
+def _is_dask(a: Any) -> bool:
+    return type(a).__module__.startswith("dask.")
+
+
+def _frame(carry, names) -> dict[str, Any]:
+    """A trajectory frame: the state's trajectory variables (host arrays; Dask arrays of a chunked run
+    stay on the workers) and the energy terms."""
+    f = {k: (a if _is_dask(a) else _host(a)) for k in names for a in (carry.state[k].data,)}
     f.update({term_var(k): float(v) for k, v in carry.terms.items()})
     return f
 
@@ -106,14 +112,22 @@ def frame_bytes(state: xr.Dataset, names) -> int:
     return sum(state[k].nbytes for k in names)
 
 
-def _make_integrator(scn: Scenario, backend: str):
+def _make_integrator(scn: Scenario, backend: str, state: xr.Dataset):
+    """The scenario's integrator; on the dask backend with the run's chunking fixed (``run.chunks``,
+    else the default chunking of the population, a function of N and the feature length only, so a
+    resumed run chunks as the original did)."""
     from .integrators import make_integrator
 
     ig = scn.integrator
-    if scn.run.get("chunks") is not None:
+    if backend == "dask":
         from .backends import get
+        from .backends.dask_backend import auto_chunk
 
-        backend = dataclasses.replace(get(backend), chunks=scn.run["chunks"])
+        n = state.sizes["agent"]
+        chunks = scn.run.get("chunks") or auto_chunk(
+            scn.model, n, {k: state[k].data for k in state.data_vars}
+        )
+        backend = dataclasses.replace(get(backend), chunks=chunks)
     try:
         return make_integrator(
             ig["method"],
@@ -203,13 +217,16 @@ def _check_time_chunk(chunk: int, frame: int) -> None:
 def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None) -> Run:
     backend_name = _resolve_backend(scn.run["backend"])
     state0 = scn.initial_state()
-    integ = _make_integrator(scn, backend_name)
+    integ = _make_integrator(scn, backend_name, state0)
     carry = integ.init(state0)  # a DynamicsError here propagates: nothing was written yet
     run = scn.run
     n_frames = frame_steps(run["n_steps"], run["save_every"]).size
     fpc = max(1, run["checkpoint_every"] // run["save_every"])
     trajectory = family_of(scn.model).trajectory
-    fbytes = max(1, frame_bytes(state0, trajectory))
+    chunking = _chunking(integ, state0)
+    # A dask run buffers a time chunk of frames per agent chunk on the workers: size by its agent chunk.
+    share = chunking["agent_chunk"] / state0.sizes["agent"] if chunking else 1.0
+    fbytes = max(1, int(frame_bytes(state0, trajectory) * share))
     by_size = max(1, TARGET_CHUNK_BYTES // fbytes)
     chunk = scn.output["time_chunk"] or min(fpc, by_size, n_frames)
     if scn.output["time_chunk"]:
@@ -223,6 +240,8 @@ def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None)
         "backend": backend_name,
         "integrator": carry_name(integ),
     }
+    if chunking:
+        attrs["chunking"] = json.dumps(chunking)
     store = RunStore.create(
         path,
         state0,
@@ -234,6 +253,7 @@ def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None)
         time_chunk=chunk,
         attrs=attrs,
         overwrite=overwrite,
+        agent_chunk=chunking["agent_chunk"] if chunking else None,
     )
     log.info("run %s: %d agents, %d steps -> %s", scn.name, state0.sizes["agent"], run["n_steps"], path)
     buf = [_frame(carry, trajectory)]
@@ -258,6 +278,25 @@ def _resolve_backend(name: str) -> str:
         raise ScenarioError("run.backend", str(e).removeprefix("backend: ")) from None
 
 
+def _chunking(integ, state: xr.Dataset) -> dict | None:
+    """Chunking of a dask run (store attr ``chunking``): agent chunk sizes, the Zarr agent chunk (the
+    largest size dividing every chunk boundary: each worker writes whole Zarr chunks), inner kernels
+    and the scheduler. None for other backends."""
+    layout = getattr(integ, "layout", None)
+    if layout is None:
+        return None
+    from .backends.dask_backend import describe_scheduler, store_chunk
+
+    if layout.bounds is None:
+        layout.fix(state)
+    return {
+        "chunks": list(layout.sizes),
+        "agent_chunk": store_chunk(layout.bounds),
+        "inner": layout.inner,
+        "scheduler": describe_scheduler(),
+    }
+
+
 def carry_name(integ) -> str:
     return getattr(integ, "name", type(integ).__name__)
 
@@ -267,7 +306,7 @@ def _checkpoint(store: RunStore, scn: Scenario, carry, buf, buf_start, backend: 
     store.write_checkpoint(
         carry.state,
         carry.step,
-        {k: _host(v) for k, v in carry.aux.items()},
+        {k: (v if _is_dask(v) else _host(v)) for k, v in carry.aux.items()},
         carry.rng_state,
         carry.terms,
         {
@@ -276,7 +315,21 @@ def _checkpoint(store: RunStore, scn: Scenario, carry, buf, buf_start, backend: 
             "frames_saved": buf_start + len(buf),
         },
         keep=scn.output["keep_checkpoints"],
+        agent_chunk=store.agent_chunk()
+        if _is_dask(carry.state[next(iter(carry.state.data_vars))].data)
+        else None,
     )
+
+
+def _reload(store: RunStore, integ, carry, buf: list, buf_start: int):
+    """A chunked run after a checkpoint: the carry restored from the checkpoint just written, and the
+    buffered frames read back from the trajectory, all as Dask arrays read by the workers. This cuts the
+    task lineage there (the scheduler forgets the steps before; a lost worker's chunks are recomputed
+    from the checkpoint), and a resumed run restores from the same checkpoint the same way: bitwise."""
+    sizes = integ.layout.sizes
+    ckpt = store.load_checkpoint(carry.step, sizes)
+    carry = integ.restore(ckpt.state, ckpt.step, ckpt.aux, ckpt.rng_state)
+    return carry, store.read_frames(buf_start, buf_start + len(buf), sizes)
 
 
 def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run:
@@ -289,6 +342,7 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
     if len(buf) == chunk:  # a full chunk already written by the caller's checkpoint
         buf_start, buf = buf_start + chunk, []
     bar = Progress(n_steps, carry.step, enabled=progress)
+    chunked = getattr(integ, "layout", None) is not None
     store.set_attrs(status="running")
     try:
         while carry.step < n_steps:
@@ -300,6 +354,8 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
                     buf_start, buf = buf_start + chunk, []
             if carry.step % ck == 0 or carry.step == n_steps:
                 _checkpoint(store, scn, carry, buf, buf_start, backend)
+                if chunked and carry.step < n_steps:
+                    carry, buf = _reload(store, integ, carry, buf, buf_start)
             bar.update(carry.step, carry.terms.get("total"))
     except DynamicsError as e:
         bar.close()
@@ -326,11 +382,35 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
     except Exception as e:
         bar.close()
         _mark(store, f"failed: {type(e).__name__}: {e}")
+        if _worker_lost(e):
+            last = store.checkpoint_steps()
+            log.error(
+                "stopped at step %d: a Dask worker died and the scheduler gave up on its task (%s); the "
+                "last checkpoint is at step %s: `vfesim resume %s --steps %d` continues the run",
+                carry.step + 1,
+                e,
+                last[-1] if last else "none",
+                store.path,
+                n_steps,
+            )
+            raise RunError(
+                f"step {carry.step + 1}: a Dask worker died ({type(e).__name__}: {e}); the last checkpoint "
+                f"is at step {last[-1] if last else 'none'}: `vfesim resume {store.path}` continues the run"
+            ) from e
         raise
     bar.close()
     store.set_attrs(status="complete")
     log.info("done: step %d, F = %.10g", carry.step, carry.terms.get("total", float("nan")))
     return Run(store.path, scn, carry.step, _host_state(carry.state), dict(carry.terms))
+
+
+def _worker_lost(e: BaseException) -> bool:
+    """Whether ``e`` says the scheduler lost a worker with a task it will not retry (KilledWorker)."""
+    try:
+        from distributed import KilledWorker
+    except ImportError:
+        return False
+    return isinstance(e, KilledWorker)
 
 
 def _mark(store: RunStore, status: str) -> None:
@@ -440,7 +520,11 @@ def _resume(store: RunStore, steps, backend, scenario, progress, allow_version_c
     run = scn.run
     if run["n_steps"] < ckpt.step:
         raise ScenarioError("run.n_steps", f"must be >= the checkpoint step {ckpt.step}")
-    integ = _make_integrator(scn, backend_name)
+    integ = _make_integrator(scn, backend_name, ckpt.state)
+    layout = getattr(integ, "layout", None)
+    if layout is not None:  # a chunked run: the workers read the checkpoint
+        layout.fix(ckpt.state)
+        ckpt = store.load_checkpoint(ckpt.step, layout.sizes)
     carry = integ.restore(ckpt.state, ckpt.step, ckpt.aux, ckpt.rng_state)
     # From here on the store changes.
     for step in sorted(damaged):
@@ -451,12 +535,15 @@ def _resume(store: RunStore, steps, backend, scenario, progress, allow_version_c
     store.clean()
     store.extend(run["n_steps"], run["save_every"], scn.integrator["dt"])
     store.set_attrs(scenario=scn.to_json())
+    chunking = _chunking(integ, ckpt.state)
+    if chunking:
+        store.set_attrs(chunking=json.dumps(chunking))
     # The first frame after the checkpoint's step. An old last step off the save grid had a frame of
     # its own at this index; the new run's frame replaces it (extend marked it unsaved).
     next_frame = ckpt.step // run["save_every"] + 1
     chunk = store.time_chunk()
     buf_start = next_frame // chunk * chunk
-    buf = store.read_frames(buf_start, next_frame)
+    buf = store.read_frames(buf_start, next_frame, None if layout is None else layout.sizes)
     if ckpt.step == run["n_steps"]:
         log.info("%s is complete at step %d (give --steps / steps= to extend it)", path, ckpt.step)
     else:
@@ -483,6 +570,7 @@ def run_info(path: str | Path) -> dict:
         "status": attrs.get("status"),
         "vfesim_version": store.attr("vfesim_version"),
         "backend": attrs.get("backend"),
+        "chunking": json.loads(attrs["chunking"]) if attrs.get("chunking") else None,
         "dtype": attrs.get("dtype"),
         "n_agents": ds.sizes["agent"],
         "n_steps": scn["scenario"]["run"]["n_steps"],

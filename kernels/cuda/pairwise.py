@@ -398,9 +398,10 @@ def make_sparse_kernels(D: int, dtype: str, aggregator: str):
     rows[(ceil(N / BLOCK), nf), BLOCK](A, B, c, index, mask, kappa, f0, W, energy, gAr)
         receiver i: statistics over its listed senders, W (2, N, k), energy (2, N),
         gAr (1, 2, N, D+1) = [sum_j W_ij B_j, sum_j W_ij]
-    senders[(ceil(N / BLOCK), nf), BLOCK](A, W, ptr, src_row, src_slot, f0, gBs)
-        sender j: sum over its incoming edges e in ptr[j] .. ptr[j+1] (ordered by receiver, then
-        slot) of W[src_row[e], src_slot[e]] A_{src_row[e]} into gBs (1, 2, N, D)
+    senders[(ceil(N_s / BLOCK), nf), BLOCK](A, W, ptr, src_row, src_slot, f0, gBs)
+        sender j < N_s: sum over its incoming edges e in ptr[j] .. ptr[j+1] (ordered by receiver, then
+        slot) of W[src_row[e], src_slot[e]] A_{src_row[e]} into gBs (1, 2, N_s, D); N_s = N, or the
+        rows of a gathered sender subset B (n_s, D) that ``index`` numbers locally
     """
     dt = _NB[np.dtype(dtype)]
     one = np.dtype(dtype).type(1.0)
@@ -445,7 +446,7 @@ def make_sparse_kernels(D: int, dtype: str, aggregator: str):
     def senders(A, W, ptr, src_row, src_slot, f0, gBs):
         j = cuda.grid(1)
         f = f0 + cuda.blockIdx.y
-        if j >= A.shape[1]:
+        if j >= gBs.shape[2]:  # the senders (A's receivers, or a gathered subset of senders)
             return
         Af = A[f]
         acc = cuda.local.array((1, D), dt)

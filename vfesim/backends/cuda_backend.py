@@ -535,3 +535,65 @@ BACKEND = Backend(
     agent_ops={"gaussian": _stages, "quantum": QUANTUM_OPS},
     on_device=True,
 )
+
+
+def _incoming(index: np.ndarray, mask: np.ndarray, n_senders: int) -> dict:
+    """The transpose of neighbour lists (n_r, k) into ``n_senders`` rows: per sender its incoming edges
+    (receiver row, slot), ordered by receiver then slot (a fixed summation order), as CSR (ptr, row,
+    slot) host arrays; one padding entry keeps the edge arrays non-empty."""
+    n_r, k = index.shape
+    valid = mask.ravel()
+    senders = index.ravel()[valid]
+    rows = np.repeat(np.arange(n_r, dtype=np.int64), k)[valid]
+    slots = np.tile(np.arange(k, dtype=np.int64), n_r)[valid]
+    order = np.argsort(senders, kind="stable")
+    ptr = np.zeros(n_senders + 1, np.int64)
+    ptr[1:] = np.cumsum(np.bincount(senders, minlength=n_senders))
+    pad = lambda a: np.concatenate([a, np.zeros(1, np.int64)])
+    return {"ptr": ptr, "row": pad(rows[order]), "slot": pad(slots[order])}
+
+
+def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: str):
+    """Receivers A_r (n_r, D), c_r (n_r,) with neighbour lists index/mask (n_r, k) into the rows of B_s
+    (n_s, D), a gathered subset of the senders (local row numbers), on the device: the unit of work of a
+    scheduler task (the contract of :func:`vfesim_kernels.pairwise_cpu.pairwise_sparse_rows`).
+
+    Returns (row energies (n_r,) float64, gA_r (n_r, D), gc_r (n_r,) in the dtype, gB_part (n_s, D)
+    float64: these receivers' share of the gathered senders' gB, each sender's sum over its incoming
+    edges in (receiver, slot) order). The sparse kernels of :func:`vfesim_kernels.cuda.make_sparse_kernels`:
+    one thread per receiver, then one per sender. Memory: O((n_r k + n_s) D) on the device.
+    """
+    xp = array_module()
+    NR, D = A_r.shape
+    NS = B_s.shape[0]
+    dt = A_r.dtype
+    host = lambda a: a if isinstance(a, np.ndarray) else a.get()
+    index_h = np.array(host(index), dtype=np.int64, order="C")
+    mask_h = np.array(host(mask), dtype=bool, order="C")
+    if index_h.shape != (NR, index_h.shape[1]) or mask_h.shape != index_h.shape:
+        raise ValueError(f"index/mask: expected ({NR}, k) lists, got {index_h.shape} and {mask_h.shape}")
+    if mask_h.any() and not (0 <= index_h[mask_h].min() and index_h[mask_h].max() < NS):
+        raise ValueError(f"index: listed senders must be rows 0 .. {NS - 1} of B_s")
+    if NR == 0:
+        return xp.zeros(0), xp.zeros((0, D), dt), xp.zeros(0, dt), xp.zeros((NS, D))
+    k = kc.make_sparse_kernels(D, dt.name, aggregator)
+    scale = dt.type(0.5 / kappa)
+    Ah, Bb, ch = (kc.as_device_view(xp.ascontiguousarray(a[None])) for a in (A_r * scale, B_s, c_r * scale))
+    csr = {name: xp.asarray(a) for name, a in _incoming(index_h, mask_h, NS).items()}
+    idx, msk = xp.asarray(index_h), xp.asarray(mask_h)
+    W = xp.zeros((1, NR, index_h.shape[1]), dt)
+    energy = xp.zeros((1, NR), dt)
+    gAr = xp.zeros((1, 1, NR, D + 1), dt)
+    gBs = xp.zeros((1, 1, NS, D), dt)
+    kap = xp.ones(1, dt)
+    v = kc.as_device_view
+    dW, dgB = v(W), v(gBs)
+    k["rows"][(_cdiv(NR, kc.BLOCK), 1), kc.BLOCK](
+        Ah, Bb, ch, v(idx), v(msk), v(kap), 0, dW, v(energy), v(gAr)
+    )
+    if NS:
+        k["senders"][(_cdiv(NS, kc.BLOCK), 1), kc.BLOCK](
+            Ah, dW, v(csr["ptr"]), v(csr["row"]), v(csr["slot"]), 0, dgB
+        )
+    erow = (kappa * energy[0]).astype(np.float64)
+    return erow, 0.5 * gAr[0, 0, :, :-1], 0.5 * gAr[0, 0, :, -1], (kappa * gBs[0, 0]).astype(np.float64)

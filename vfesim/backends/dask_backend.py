@@ -41,7 +41,7 @@ import logging
 import re
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import dask
 import dask.array as da
@@ -71,8 +71,8 @@ __all__ = [
 
 log = logging.getLogger("vfesim")
 
-# Kernels a task may run on its chunk ("cuda": one GPU per worker, not written yet).
-INNER = ("numba",)
+# Kernels a task may run on its chunk ("cuda": the GPU of the worker that runs it).
+INNER = ("numba", "cuda")
 # Pair-feature products (receivers x senders x D) per task that make >= 100 ms on one core: the serial
 # tiled kernel runs about 1.5e9 products/s at D = 10 (2 sweeps), so 2^28 products is about 180 ms.
 TASK_WORK = 1 << 28
@@ -191,20 +191,29 @@ def _population_mean(n: int, *sums):
     return {k: sum((s[k] for s in sums[1:]), start=sums[0][k].copy()) / n for k in sums[0]}
 
 
-def _chunk_backend(pairwise, cfg, population=None) -> Backend:
-    """A host Backend whose pairwise kernels are ``pairwise``'s (a _Record or _Replay); its per-agent
-    stages use the population means where the family has some."""
-    ops = (
-        {}
-        if population is None
-        else {family_of(cfg).name: _population_module(cfg).chunk_agent_ops(population)}
-    )
+def _chunk_backend(pairwise, cfg, population=None, inner: str = "numba") -> Backend:
+    """The Backend of one chunk's assembly: pairwise kernels ``pairwise``'s (a _Record or _Replay);
+    per-agent stages using the population means where the family has some (the array-generic stages with
+    that centre), else the family's stages of the inner backend. inner "numba": host (NumPy) arrays;
+    "cuda": the worker's GPU (CuPy arrays; NumPy under the CUDA simulator), the cuda backend's stages."""
+    name = family_of(cfg).name
+    ops = {} if population is None else {name: _population_module(cfg).chunk_agent_ops(population)}
+    xp, dev, host = (lambda: np), to_device, to_host
+    if inner == "cuda":
+        from . import cuda_backend as cb
+
+        xp, dev, host = cb.array_module, cb.to_device, cb.to_host
+        if population is None and name in cb.BACKEND.agent_ops:
+            ops = {name: cb.BACKEND.agent_ops[name]}
+        elif population is not None:  # the centre on the device, beside the chunk's arrays
+            centre = {k: xp().asarray(v) for k, v in population.items()}
+            ops = {name: _population_module(cfg).chunk_agent_ops(centre)}
     return Backend(
         agent_ops=ops,
         name="dask-chunk",
-        array_module=lambda: np,
-        to_device=to_device,
-        to_host=to_host,
+        array_module=xp,
+        to_device=dev,
+        to_host=host,
         pairwise_dense=pairwise.dense,
         pairwise_sparse=pairwise.sparse,
         updates=NumbaUpdates,
@@ -218,9 +227,10 @@ def _own(arrays: dict) -> dict:
     return {k: np.array(v, order="C", copy=True) for k, v in arrays.items()}
 
 
-def _features_task(arrays: dict, cfg, population, r0: int, validate: bool):
+def _features_task(arrays: dict, cfg, population, r0: int, validate: bool, inner: str = "numba"):
     """Step 1 for one chunk: ([(A, B, c, kappa, aggregator) per term], warnings). ``cfg`` has dense
-    neighbours (the lists are the pair tasks' business)."""
+    neighbours (the lists are the pair tasks' business). The features come back as host (NumPy) arrays
+    whichever ``inner`` computed them: N D numbers per term, what the pair tasks exchange."""
     arrays = _own(arrays)
     caught: list = []
     try:
@@ -229,16 +239,24 @@ def _features_task(arrays: dict, cfg, population, r0: int, validate: bool):
                 warnings.simplefilter("always")
                 validate_state(arrays, cfg)
         rec = _Record()
+        backend = _chunk_backend(rec, cfg, population, inner)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            family_of(cfg).energy_and_gradient(arrays, cfg, _chunk_backend(rec, cfg, population))
+            family_of(cfg).energy_and_gradient(backend.to_device(arrays), cfg, backend)
     except StateError as e:
         raise ChunkError.wrap(e, r0) from None
-    return rec.terms, [_shift_warning(w, r0) for w in caught]
+    h = _host
+    terms = [(h(A), h(B), h(c), kappa, agg) for A, B, c, kappa, agg in rec.terms]
+    return terms, [_shift_warning(w, r0) for w in caught]
 
 
-def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows):
-    """Step 4 for one chunk: (terms, grads, warnings). ``pairs``: this chunk's pair results; ``gB_rows``:
-    per term, the float64 gB of the chunk's agents as senders."""
+def _host(a):
+    """A NumPy array of a host or device (CuPy) array."""
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows, inner: str = "numba"):
+    """Step 4 for one chunk: (terms, grads as host arrays, warnings). ``pairs``: this chunk's pair
+    results; ``gB_rows``: per term, the float64 gB of the chunk's agents as senders."""
     arrays = _own(arrays)
     results = [
         (E, gA, gB.astype(B.dtype), gc)
@@ -246,20 +264,34 @@ def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows
     ]
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            backend = _chunk_backend(_Replay(results), cfg, population)
-            terms, grads = family_of(cfg).energy_and_gradient(arrays, cfg, backend)
+            dev = _rows_kernels(inner)[2]
+            results = [(E, dev(gA), dev(gB), dev(gc)) for E, gA, gB, gc in results]
+            backend = _chunk_backend(_Replay(results), cfg, population, inner)
+            terms, grads = family_of(cfg).energy_and_gradient(backend.to_device(arrays), cfg, backend)
         check_outputs({}, grads)
     except StateError as e:
         raise ChunkError.wrap(e, r0) from None
-    return terms, grads, feats[1]
+    return terms, {k: _host(v) for k, v in grads.items()}, feats[1]
 
 
 # ---- pair tasks and the gB reduction --------------------------------------------------------------------
-def _dense_pairs_task(feats, senders, r0: int):
-    """Step 2, dense: per term (E, gA, gc, gB share (N, D) float64) of the chunk's receivers."""
+def _rows_kernels(inner: str):
+    """(dense_rows, sparse_rows, to the kernels' device, back to host) of ``inner``."""
+    if inner == "cuda":
+        from . import cuda_backend as cb
+
+        xp = cb.array_module()
+        return cb.pairwise_dense_rows, cb.pairwise_sparse_rows, xp.asarray, _host
+    return pairwise_dense_rows, pairwise_sparse_rows, np.asarray, np.asarray
+
+
+def _dense_pairs_task(feats, senders, r0: int, inner: str = "numba"):
+    """Step 2, dense: per term (E, gA, gc, gB share (N, D) float64) of the chunk's receivers (host
+    arrays; inner "cuda": computed on the worker's GPU)."""
+    rows, _, dev, host = _rows_kernels(inner)
     out = []
     for (A, _, c, kappa, agg), B in zip(feats[0], senders, strict=True):
-        erow, gA, gc, share = pairwise_dense_rows(A, c, B, r0, kappa, agg)
+        erow, gA, gc, share = (host(x) for x in rows(dev(A), dev(c), dev(B), r0, kappa, agg))
         out.append((float(erow.sum()), gA, gc, share))
     return out
 
@@ -291,7 +323,7 @@ def _dense_gB_rows(total, r0: int, r1: int):
     return [s[r0:r1] for s in _shares(total)]
 
 
-def _sparse_pairs_task(feats, sender_feats, starts, index, mask, r0: int):
+def _sparse_pairs_task(feats, sender_feats, starts, index, mask, r0: int, inner: str = "numba"):
     """Step 2, sparse: per term (E, gA, gc, {sender chunk position: gB share (n_s, D) float64}).
 
     sender_feats: the features of the sender chunks the lists name (ascending), starting at ``starts``;
@@ -301,10 +333,12 @@ def _sparse_pairs_task(feats, sender_feats, starts, index, mask, r0: int):
     # Global sender id -> row of the gathered senders: chunk position by the chunk starts.
     pos = np.searchsorted(np.asarray(starts), index, side="right") - 1
     local = np.where(mask, index - np.asarray(starts)[np.clip(pos, 0, None)] + offs[np.clip(pos, 0, None)], 0)
+    _, rows, dev, host = _rows_kernels(inner)
     out = []
     for t, (A, _, c, kappa, agg) in enumerate(feats[0]):
         B = np.concatenate([f[0][t][1] for f in sender_feats]) if sender_feats else A[:0]
-        erow, gA, gc, share = pairwise_sparse_rows(A, c, B, local, mask, kappa, agg)
+        args = (dev(A), dev(c), dev(B), local, mask, kappa, agg)
+        erow, gA, gc, share = (host(x) for x in rows(*args))
         out.append((float(erow.sum()), gA, gc, [share[offs[s] : offs[s + 1]] for s in range(len(sizes))]))
     return out
 
@@ -335,10 +369,6 @@ def _sparse_plan(cfg, bounds: tuple[int, ...]):
 
 
 # ---- the graph ------------------------------------------------------------------------------------------
-def _pick(result, key: str):
-    return result[1][key]
-
-
 def _sum_terms(*results) -> tuple[dict[str, float], list]:
     """Terms summed over chunks in chunk order (float64), and every chunk's recorded warnings."""
     terms: dict[str, float] = {}
@@ -348,43 +378,76 @@ def _sum_terms(*results) -> tuple[dict[str, float], list]:
     return terms, [w for r in results for w in r[2]]
 
 
-def _graph(chunk_arrays: list[dict], cfg, bounds: tuple[int, ...], validate: bool) -> list:
-    """Delayed (terms, grads, warnings) of every chunk (steps 1-4 of the module docstring)."""
-    delayed = lambda f: dask.delayed(f, pure=False)  # noqa: E731
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What every evaluation of one population with one chunking shares: ``cfg`` with dense neighbours
+    (the chunk tasks' config, one Delayed), and for sparse neighbours per receiver chunk the sender
+    chunks its lists name and its (index, mask) rows (Delayed). :func:`plan` builds one per call;
+    a run persists one (:meth:`persist`) so that the lists travel to the workers once, not per step."""
+
+    bounds: tuple[int, ...]
+    cfg: Any
+    sparse: tuple | None
+    inner: str = "numba"
+
+    def persist(self) -> Plan:
+        return Plan(self.bounds, *dask.persist(self.cfg, self.sparse), self.inner)
+
+
+def plan(cfg, bounds: tuple[int, ...], inner: str = "numba") -> Plan:
+    """The :class:`Plan` of ``cfg`` chunked at ``bounds`` with the kernels ``inner`` (not persisted)."""
     chunk_cfg = cfg if cfg.dense else cfg.replace(neighbours="dense")
-    cfg_d = delayed(_identity)(chunk_cfg)  # one copy in the graph, shipped once per worker
+    cfg_d = dask.delayed(_identity, pure=False)(chunk_cfg)  # one copy in the graph
+    sparse = None
+    if not cfg.dense:
+        d = lambda a: dask.delayed(_identity, pure=False)(a)  # noqa: E731
+        sparse = tuple((owners, d(idx), d(msk)) for owners, idx, msk in _sparse_plan(cfg, bounds))
+    return Plan(tuple(bounds), cfg_d, sparse, inner)
+
+
+def _graph(
+    chunk_arrays: list[dict], cfg, bounds: tuple[int, ...], validate: bool, pl: Plan | None = None
+) -> list:
+    """Delayed (terms, grads, warnings) of every chunk (steps 1-4 of the module docstring). ``pl``: a
+    (persisted) :class:`Plan` of ``cfg`` and ``bounds``, else one is made."""
+    delayed = lambda f: dask.delayed(f, pure=False)  # noqa: E731
+    pl = plan(cfg, bounds) if pl is None else pl
+    cfg_d = pl.cfg
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
     population = None
     if _population_module(cfg) is not None:
         sums = [delayed(_population_task)(a, cfg_d) for a in chunk_arrays]
         population = delayed(_population_mean)(bounds[-1], *sums)
     feats = [
-        delayed(_features_task)(a, cfg_d, population, r0, validate)
+        delayed(_features_task)(a, cfg_d, population, r0, validate, pl.inner)
         for a, (r0, _) in zip(chunk_arrays, spans, strict=True)
     ]
     if cfg.dense:
         senders = delayed(_all_senders)(*feats)
-        pairs = [delayed(_dense_pairs_task)(f, senders, r0) for f, (r0, _) in zip(feats, spans, strict=True)]
+        pairs = [
+            delayed(_dense_pairs_task)(f, senders, r0, pl.inner)
+            for f, (r0, _) in zip(feats, spans, strict=True)
+        ]
         total = _tree(list(pairs), _add_shares)
         gB_rows = [delayed(_dense_gB_rows)(total, r0, r1) for r0, r1 in spans]
     else:
-        plan = _sparse_plan(cfg, bounds)
+        sparse = pl.sparse
         pairs = [
             delayed(_sparse_pairs_task)(
-                f, [feats[s] for s in owners], [bounds[s] for s in owners], idx, msk, r0
+                f, [feats[s] for s in owners], [bounds[s] for s in owners], idx, msk, r0, pl.inner
             )
-            for f, (owners, idx, msk), (r0, _) in zip(feats, plan, spans, strict=True)
+            for f, (owners, idx, msk), (r0, _) in zip(feats, sparse, spans, strict=True)
         ]
         gB_rows = []
         for s in range(len(spans)):
-            users = [r for r, (owners, _, _) in enumerate(plan) if s in owners]
+            users = [r for r, (owners, _, _) in enumerate(sparse) if s in owners]
             if users:
-                pos_in = [plan[r][0].index(s) for r in users]
+                pos_in = [sparse[r][0].index(s) for r in users]
                 gB_rows.append(delayed(_sparse_gB_rows)(pos_in, *(pairs[r] for r in users)))
             else:  # nobody lists these agents: their gB is 0
                 gB_rows.append(delayed(_zero_rows)(feats[s]))
     return [
-        delayed(_assembly_task)(a, cfg_d, population, r0, f, p, g)
+        delayed(_assembly_task)(a, cfg_d, population, r0, f, p, g, pl.inner)
         for a, (r0, _), f, p, g in zip(chunk_arrays, spans, feats, pairs, gB_rows, strict=True)
     ]
 
@@ -410,6 +473,24 @@ def _emit(recorded: list) -> None:
         warnings.warn(text, category, stacklevel=4)
 
 
+def store_chunk(bounds: tuple[int, ...]) -> int:
+    """Agents per Zarr chunk of a run chunked at ``bounds``: the largest size dividing every chunk
+    boundary but the last (the array's end), so each Zarr chunk lies in one Dask chunk and every worker
+    writes whole Zarr chunks of its own agents (the chunk size itself for regular chunkings)."""
+    return int(np.gcd.reduce(np.asarray(bounds[1:-1] or bounds[-1:], np.int64)))
+
+
+def describe_scheduler() -> str:
+    """Dask's current scheduler in words: "distributed <address> (<n> workers)" or the local one."""
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except (ImportError, ValueError):
+        return str(dask.config.get("scheduler", None) or "threads")
+    return f"distributed {client.scheduler.address} ({len(client.scheduler_info()['workers'])} workers)"
+
+
 def _log_client() -> None:
     try:
         from distributed import default_client
@@ -421,11 +502,28 @@ def _log_client() -> None:
 
 
 # ---- entry points ---------------------------------------------------------------------------------------
-def _check_inner(inner: str) -> None:
+def _workers_have_gpus() -> bool:
+    """Whether the scheduler's workers see a CUDA GPU (the distributed client's workers, asked; else
+    this process, whose threads run the tasks)."""
+    from . import cuda_available
+
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except (ImportError, ValueError):
+        return cuda_available()
+    return all(client.run(cuda_available).values())
+
+
+def resolve_inner(inner: str | None) -> str:
+    """``inner``, checked; None: "cuda" when the workers have GPUs, else "numba". ValueError naming
+    ``inner`` for an unknown name."""
+    if inner is None:
+        return "cuda" if _workers_have_gpus() else "numba"
     if inner not in INNER:
-        raise ValueError(
-            f"inner: unknown {inner!r}; choose one of {INNER} (per-chunk CUDA kernels are not available yet)"
-        )
+        raise ValueError(f"inner: unknown {inner!r}; choose one of {INNER}")
+    return inner
 
 
 def auto_chunk(cfg, n_agents: int, arrays: dict) -> int:
@@ -452,11 +550,11 @@ def _check_neighbours(cfg, n: int) -> None:
 
 
 def energy_and_gradient_arrays(
-    arrays: dict[str, Any], cfg, *, chunks: int | Sequence[int] | None = None, inner: str = "numba"
+    arrays: dict[str, Any], cfg, *, chunks: int | Sequence[int] | None = None, inner: str | None = None
 ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """Terms and gradient of in-memory (NumPy) arrays, computed chunk by chunk on Dask's current
     scheduler (no validation; results gathered as NumPy arrays)."""
-    _check_inner(inner)
+    inner = resolve_inner(inner)
     first = next(iter(arrays.values()))
     n = int(first.shape[0])
     _check_neighbours(cfg, n)
@@ -464,7 +562,7 @@ def energy_and_gradient_arrays(
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
     chunk_arrays = [{k: np.ascontiguousarray(v[r0:r1]) for k, v in arrays.items()} for r0, r1 in spans]
     _log_client()
-    (results,) = _reraise(dask.compute, _graph(chunk_arrays, cfg, bounds, False))
+    (results,) = _reraise(dask.compute, _graph(chunk_arrays, cfg, bounds, False, plan(cfg, bounds, inner)))
     terms, recorded = _sum_terms(*results)
     _emit(recorded)
     grads = {k: np.concatenate([r[1][k] for r in results]) for k in results[0][1]}
@@ -477,7 +575,7 @@ def energy_and_gradient_dataset(
     *,
     validate: bool = True,
     chunks: int | Sequence[int] | None = None,
-    inner: str = "numba",
+    inner: str | None = None,
 ) -> tuple[dict[str, float], xr.Dataset]:
     """:func:`vfesim.energy_and_gradient` on the dask backend.
 
@@ -487,7 +585,7 @@ def energy_and_gradient_dataset(
     warnings name global agents) and the gradient comes back as Dask arrays persisted with the state's
     agent chunks (``chunks=`` rechunks it first). inner: the kernels of a task ("numba").
     """
-    _check_inner(inner)
+    inner = resolve_inner(inner)
     family = family_of(cfg)
     lazy = any(isinstance(state[k].data, da.Array) for k in state.data_vars)
     if not lazy:
@@ -507,34 +605,86 @@ def energy_and_gradient_dataset(
     if chunks is None:
         chunks = state[next(iter(state.data_vars))].chunksizes.get("agent", (n,))
     bounds = chunk_bounds(n, chunks)
-    sizes = tuple(np.diff(bounds).tolist())
-    spec = {d: (sizes if d == "agent" else -1) for d in state.dims}
-    state = state.chunk(spec)
-    blocks = {k: state[k].data.to_delayed().ravel() for k in state.data_vars}
-    chunk_arrays = [{k: blocks[k][i] for k in blocks} for i in range(len(sizes))]
-    results = _graph(chunk_arrays, cfg, bounds, validate)
-    grad_names = [k for k in state.data_vars if np.issubdtype(state[k].dtype, np.inexact)]
-    grads = {}
-    for k in grad_names:
-        v = state[k]
-        parts = [
-            da.from_delayed(
-                dask.delayed(_pick, pure=False)(r, k),
-                shape=(size, *v.shape[1:]),
-                dtype=v.dtype,
-                meta=np.array(()),
-            )
-            for r, size in zip(results, sizes, strict=True)
-        ]
-        grads[k] = da.concatenate(parts, axis=0)
+    state = rechunk(state, bounds)
+    pl = plan(cfg, bounds, inner)
+    summary, grads = lazy_energy({k: state[k].data for k in state.data_vars}, cfg, bounds, validate, pl)
     _log_client()
-    summary = dask.delayed(_sum_terms, pure=False)(*results)
     summary, grads = _reraise(dask.persist, summary, grads)
-    terms, recorded = _reraise(summary.compute)
-    _emit(recorded)
-    check_outputs(terms, {})
+    terms = finish_terms(_reraise(summary.compute))
     ds = xr.Dataset({k: (state[k].dims, v) for k, v in grads.items()}, attrs=dict(state.attrs))
     return terms, ds
+
+
+def rechunk(state: xr.Dataset, bounds: tuple[int, ...]) -> xr.Dataset:
+    """``state`` as Dask arrays with agent chunks at ``bounds`` and one chunk along every other dim."""
+    sizes = tuple(np.diff(bounds).tolist())
+    return state.chunk({d: (sizes if d == "agent" else -1) for d in state.dims})
+
+
+def blocks(arrays: dict[str, da.Array]) -> list[dict[str, Any]]:
+    """Per agent chunk, {name: the chunk's Delayed block} of agent-chunked Dask arrays (first axis)."""
+    d = {k: v.to_delayed(optimize_graph=False).reshape(-1) for k, v in arrays.items()}
+    n = len(next(iter(d.values())))
+    return [{k: d[k][i] for k in d} for i in range(n)]
+
+
+def from_blocks(parts: list, key, like: dict[str, da.Array], sizes) -> dict[str, da.Array]:
+    """Dask arrays shaped like ``like`` (agent chunks ``sizes``) from per-chunk Delayed results:
+    chunk i of array k is ``parts[i][key][k]`` (``key`` None: ``parts[i][k]``)."""
+    out = {}
+    for k, v in like.items():
+        pieces = [
+            da.from_delayed(
+                dask.delayed(_pick_item, pure=False)(p, key, k),
+                shape=(size, *v.shape[1:]),
+                dtype=v.dtype,
+                meta=np.empty((0,) * v.ndim, v.dtype),
+            )
+            for p, size in zip(parts, sizes, strict=True)
+        ]
+        out[k] = da.concatenate(pieces, axis=0)
+    return out
+
+
+def _pick_item(result, key, name):
+    return result[name] if key is None else result[key][name]
+
+
+def lazy_energy(
+    arrays: dict[str, da.Array], cfg, bounds: tuple[int, ...], validate: bool, pl: Plan | None = None
+) -> tuple[Any, dict[str, da.Array]]:
+    """(summary, grads) of agent-chunked Dask arrays (chunks at ``bounds``), not computed: ``summary``
+    a Delayed of (terms, recorded warnings) (:func:`finish_terms` reports them), ``grads`` Dask arrays
+    chunked like ``arrays`` for every floating variable. ``validate``: each chunk is validated in its
+    task (errors name global agents)."""
+    sizes = tuple(np.diff(bounds).tolist())
+    summary, parts = chunk_energy(blocks(arrays), cfg, bounds, validate, pl)
+    floats = {k: v for k, v in arrays.items() if np.issubdtype(v.dtype, np.inexact)}
+    return summary, from_blocks(parts, None, floats, sizes)
+
+
+def chunk_energy(
+    parts: list, cfg, bounds: tuple[int, ...], validate: bool, pl: Plan | None = None
+) -> tuple[Any, list]:
+    """(summary, per-chunk gradients) of per-chunk state arrays ``parts`` (each a dict of arrays or a
+    Delayed of one), not computed: ``summary`` a Delayed of (terms, recorded warnings), the gradients a
+    Delayed dict per chunk. The graph of :func:`lazy_energy` without Dask arrays around it (cheaper to
+    build inside a run's step)."""
+    results = _graph(parts, cfg, bounds, validate, pl)
+    grads = [dask.delayed(_pick_grads, pure=False)(r) for r in results]
+    return dask.delayed(_sum_terms, pure=False)(*results), grads
+
+
+def _pick_grads(result):
+    return result[1]
+
+
+def finish_terms(summary) -> dict[str, float]:
+    """The terms of a computed summary, its warnings emitted; non-finite terms raise NonFiniteError."""
+    terms, recorded = summary
+    _emit(recorded)
+    check_outputs(terms, {})
+    return terms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,7 +694,9 @@ class DaskBackend(Backend):
     host backend; ``dataclasses.replace(BACKEND, chunks=n)`` fixes the chunking of a run."""
 
     chunks: Any = None
-    inner: str = "numba"
+    inner: str | None = None
+    # Integrators keep the state chunked on the workers (vfesim.integrators.chunked).
+    chunked: ClassVar[bool] = True
 
     def energy_and_gradient(self, arrays: dict[str, Any], cfg) -> tuple[dict[str, float], dict[str, Any]]:
         return energy_and_gradient_arrays(arrays, cfg, chunks=self.chunks, inner=self.inner)

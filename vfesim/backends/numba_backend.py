@@ -30,6 +30,7 @@ __all__ = [
     "AGENT_OPS",
     "QUANTUM_OPS",
     "NumbaUpdates",
+    "SerialUpdates",
 ]
 
 
@@ -97,6 +98,26 @@ class NumbaUpdates:
         out = np.empty(theta.shape[:1] + (self.K, self.K), theta.dtype)
         self.kernels.theta_to_sigma_cpu(np.ascontiguousarray(theta), self.K, out)
         return out
+
+
+class _SerialKernels:
+    """The serial builds of :mod:`vfesim_kernels.update_cpu` under the parallel builds' names."""
+
+    def __init__(self):
+        from vfesim_kernels import update_cpu
+
+        self.gradient_flow_update_cpu = update_cpu.gradient_flow_update_serial
+        self.kick_drift_cpu = update_cpu.kick_drift_serial
+        self.theta_to_sigma_cpu = update_cpu.theta_to_sigma_serial
+
+
+class SerialUpdates(NumbaUpdates):
+    """:class:`NumbaUpdates` in the serial builds (one thread per call): the update operations of the
+    dask backend's per-chunk tasks. Bitwise equal to the parallel builds (the same per-agent code)."""
+
+    def __init__(self, K: int):
+        self.K = K
+        self.kernels = _SerialKernels()
 
 
 QUANTUM_OPS = kernel_ops(lambda: np, quantum_cpu.launch)

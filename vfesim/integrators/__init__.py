@@ -66,7 +66,11 @@ def make_integrator(
     dt = float(dt)
     if not (dt > 0 and dt < float("inf")):
         raise ValueError(f"dt must be finite and > 0, got {dt}")
-    if method == "gradient_flow":
+    if getattr(backend, "chunked", False):  # the dask backend: state chunked on the workers
+        from .chunked import make_chunked
+
+        integ = make_chunked(method, cfg, dt, backend=backend, friction=friction, seed=seed, **options)
+    elif method == "gradient_flow":
         integ = make_gradient_flow(cfg, dt, backend=backend, friction=friction, seed=seed, **options)
     else:
         integ = make_hamiltonian(method, cfg, dt, backend=backend, friction=friction, seed=seed, **options)

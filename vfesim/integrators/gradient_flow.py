@@ -21,6 +21,9 @@ Backend "cuda": state and Adam moments stay on the device; one fused kernel per 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 import xarray as xr
 
@@ -39,7 +42,7 @@ from .base import (
     with_arrays,
 )
 
-__all__ = ["make_gradient_flow"]
+__all__ = ["make_gradient_flow", "FlowRule", "flow_update"]
 
 MODES = {"natural": 0, "euclidean": 1, "adam": 2}
 DEFAULTS = {
@@ -53,6 +56,39 @@ DEFAULTS = {
     "energy": None,
 }
 _CACHE = "_vfesim_grads"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowRule:
+    """The per-agent update of one gradient-flow integrator: host update operations ``ops``, step
+    sizes ``eta`` (5,) float64, ``mode`` (MODES), the moving fields and the Adam constants."""
+
+    ops: Any
+    eta: np.ndarray
+    mode: int
+    moving: tuple[str, ...]
+    b1: float
+    b2: float
+    eps: float
+
+
+def flow_update(rule: FlowRule, arrays, grads, aux, n: int) -> tuple[dict, dict]:
+    """Step ``n`` of the flow on host arrays: (the state arrays after it, the new aux). Per agent only
+    (Adam moments elementwise, the fused update per agent), so a chunk of agents updates on its own: the
+    dask backend runs this per chunk. ``arrays``, ``grads`` and ``aux`` are not modified."""
+    direc = grads
+    if rule.mode == 2:
+        b1, b2, old = rule.b1, rule.b2, aux
+        aux, direc = {}, dict(grads)
+        for k in rule.moving:
+            g = grads[k]
+            m = b1 * old[f"adam_m_{k}"] + (1 - b1) * g
+            v = b2 * old[f"adam_v_{k}"] + (1 - b2) * g * g
+            aux[f"adam_m_{k}"], aux[f"adam_v_{k}"] = m, v
+            direc[k] = -(m / (1 - b1**n)) / (np.sqrt(v / (1 - b2**n)) + rule.eps)
+    new = dict(arrays)
+    new.update(rule.ops.gradient_flow(arrays, direc, rule.eta, rule.mode))
+    return new, aux
 
 
 def make_gradient_flow(
@@ -89,6 +125,8 @@ def make_gradient_flow(
     dev = ops if backend.on_device else None
     eta_dev = dev.put(eta) if dev is not None else None
     aux_names = tuple(f"adam_{w}_{k}" for k in moving for w in ("m", "v")) if mode == 2 else ()
+
+    rule = FlowRule(ops, eta, mode, moving, b1, b2, eps)
 
     def _carry(state, step, aux, terms, grads, rng_state=None):
         c = Carry(state, step, aux, terms, rng_state)
@@ -136,18 +174,7 @@ def make_gradient_flow(
         if grads is None:
             grads = efn(arrays)[1]
         n = carry.step + 1
-        aux = carry.aux
-        direc = grads
-        if mode == 2:
-            aux, direc = {}, dict(grads)
-            for k in moving:
-                g = grads[k]
-                m = b1 * carry.aux[f"adam_m_{k}"] + (1 - b1) * g
-                v = b2 * carry.aux[f"adam_v_{k}"] + (1 - b2) * g * g
-                aux[f"adam_m_{k}"], aux[f"adam_v_{k}"] = m, v
-                direc[k] = -(m / (1 - b1**n)) / (np.sqrt(v / (1 - b2**n)) + eps)
-        new = dict(arrays)
-        new.update(ops.gradient_flow(arrays, direc, eta, mode))
+        new, aux = flow_update(rule, arrays, grads, carry.aux, n)
         guard_state(n, new, cfg, aux)
         terms, grads = efn(new)
         guard_terms(n, terms)

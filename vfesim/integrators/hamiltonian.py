@@ -67,7 +67,7 @@ from .base import (
 )
 from .device import host_array
 
-__all__ = ["SCHEMES", "make_hamiltonian"]
+__all__ = ["SCHEMES", "make_hamiltonian", "kick_drift_pair"]
 
 # Omelyan, Mryglod & Folk, Comput. Phys. Commun. 146, 188 (2002), PEFRL.
 _XI = 0.1786178958448091
@@ -264,9 +264,35 @@ def _evaluate(c: _Setup, n: int, arrays, aux):
 
 
 # --- constant mass: composition schemes -----------------------------------------------------------
+def kick_drift_pair(c: _Setup, kick: float, drift: float, arrays: dict, x: dict, aux: dict, grads) -> dict:
+    """One (kick, drift) pair of a composition, every block: momenta in ``aux`` and positions in ``x``
+    (own buffers, equal to ``arrays``' means and frame) change in place, ``p -= kick dt dF/dx`` then
+    ``x += drift dt M^-1 p``; returns the state arrays after it (a new dict when drift != 0; ``x`` then
+    holds fresh copies). Per agent only: the dask backend runs it per chunk."""
+    dt, fr = c.dt, c.frame
+    for m, s in c.blocks:
+        do_phi = c.frame_of(m)
+        args = (
+            x[m], aux[f"theta_{s}"], aux[f"p_{m}"], aux[f"p_{s}"], grads[m], grads[s],
+            kick * dt, drift * dt, c.inv_m[m], c.inv_m[s],
+        )  # fmt: skip
+        no_phi = (None, None, None, 1.0, False)
+        phi_args = (x[fr], aux[f"p_{fr}"], grads[fr], c.inv_m[fr], True) if do_phi else no_phi
+        S = c.ops.kick_drift(args, arrays[s], phi_args)
+        if drift != 0.0:
+            arrays = dict(arrays)
+            arrays[m], arrays[s] = x[m], S
+            if do_phi:
+                arrays[fr] = x[fr]
+            x[m] = x[m].copy()  # the dict now owns the old buffer: later drifts write a new one
+            if do_phi:
+                x[fr] = x[fr].copy()
+    return arrays
+
+
 def _make_const_step(c: _Setup, table, make_carry):
     """One step of a (kick b_i, drift a_i) composition with conformal friction around it."""
-    dt, fr = c.dt, c.frame
+    fr = c.frame
 
     def _step(carry: Carry) -> Carry:
         cached = getattr(carry, _CACHE, None)
@@ -287,26 +313,7 @@ def _make_const_step(c: _Setup, table, make_carry):
             if kick != 0.0 and not valid:
                 eterms, grads = _evaluate(c, n, arrays, aux)
                 valid = True
-            for m, s in c.blocks:
-                do_phi = c.frame_of(m)
-                args = (
-                    x[m], aux[f"theta_{s}"], aux[f"p_{m}"], aux[f"p_{s}"], grads[m], grads[s],
-                    kick * dt, drift * dt, c.inv_m[m], c.inv_m[s],
-                )  # fmt: skip
-                phi_args = (
-                    (x[fr], aux[f"p_{fr}"], grads[fr], c.inv_m[fr], True)
-                    if do_phi
-                    else (None, None, None, 1.0, False)
-                )
-                S = c.ops.kick_drift(args, arrays[s], phi_args)
-                if drift != 0.0:
-                    arrays = dict(arrays)
-                    arrays[m], arrays[s] = x[m], S
-                    if do_phi:
-                        arrays[fr] = x[fr]
-                    x[m] = x[m].copy()  # the dict now owns the old buffer: later drifts write a new one
-                    if do_phi:
-                        x[fr] = x[fr].copy()
+            arrays = kick_drift_pair(c, kick, drift, arrays, x, aux, grads)
             if drift != 0.0:
                 valid = False
         if not valid:

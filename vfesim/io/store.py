@@ -63,6 +63,15 @@ _LEFTOVER = (".tmp-", ".trash-")
 log = logging.getLogger("vfesim")
 
 
+def _stack(arrays: list):
+    """Frames stacked along a new leading time axis, one chunk along time (Dask arrays stay Dask)."""
+    if any(map(_is_dask, arrays)):
+        import dask.array as da
+
+        return da.stack(arrays).rechunk({0: len(arrays)})
+    return np.stack(arrays)
+
+
 class StoreError(RuntimeError):
     """The run store cannot be created, read or written; the message names the path."""
 
@@ -83,6 +92,17 @@ def frame_steps(n_steps: int, save_every: int, n_frames: int | None = None) -> n
         pad = np.arange(steps.size, n_frames, dtype=np.int64) * save_every
         steps = np.concatenate([steps, pad])
     return steps
+
+
+def _agent_chunked(shape: tuple, dims: tuple, agent_chunk: int | None) -> tuple:
+    """Chunk shape of an array of ``shape``: ``agent_chunk`` along a leading ``agent`` dim, else whole."""
+    if agent_chunk is None or not dims or dims[0] != "agent":
+        return tuple(shape)
+    return (min(agent_chunk, shape[0]), *shape[1:])
+
+
+def _is_dask(a) -> bool:
+    return type(a).__module__.startswith("dask.")
 
 
 def _zkw() -> dict:
@@ -187,9 +207,14 @@ class RunStore:
         time_chunk: int,
         attrs: dict,
         overwrite: bool = False,
+        agent_chunk: int | None = None,
     ) -> RunStore:
         """Preallocate the trajectory of the variables ``trajectory`` (metadata only; the other variables
         of ``state`` are written once) and an empty checkpoints group.
+
+        agent_chunk: agents per Zarr chunk of the trajectory (default: all of them). Runs whose state is
+        chunked along ``agent`` (the dask backend) give a size that divides every chunk boundary, so
+        each worker writes whole Zarr chunks of its own agents.
 
         The store is built at a hidden temporary path beside ``path``; :meth:`publish` moves it into
         place, so a run killed before its first checkpoint leaves no half-made store at ``path``. A
@@ -223,7 +248,7 @@ class RunStore:
                 g.create_array(
                     name,
                     shape=shape,
-                    chunks=(time_chunk, *shape[1:]),
+                    chunks=(time_chunk, *_agent_chunked(shape[1:], dims[1:], agent_chunk)),
                     dtype=dtype,
                     fill_value=fill,
                     compressors=checksummed_encoding([name])[name]["compressors"],
@@ -367,7 +392,7 @@ class RunStore:
             return
         n = len(frames)
         dims = self.trajectory()
-        data = {k: (("time", *d), np.stack([f[k] for f in frames])) for k, d in dims.items()}
+        data = {k: (("time", *d), _stack([f[k] for f in frames])) for k, d in dims.items()}
         for k in frames[0]:
             if k not in dims:
                 data[k] = (("time",), np.array([f[k] for f in frames], np.float64))
@@ -381,15 +406,39 @@ class RunStore:
             what = f"writing frames {start}..{start + n - 1}"
             raise StoreError(f"{self.shown}: {what} failed ({_why(e)})") from e
 
-    def read_frames(self, start: int, stop: int) -> list[dict[str, np.ndarray]]:
-        """Frames ``start .. stop-1`` back from disk (to refill a partial chunk on resume)."""
+    def agent_chunk(self) -> int | None:
+        """Agents per Zarr chunk of the trajectory (None: the store has no agent-indexed trajectory)."""
+        for k, dims in self.trajectory().items():
+            if dims and dims[0] == "agent":
+                return zarr.open_array(self.path / k, mode="r", zarr_format=3).chunks[1]
+        return None
+
+    def read_frames(self, start: int, stop: int, agent_chunks: tuple | None = None) -> list[dict]:
+        """Frames ``start .. stop-1`` back from disk (to refill a partial chunk on resume).
+
+        agent_chunks: chunk sizes along ``agent``: the trajectory variables come back as Dask arrays
+        read by the scheduler's workers (energy terms as floats), else as NumPy arrays."""
         if stop <= start:
             return []
-        ds = xr.open_zarr(self.path, chunks=None, **_zkw()).isel(time=slice(start, stop)).load()
-        if not bool(ds["saved"].all()):
+        ds = xr.open_zarr(self.path, chunks=None, **_zkw()).isel(time=slice(start, stop))
+        saved = ds["saved"].values
+        if not bool(saved.all()):
             raise StoreError(f"{self.shown}: frames {start}..{stop - 1} are not all written")
         keys = [k for k in ds.data_vars if "time" in ds[k].dims and k != "saved"]
-        return [{k: ds[k].values[i] for k in keys} for i in range(stop - start)]
+        if agent_chunks is None:
+            ds = ds.load()
+            return [{k: ds[k].values[i] for k in keys} for i in range(stop - start)]
+        lazy = xr.open_zarr(self.path, chunks={}, **_zkw()).isel(time=slice(start, stop))
+        out = []
+        for i in range(stop - start):
+            f = {}
+            for k in keys:
+                if "agent" in ds[k].dims:
+                    f[k] = lazy[k].data[i].rechunk((agent_chunks, *lazy[k].shape[2:]))
+                else:
+                    f[k] = float(ds[k].values[i])
+            out.append(f)
+        return out
 
     # --- checkpoints -------------------------------------------------------------------------
     def checkpoint_steps(self) -> list[int]:
@@ -406,12 +455,19 @@ class RunStore:
         terms: dict[str, float],
         attrs: dict,
         keep: int = 2,
+        agent_chunk: int | None = None,
     ) -> Path:
-        """Write a checkpoint to a temporary store, ``os.replace`` it into place, prune old ones."""
-        state = state.as_numpy()
+        """Write a checkpoint to a temporary store, ``os.replace`` it into place, prune old ones.
+
+        State and aux arrays may be Dask arrays chunked along agents (the dask backend): the
+        scheduler's workers then write them, ``agent_chunk`` agents per Zarr chunk (a size dividing
+        every Dask chunk boundary), and only the attributes (step, RNG state, terms) come from here."""
+        lazy = any(_is_dask(state[k].data) for k in state.data_vars) or any(map(_is_dask, aux.values()))
+        if not lazy:
+            state = state.as_numpy()
         data = {k: state[k] for k in state.data_vars}
         for name, a in aux.items():
-            a = np.asarray(a)
+            a = a if _is_dask(a) else np.asarray(a)
             data[f"aux__{name}"] = ([f"aux__{name}__{d}" for d in range(a.ndim)], a)
         ds = xr.Dataset(data)
         ds.attrs = {
@@ -427,6 +483,10 @@ class RunStore:
         tmp = self.ckpt_dir / f".tmp-{step:012d}-{uuid.uuid4().hex[:8]}"
         try:
             enc = checksummed_encoding(ds.variables)
+            if lazy:
+                for k, v in ds.variables.items():
+                    if _is_dask(v.data) and agent_chunk is not None:
+                        enc[k]["chunks"] = (min(agent_chunk, v.shape[0]), *v.shape[1:])
             ds.to_zarr(tmp, mode="w", encoding=enc, write_empty_chunks=True, **_zkw())
             if final.exists():  # only a damaged checkpoint is ever rewritten: keep its bytes
                 self.set_aside(step)
@@ -464,15 +524,23 @@ class RunStore:
             if not p.is_symlink() and p.resolve().is_relative_to(self.path.resolve()):
                 p.unlink(missing_ok=True)
 
-    def load_checkpoint(self, step: int) -> Checkpoint:
+    def load_checkpoint(self, step: int, agent_chunks: tuple | None = None) -> Checkpoint:
+        """The checkpoint at ``step``, in memory; with ``agent_chunks`` (chunk sizes along agents) its
+        state and aux arrays are Dask arrays with those chunks, read by the scheduler's workers."""
         p = self.ckpt_dir / f"step-{step:012d}"
-        ds = xr.open_zarr(p, chunks=None, **_zkw()).load()
+        ds = xr.open_zarr(p, chunks=None if agent_chunks is None else {}, **_zkw())
+        if agent_chunks is None:
+            ds = ds.load()
+        else:
+            # Every state and aux array has agents first.
+            data = {k: (v.dims, v.data.rechunk((agent_chunks, *v.shape[1:]))) for k, v in ds.items()}
+            ds = xr.Dataset(data, attrs=ds.attrs)
         names = json.loads(ds.attrs["aux_names"])
         required = family_named(ds.attrs.get("agent_family", "gaussian")).required
         missing = [k for k in (*required, *(f"aux__{n}" for n in names)) if k not in ds]
         if missing:
             raise StoreError(f"{p}: incomplete checkpoint, missing {missing}")
-        aux = {n: ds[f"aux__{n}"].values for n in names}
+        aux = {n: ds[f"aux__{n}"].data for n in names}
         state = ds.drop_vars([f"aux__{n}" for n in names])
         state = state.drop_dims([d for d in state.dims if d.startswith("aux__")])
         keep = ("agent_family", "model_config", "vfesim_version", "dtype")

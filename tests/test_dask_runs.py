@@ -1,0 +1,197 @@
+"""Runs on the dask backend (issue 11): state chunked on the workers between steps, frames and checkpoints
+written by the workers in agent-aligned Zarr chunks, bitwise resume, agreement with the numba backend,
+and a worker killed mid-run (Dask retries and the run is unchanged; or the run stops with its last
+checkpoint intact and resumes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import signal
+
+import dask.array as da
+import numpy as np
+import pytest
+import zarr
+
+import vfesim
+from vfesim.backends import get
+from vfesim.cli import main
+from vfesim.integrators.chunked import set_task_hook
+from vfesim.io import open_run
+from vfesim.io.store import RunStore
+from vfesim.simulate import RunError, resume, run_info, simulate
+
+distributed = pytest.importorskip("distributed")
+
+N = 13
+CHUNK = 5  # chunks of 5, 5, 3
+
+
+def _scenario(method: str = "verlet", **options) -> dict:
+    return {
+        "model": {"K": 3, "kappa_beta": 2.0, "lambda_prior": 0.3},
+        "population": {"n_agents": N, "seed": 3, "neighbours": "ring", "half_width": 2},
+        "integrator": {
+            "method": method,
+            "dt": 0.05,
+            "friction": 0.1 if method != "gradient_flow" else 0.0,
+            "options": options,
+        },  # fmt: skip
+        "run": {"n_steps": 4, "save_every": 2, "checkpoint_every": 2, "backend": "dask", "chunks": CHUNK},
+    }
+
+
+def _same_runs(a, b) -> None:
+    ra, rb = open_run(a).load(), open_run(b).load()
+    assert ra["step"].values.tolist() == rb["step"].values.tolist() == [0, 2, 4]
+    for k in ra.data_vars:
+        np.testing.assert_array_equal(ra[k].values, rb[k].values, err_msg=k)
+
+
+def _intact(path) -> None:
+    reports = RunStore(path).verify()
+    assert all(r.intact for r in reports), [r.summary() for r in reports if not r.intact]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted verlet run on the threaded scheduler."""
+    path = tmp_path_factory.mktemp("ref") / "ref.zarr"
+    simulate(_scenario(), out=path, progress=False)
+    return path
+
+
+def test_store_is_chunked_like_the_state_and_verifies(reference):
+    for name in ("mu_q", "sigma_q", "phi"):
+        assert zarr.open_array(reference / name, mode="r").chunks[1] == CHUNK, name
+    ckpt = reference / "checkpoints" / "step-000000000004"
+    for name in ("mu_q", "aux__theta_sigma_q", "aux__p_phi"):
+        assert zarr.open_array(ckpt / name, mode="r").chunks[0] == CHUNK, name
+    _intact(reference)
+    assert main(["verify", str(reference), "-q"]) == 0
+    info = run_info(reference)
+    assert info["backend"] == "dask"
+    assert info["chunking"]["chunks"] == [5, 5, 3] and info["chunking"]["agent_chunk"] == CHUNK
+    assert info["chunking"]["scheduler"] == "threads" and info["chunking"]["inner"] == "numba"
+
+
+def test_inspect_shows_backend_and_chunking(reference, capsys):
+    assert main(["inspect", str(reference)]) == 0
+    out = capsys.readouterr().out
+    assert "backend dask" in out
+    assert "chunking     3 chunks of 5 agents, the last 3 (Zarr: 5 agents per chunk), inner numba" in out
+
+
+def test_api_resume_is_bitwise(reference, tmp_path):
+    simulate(_scenario(), out=tmp_path / "r.zarr", steps=1, progress=False)  # stops off the save grid
+    resume(tmp_path / "r.zarr", steps=4, progress=False)
+    _same_runs(reference, tmp_path / "r.zarr")
+    _intact(tmp_path / "r.zarr")
+
+
+@pytest.mark.parametrize(("method", "options"), [("pefrl", {}), ("gradient_flow", {"rule": "adam"})])
+def test_run_dynamics_chunked_matches_numba(method, options):
+    cfg = vfesim.ModelConfig(K=3, lambda_prior=0.5, aggregator="softmin")
+    state = vfesim.random_state(cfg, N, seed=4)
+    fr = 0.2 if method != "gradient_flow" else 0.0
+    kw = {"method": method, "dt": 0.02, "n_steps": 3, "friction": fr, **options}
+    ref, h_ref = vfesim.run_dynamics(state, cfg, backend="numba", **kw)
+    backend = dataclasses.replace(get("dask"), chunks=(4, 7, 2))
+    out, h = vfesim.run_dynamics(state.chunk(agent=6), cfg, backend=backend, **kw)
+    assert all(isinstance(out[k].data, da.Array) for k in out.data_vars)  # chunked in, chunked out
+    assert out["mu_q"].chunks[0] == (4, 7, 2)
+    for k in ref.data_vars:
+        np.testing.assert_allclose(out[k].values, ref[k].values, rtol=1e-12, atol=1e-13, err_msg=k)
+    for k in h_ref.data_vars:
+        np.testing.assert_allclose(h[k].values, h_ref[k].values, rtol=1e-12, err_msg=k)
+
+
+def test_riemannian_leapfrog_is_refused_on_dask():
+    cfg = vfesim.ModelConfig(K=3)
+    state = vfesim.random_state(cfg, 6, seed=1)
+    with pytest.raises(ValueError, match="'riemannian_leapfrog' runs on the 'numpy' and 'numba'"):
+        vfesim.run_dynamics(state, cfg, method="riemannian_leapfrog", dt=0.01, n_steps=1, backend="dask")
+
+
+# ---- a LocalCluster of two worker processes, one killed mid-run -----------------------------------------
+def _kill_once(marker: str, at_step: int, step: int, r0: int) -> None:
+    """Task hook: the first task of chunk 0 at ``at_step`` kills its worker process (once: ``marker``)."""
+    if step != at_step or r0 != 0:
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = distributed.LocalCluster(
+        n_workers=2,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=None,
+        silence_logs=logging.CRITICAL,
+    )
+    client = distributed.Client(cluster, set_as_default=False)
+    yield client
+    client.close()
+    cluster.close()
+
+
+def _arm(client, tmp_path, at_step: int) -> str:
+    """Every worker (both must be up: a worker without the hook could take chunk 0) kills itself in
+    chunk 0's first task of ``at_step``, once."""
+    client.wait_for_workers(2, timeout=30)
+    marker = str(tmp_path / "killed")
+    client.run(set_task_hook, functools.partial(_kill_once, marker, at_step))
+    return marker
+
+
+def _disarm(client) -> None:
+    client.run(set_task_hook, None)
+
+
+def test_killed_worker_is_recovered_and_the_run_unchanged(client, reference, tmp_path, caplog):
+    marker = _arm(client, tmp_path, at_step=3)
+    pids = set(client.run(os.getpid).values())
+    try:
+        with client.as_current(), caplog.at_level(logging.INFO, logger="vfesim"):
+            simulate(_scenario(), out=tmp_path / "r.zarr", progress=False)
+    finally:
+        _disarm(client)
+    assert os.path.exists(marker)  # a worker died in the step-3 task
+    client.wait_for_workers(2, timeout=30)
+    assert set(client.run(os.getpid).values()) != pids  # and was replaced
+    assert "dashboard" in caplog.text
+    _same_runs(reference, tmp_path / "r.zarr")  # the same as on the threaded scheduler, bit for bit
+    _intact(tmp_path / "r.zarr")
+    info = json.loads(RunStore(tmp_path / "r.zarr").attrs["chunking"])
+    assert info["scheduler"].startswith("distributed")
+
+
+def test_killed_worker_without_retries_stops_with_the_last_checkpoint(client, reference, tmp_path):
+    def allowed_failures(n, dask_scheduler=None):
+        old, dask_scheduler.allowed_failures = dask_scheduler.allowed_failures, n
+        return old
+
+    old = client.run_on_scheduler(allowed_failures, 0)
+    _arm(client, tmp_path, at_step=3)
+    path = tmp_path / "r.zarr"
+    stopped = r"step 3: a Dask worker died .* step 2: `vfesim resume"
+    try:
+        with client.as_current(), pytest.raises(RunError, match=stopped):
+            simulate(_scenario(), out=path, progress=False)
+    finally:
+        client.run_on_scheduler(allowed_failures, old)
+        _disarm(client)
+    assert RunStore(path).checkpoint_steps() == [0, 2]  # keep_checkpoints = 2
+    _intact(path)
+    with client.as_current():
+        resume(path, progress=False)
+    _same_runs(reference, path)
