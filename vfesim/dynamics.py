@@ -38,11 +38,22 @@ def run_dynamics(
 
     backend "cuda": the state lives on the device for the whole run; the final state is returned on the
     host when ``state`` was given there (NumPy), else as device (CuPy) arrays.
+
+    Density-matrix agents (a :class:`~vfesim.QuantumConfig`) run their own dynamics (spec/quantum.md §3):
+    method "channels" (coupling channels, unitary step, dephasing; ``options`` are the fields of
+    :class:`vfesim.quantum.QuantumDynamics`) or "mirror_descent"; their history adds purity, entropy and
+    the trace, Hermiticity and positivity residuals (:func:`vfesim.quantum.evolve`).
     """
     for key, v in (("n_steps", n_steps), ("record_every", record_every)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (0 if key == "n_steps" else 1):
             raise ValueError(f"{key} must be an integer >= {0 if key == 'n_steps' else 1}, got {v!r}")
     require_dataset(state)
+    family = family_of(cfg)
+    if family.geometry is None and family.dynamics is not None:  # the family's own dynamics
+        return family.dynamics(
+            state, cfg, method, dt, n_steps, record_every=record_every, backend=backend, friction=friction,
+            seed=seed, **options,
+        )  # fmt: skip
     integ = make_integrator(method, cfg, dt, backend=backend, friction=friction, seed=seed, **options)
     names = ["total", *family_of(cfg).terms] + (["kinetic", "hamiltonian"] if is_hamiltonian(method) else [])
     on_host = all(isinstance(state[k].data, np.ndarray) for k in state.data_vars)

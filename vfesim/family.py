@@ -36,6 +36,9 @@ class AgentFamily:
         energy over raw arrays, executed with the capabilities of ``backend`` (a :class:`Backend`).
     attention(arrays, cfg, which) -> weights (NumPy).
     geometry: integrator coordinates of the family (fields grouped as the integrators move them).
+    dynamics(state, cfg, method, dt, n_steps, *, record_every, backend, friction, seed, **options) ->
+        (final state, history): the family's own in-memory dynamics, for families whose motion is not a
+        flow of the shared integrators (``geometry`` None); :func:`vfesim.run_dynamics` calls it.
     """
 
     name: str
@@ -50,6 +53,7 @@ class AgentFamily:
     energy_and_gradient: Callable[..., tuple[dict[str, float], dict[str, Any]]]
     attention: Callable[..., Any]
     geometry: Any = field(default=None)
+    dynamics: Callable[..., Any] | None = field(default=None)
 
 
 _REGISTRY: dict[type, AgentFamily] = {}
