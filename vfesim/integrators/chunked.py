@@ -36,11 +36,9 @@ import numpy as np
 import xarray as xr
 
 from ..config import ModelConfig
-from ..family import family_of
 from ..state import StateError, validate_state
-from .base import Carry, DynamicsError, Integrator, check_fields, check_options, guard_state, guard_terms
-from .gradient_flow import DEFAULTS as FLOW_DEFAULTS
-from .gradient_flow import MODES, FlowRule, flow_update
+from .base import Carry, DynamicsError, Integrator, check_options, guard_state, guard_terms
+from .gradient_flow import FlowRule, flow_settings, flow_update
 from .hamiltonian import DEFAULTS as HAMILTON_DEFAULTS
 from .hamiltonian import SCHEMES, _setup, kick_drift_pair
 
@@ -284,30 +282,7 @@ def _finish(summary) -> dict[str, float]:
 
 
 def _make_flow(cfg, dt, layout: _Layout, friction: float, options) -> Integrator:
-    opt = check_options("gradient_flow", options, FLOW_DEFAULTS)
-    if opt["rule"] not in MODES:
-        raise ValueError(
-            f"method 'gradient_flow': option 'rule' must be one of {list(MODES)}, got {opt['rule']!r}"
-        )
-    if friction != 0.0:
-        raise ValueError("method 'gradient_flow': friction applies to Hamiltonian methods only")
-    geo = family_of(cfg).geometry
-    fields = geo.MOVABLE
-    scale = {k: 1.0 for k in fields}
-    scale.update(check_fields("gradient_flow", "step_scale", opt["step_scale"], fields))
-    if not opt["update_priors"]:
-        for k in geo.PRIORS:
-            scale[k] = 0.0
-    if not opt["update_frames"]:
-        scale[geo.FRAME] = 0.0
-    eta = np.array([dt * scale[k] for k in fields], np.float64)
-    moving = tuple(k for k in fields if scale[k] != 0.0)
-    mode = MODES[opt["rule"]]
-    b1, b2, eps = float(opt["adam_beta1"]), float(opt["adam_beta2"]), float(opt["adam_eps"])
-    if mode == 2 and not (0 <= b1 < 1 and 0 <= b2 < 1 and eps > 0):
-        raise ValueError(
-            "method 'gradient_flow': adam needs 0 <= adam_beta1, adam_beta2 < 1 and adam_eps > 0"
-        )
+    opt, fields, eta, moving, mode, b1, b2, eps = flow_settings(cfg, dt, friction, options)
     aux_names = tuple(f"adam_{w}_{k}" for k in moving for w in ("m", "v")) if mode == 2 else ()
     rule = _FlowRule(None, eta, mode, moving, b1, b2, eps, tuple(fields))
     shipped: dict[str, Any] = {}

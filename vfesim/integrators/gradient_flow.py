@@ -91,11 +91,10 @@ def flow_update(rule: FlowRule, arrays, grads, aux, n: int) -> tuple[dict, dict]
     return new, aux
 
 
-def make_gradient_flow(
-    cfg: ModelConfig, dt: float, *, backend, friction: float = 0.0, seed: int = 0, **options
-) -> Integrator:
-    """Build the ``"gradient_flow"`` integrator on a :class:`vfesim.backends.Backend`; ``dt`` is the step
-    size eta."""
+def flow_settings(cfg: ModelConfig, dt: float, friction: float, options: dict):
+    """Validated settings of a gradient-flow run, shared by every backend's integrator:
+    (options with defaults, movable fields, per-field step sizes eta (float64), moving fields, rule code,
+    adam_beta1, adam_beta2, adam_eps)."""
     opt = check_options("gradient_flow", options, DEFAULTS)
     if opt["rule"] not in MODES:
         raise ValueError(
@@ -120,6 +119,15 @@ def make_gradient_flow(
         raise ValueError(
             "method 'gradient_flow': adam needs 0 <= adam_beta1, adam_beta2 < 1 and adam_eps > 0"
         )
+    return opt, fields, eta, moving, mode, b1, b2, eps
+
+
+def make_gradient_flow(
+    cfg: ModelConfig, dt: float, *, backend, friction: float = 0.0, seed: int = 0, **options
+) -> Integrator:
+    """Build the ``"gradient_flow"`` integrator on a :class:`vfesim.backends.Backend`; ``dt`` is the step
+    size eta."""
+    opt, fields, eta, moving, mode, b1, b2, eps = flow_settings(cfg, dt, friction, options)
     efn = energy_fn(cfg, backend, opt["energy"])
     ops = backend.updates(cfg.K)
     dev = ops if backend.on_device else None
