@@ -211,7 +211,7 @@ def agent_update(P: Prepared, sel, x0, R, dt: float, dyn: QuantumDynamics, keep:
     their senders' states R (B, w, d, d) -> (new states (B, d, d), tape or None).
 
     The tape holds what the adjoint needs: the states before each coupling channel (w + 1), before the
-    unitary and before the dephasing, the gate and its cache, U and t = g dt.
+    unitary and before the dephasing, the gate g, D(x || sigma) and its cache, U and t = g dt.
     """
     xp = _xp(x0)
     xs, Ws = [x0], []
@@ -231,7 +231,7 @@ def agent_update(P: Prepared, sel, x0, R, dt: float, dyn: QuantumDynamics, keep:
             xs.append(x)
     lam, V = P.lam[sel], P.V[sel]
     g = xp.ones(lam.shape[0], lam.dtype)
-    gcache = None
+    gcache = D = None
     if dyn.gate != "none":
         D, gcache = relative_entropy_gibbs(x, V, P.l[sel])
         g = (
@@ -247,7 +247,9 @@ def agent_update(P: Prepared, sel, x0, R, dt: float, dyn: QuantumDynamics, keep:
     eps_t = dephasing_strength(P.gamma_th[sel], dt)
     out = mix(z, P.sigma[sel], eps_t)
     tape = (
-        dict(xs=xs, Ws=Ws, g=g, gcache=gcache, t=t, U=U, y=y, z=z, eps_d=eps_d, eps_t=eps_t) if keep else None
+        dict(xs=xs, Ws=Ws, g=g, D=D, gcache=gcache, t=t, U=U, y=y, z=z, eps_d=eps_d, eps_t=eps_t)
+        if keep
+        else None
     )
     return out, tape
 
