@@ -172,6 +172,7 @@ def _zeros_acc(P: Prepared, xp, cdt):
         "eps_c": xp.zeros((n, w), rdt),
         "M": xp.zeros((n, w, d, d), cdt),
         "logsig": xp.zeros((n, d, d), cdt),
+        "sigma": xp.zeros((n, d, d), cdt),
         "phi": xp.zeros((n, 3), rdt),
         "theta": 0.0,
         "tau": 0.0,
@@ -189,8 +190,8 @@ def _update_vjp(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynam
     xp = _xp(out_bar)
     xs, y, z = tape["xs"], tape["y"], tape["z"]
     x = xs[-1]
-    lam, V, T = P.lam[sel], P.V[sel], P.T[sel]
-    sigma, l, p = P.sigma[sel], P.l[sel], P.p[sel]
+    lam, V = P.lam[sel], P.V[sel]
+    sigma = P.sigma[sel]
     gamma, gamma_th = P.gamma[sel], P.gamma_th[sel]
     z_bar, sig_bar, eps_t_bar = mix_vjp(out_bar, z, sigma, tape["eps_t"])
     if dyn.dephasing_basis == "computational":
@@ -208,16 +209,15 @@ def _update_vjp(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynam
         + (eps_t_bar * gamma_th * xp.exp(-gamma_th * dt)).sum()
     )
     H_bar = H_bar + H_u
-    logsig_bar = None
     if dyn.gate == "soft":
         D_bar = soft_gate_vjp(t_bar * dt, g, dyn.gate_width)
         acc["theta"] -= float(D_bar.sum())
         acc["tau"] -= float((D_bar * (tape["D"] - dyn.gate_threshold)).sum()) / dyn.gate_width
         rb, logsig_bar = relative_entropy_gibbs_vjp(D_bar, tape["gcache"], x.dtype)
         x_bar = x_bar + rb
-    H_g, T_g = gibbs_vjp(sig_bar, logsig_bar, lam, V, T, sigma, l, p)
-    acc["H"][sel] += H_bar + H_g
-    acc["T"][sel] += T_g
+        acc["logsig"][sel] += logsig_bar
+    acc["sigma"][sel] += sig_bar  # the Gibbs adjoint is linear and H is fixed: applied once, at the end
+    acc["H"][sel] += H_bar
     R_bar = xp.zeros_like(R)
     w = R.shape[1]
     if dyn.coupling != "none" and w:
@@ -436,7 +436,7 @@ def rollout(
 
     U_bar = transports_vjp(acc["M"], P.U, xp.asarray(P.index))
     phi_bar = frames_vjp(U_bar, P.fcache, spin_generators(rho.shape[-1])) + acc["phi"]
-    H_m, T_m = gibbs_vjp(None, acc["logsig"], P.lam, P.V, P.T, P.sigma, P.l, P.p)
+    H_m, T_m = gibbs_vjp(acc["sigma"], acc["logsig"], P.lam, P.V, P.T, P.sigma, P.l, P.p)
     H_bar, T_bar = acc["H"] + H_m, acc["T"] + T_m
     if w_F:
         H_bar = H_bar + w_F * Fgrads["hamiltonian"]
