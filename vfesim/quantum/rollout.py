@@ -68,7 +68,7 @@ from .channels import (
 )
 from .config import QuantumConfig
 from .energy import NUMPY_OPS, QuantumOps, energy_and_gradient_arrays, floor_eps
-from .evolve import Prepared, QuantumDynamics, prepare, senders, step
+from .evolve import Prepared, QuantumDynamics, normalised, prepare, senders, step
 from .flows import mirror_descent_step, mirror_descent_step_vjp
 from .frames import frames_vjp, spin_generators
 from .linalg import dagger, herm, traceless
@@ -222,15 +222,19 @@ def _update_vjp(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynam
     w = R.shape[1]
     if dyn.coupling != "none" and w:
         M, eps_c = P.M[sel], P.eps_c[sel]
-        sig = M @ R @ dagger(M)
+        Rn = normalised(R)
+        trR = R.diagonal(axis1=-2, axis2=-1).sum(axis=-1).real[..., None, None].astype(R.dtype)
+        sig = M @ Rn @ dagger(M)
         eps_c_bar = xp.zeros_like(eps_c)
         M_bar = xp.zeros_like(M)
         for k in range(w - 1, -1, -1):
             if dyn.coupling == "C1":
                 x_bar, s_bar, e_bar = mix_vjp(x_bar, xs[k], sig[:, k], eps_c[:, k])
                 Mk = M[:, k]
-                R_bar[:, k] = dagger(Mk) @ s_bar @ Mk
-                M_bar[:, k] = 2.0 * s_bar @ Mk @ R[:, k]
+                Rn_bar = dagger(Mk) @ s_bar @ Mk  # then through R / tr R
+                c = xp.einsum("nkl,nlk->n", Rn_bar, Rn[:, k]).real[:, None, None]
+                R_bar[:, k] = (Rn_bar - c * xp.eye(R.shape[-1], dtype=R.dtype)) / trR[:, k]
+                M_bar[:, k] = 2.0 * s_bar @ Mk @ Rn[:, k]
             else:
                 x_bar, e_bar = pinch_mix_vjp(x_bar, xs[k], tape["Ws"][k], eps_c[:, k])
             eps_c_bar[:, k] = e_bar
