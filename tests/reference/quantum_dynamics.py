@@ -10,8 +10,9 @@ window order: x <- (1 - e_ij) x + e_ij tr(x) U_ij rho_j U_ij^dag (C1) or
 x <- (1 - e_ij) x + e_ij sum_k P_k x P_k, P_k the eigenprojectors of U_ij rho_j U_ij^dag (C2);
 g = sigmoid((D(x_f || sigma_i) - theta)/tau) (soft gate) or 1; y = expm(-i H_i g dt) x expm(..)^dag;
 z = (1 - e) y + e sum_k P_k y P_k with P_k = |k><k| or the eigenprojectors of H_i, e = 1 - exp(-gamma dt);
-rho_i' = (1 - e_th) z + e_th tr(z) sigma_i. Loss: Born cross-entropy on the floored states after each
-step plus w_F F(rho^T) (tests/reference/quantum.py energy_terms).
+rho_i' = (1 - e_th) z + e_th tr(z) sigma_i; then ``mirror["steps"]`` Armijo mirror-descent steps of the
+whole population (:func:`mirror_step`). Loss: Born cross-entropy on the floored states after each step
+plus w_F F(rho^T) (tests/reference/quantum.py energy_terms).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ __all__ = [
     "gibbs_state",
     "relative_entropy",
     "rollout_loss",
+    "mirror_gradient",
+    "mirror_step",
     "liouvillian",
     "lindblad_exact",
 ]
@@ -85,6 +88,50 @@ def _window(n, neighbours):
     return [[int(idx[i, k]) for k in range(idx.shape[1]) if mask[i, k]] for i in range(n)]
 
 
+def mirror_gradient(rho, H, T, qcfg, outcome=None, eps: float = EPS) -> np.ndarray:
+    """dF/drho (N, d, d), traceless, of the self and observation terms in closed form:
+    (1 - eps) P0[lambda_self (log x - log sigma) - lambda_obs |y><y| / x_yy], x the floored state, log sigma
+    = -H/T - log Z (prior alignment does not depend on rho; belief alignment is not covered here)."""
+    if qcfg["lambda_belief"]:
+        raise ValueError("mirror_gradient: the closed form covers the self and observation terms only")
+    n, d = len(rho), rho[0].shape[0]
+    out = []
+    for i in range(n):
+        x = (1 - eps) * rho[i] + eps * np.eye(d) / d
+        G = np.zeros((d, d), complex)
+        if qcfg["lambda_self"]:
+            Gs = scipy.linalg.expm(-H[i] / T[i])
+            logsig = -H[i] / T[i] - np.log(np.trace(Gs).real) * np.eye(d)
+            G += qcfg["lambda_self"] * (_logh(x) - logsig)
+        if qcfg["lambda_obs"]:
+            y = outcome[i]
+            G[y, y] -= qcfg["lambda_obs"] / x[y, y].real
+        G = (1 - eps) * G
+        out.append(G - np.trace(G) / d * np.eye(d))
+    return np.array(out)
+
+
+def mirror_step(rho, H, T, phi, qcfg, outcome, *, eta0, armijo_c, max_backtracks, grad_F=None):
+    """One Armijo mirror-descent step of all agents: log rho_i <- log x_i - eta G_i, normalised, eta halved
+    from eta0 until F(new) <= F(rho) + c sum_i tr(G_i (new_i - rho_i)); unchanged if none passes.
+    G = grad_F(rho, H, T, phi) (default :func:`mirror_gradient`). Returns (new states, eta)."""
+    rho = np.array(rho)
+    n, d = rho.shape[:2]
+    G = mirror_gradient(rho, H, T, qcfg, outcome) if grad_F is None else grad_F(rho, H, T, phi)
+    F = lambda r: energy_terms(r, H, T, phi, outcome, qcfg, log="eigh")["total"]
+    F0 = F(rho)
+    logx = [_logh((1 - EPS) * r + EPS * np.eye(d) / d) for r in rho]
+    eta = eta0
+    for _ in range(max_backtracks + 1):
+        new = np.array([scipy.linalg.expm(logx[i] - eta * G[i]) for i in range(n)])
+        new /= np.trace(new, axis1=1, axis2=2).real[:, None, None]
+        dec = sum(np.trace(G[i] @ (new[i] - rho[i])).real for i in range(n))
+        if F(new) <= F0 + armijo_c * dec:
+            return new, eta
+        eta *= 0.5
+    return rho, 0.0
+
+
 def rollout_loss(
     rho0,
     H,
@@ -111,11 +158,15 @@ def rollout_loss(
     outcome_F=None,
     c2_bases=None,
     record=None,
+    mirror=None,
 ):
     """Loss of a rollout (module docstring) -> (loss, final states (N, d, d)).
 
     gamma, gamma_th: per-agent rates (N,) (None: 0). c2_bases: a dict {(t, i, k): W} of frozen C2 bases
-    (the stop-gradient surrogate); record: a dict that receives the bases of this run.
+    (the stop-gradient surrogate); record: a dict that receives the bases of this run. mirror: None or
+    dict(steps, eta0, armijo_c, max_backtracks, grad_F=None, outcome=None) (:func:`mirror_step` after
+    every step; ``outcome`` the state's Born outcomes of F's observation term; a record dict gets the
+    accepted eta under key ("eta", t, k)).
     """
     rho = [np.array(r, complex) for r in rho0]
     n, d = len(rho), rho[0].shape[0]
@@ -154,6 +205,14 @@ def rollout_loss(
             e = 1 - np.exp(-gamma_th[i] * dt)
             new[i] = (1 - e) * z + e * np.trace(z) * sig[i]
         rho = new
+        for k in range((mirror or {}).get("steps", 0)):
+            kw = {key: mirror[key] for key in ("eta0", "armijo_c", "max_backtracks")}
+            rho, eta = mirror_step(
+                rho, H, T, phi, qcfg, mirror.get("outcome"), grad_F=mirror.get("grad_F"), **kw
+            )
+            rho = list(rho)
+            if record is not None:
+                record[("eta", t, k)] = eta
         if w_born:
             for i in range(n):
                 yy = outcomes[t][i]

@@ -14,6 +14,24 @@ F and its gradient G_i = dF/drho_i (traceless Hermitian) come from
   conserved): rho_half = e^{-i G(rho_n) dt/2} rho_n e^{+i G(rho_n) dt/2},
   rho_{n+1} = e^{-i G(rho_half) dt} rho_n e^{+i G(rho_half) dt}. Spectra are exact (conjugations), the
   drift of F is of order >= 2 in dt.
+
+Adjoint of an accepted mirror step (rule R9, spec §4.1), :func:`mirror_descent_step_vjp`. With
+A = log x(rho) - eta G(rho), rho' = exp(A)/tr exp(A), A = W diag(a) W^dag, p = softmax(a):
+
+    A_bar   = W (K o W^dag rho'_bar W) W^dag - tr(rho' rho'_bar) rho',   K = exp^[1](a - logsumexp a)
+    rho_bar = (1 - e) herm(Dlog(x)[A_bar]) + Hess F [P0 G_bar],          G_bar = -eta A_bar
+
+(the (P1) rule of §1.2 and Daleckii–Krein of log; P0 the traceless projection). The step size eta is piecewise
+constant in the inputs (Armijo picks it from a discrete set), so it carries no cotangent: the gradient is
+exact wherever eta does not jump. The Hessian-vector product and the cross terms of G with H, T, phi
+(d/ds grad_theta F(rho + s P0 G_bar), by the symmetry of mixed partials):
+- self term G = (1 - e) P0 lambda (log x - log sigma): with v = (1 - e) P0 G_bar,
+  rho_bar += (1 - e) lambda Dlog(x)[v], (log sigma)_bar = -lambda v (then the Gibbs adjoint, R6);
+- observation term G = -(1 - e) P0 lambda E_yy / x_yy: x_bar_yy += lambda v_yy / x_yy^2;
+- belief alignment: central difference of its exact gradient (rho and phi) along P0 G_bar,
+  h = min(1e-5, lambda_min(x)/10) / |P0 G_bar|_F (error O(h^2) + O(u/h), about 1e-10 relative; the
+  closed form needs second divided differences and the softmin Hessian: not written);
+- prior alignment does not depend on rho: no contribution.
 """
 
 from __future__ import annotations
@@ -23,9 +41,9 @@ from typing import Any
 from ..arrays import array_module as _xp
 from .config import QuantumConfig
 from .energy import NUMPY_OPS, QuantumOps, energy_and_gradient_arrays, floor_eps
-from .linalg import dagger, eigh, from_eig, herm
+from .linalg import dagger, dd_exp, dd_log, dk, eigh, from_eig, herm, traceless
 
-__all__ = ["mirror_descent_step", "lie_midpoint_step"]
+__all__ = ["mirror_descent_step", "mirror_descent_step_vjp", "lie_midpoint_step"]
 
 
 def _log_floored(rho):
@@ -80,6 +98,63 @@ def mirror_descent_step(
             return new, {"eta": eta, "backtracks": k, "F_old": F0, "F_new": F1}
         eta *= 0.5
     return rho, {"eta": 0.0, "backtracks": max_backtracks + 1, "F_old": F0, "F_new": F0}
+
+
+def mirror_descent_step_vjp(
+    rho_bar_out, arrays: dict[str, Any], cfg: QuantumConfig, eta: float, *, ops: QuantumOps = NUMPY_OPS
+) -> dict[str, Any]:
+    """Rule R9 (module docstring): cotangents of an accepted mirror step with step size ``eta`` taken from
+    ``arrays`` (rho the state before the step) given the cotangent ``rho_bar_out`` (N, d, d) of the state
+    after it -> {"rho": (N, d, d), "log_sigma": (N, d, d) cotangent of log sigma_i, "phi": (N, 3) or None}.
+
+    eta = 0 (no step accepted) is the identity map. The caller turns ``log_sigma`` into H and T
+    cotangents with :func:`.unitary.gibbs_vjp`.
+    """
+    xp = _xp(rho_bar_out)
+    rho = arrays["rho"]
+    if eta == 0:
+        return {"rho": rho_bar_out, "log_sigma": xp.zeros_like(rho), "phi": None}
+    n, d = rho.shape[0], rho.shape[-1]
+    e = floor_eps(rho.dtype)
+    x = (1.0 - e) * herm(rho) + (e / d) * xp.eye(d, dtype=rho.dtype)
+    s, Wx = eigh(x)
+    log_x = from_eig(Wx, xp.log(s))
+    G = energy_and_gradient_arrays(arrays, cfg, ops=ops)[1]["rho"]
+    a, W = eigh(log_x - eta * G)
+    lse = a.max(axis=1, keepdims=True)
+    lse = lse + xp.log(xp.exp(a - lse).sum(axis=1, keepdims=True))
+    l = a - lse
+    p = xp.exp(l)
+    new = from_eig(W, p)
+    rb = herm(rho_bar_out)
+    A_bar = dk(W, dd_exp(l, p).astype(W.dtype), rb) - (
+        xp.einsum("nkl,nlk->n", new, rb).real[:, None, None] * new
+    )
+    dlog = dd_log(s).astype(Wx.dtype)
+    x_bar = dk(Wx, dlog, A_bar)
+    G_bar = -eta * A_bar
+    v = (1.0 - e) * traceless(herm(G_bar))
+    logsig_bar = xp.zeros_like(rho)
+    if cfg.lambda_self > 0:
+        x_bar = x_bar + cfg.lambda_self * dk(Wx, dlog, v)
+        logsig_bar = -cfg.lambda_self * v
+    if cfg.lambda_obs > 0:
+        y = xp.asarray(arrays["outcome"])
+        idx = xp.arange(n)
+        x_bar[idx, y, y] += cfg.lambda_obs * v[idx, y, y].real / x[idx, y, y].real ** 2
+    rho_bar = (1.0 - e) * herm(x_bar)
+    phi_bar = None
+    if cfg.lambda_belief > 0:
+        direction = traceless(herm(G_bar))
+        norm = float(xp.sqrt((xp.abs(direction) ** 2).sum()))
+        if norm > 0:
+            h = min(1e-5, 0.1 * float(s.min())) / norm
+            bcfg = cfg.replace(lambda_self=0.0, lambda_prior=0.0, lambda_obs=0.0)
+            gp = energy_and_gradient_arrays({**arrays, "rho": rho + h * direction}, bcfg, ops=ops)[1]
+            gm = energy_and_gradient_arrays({**arrays, "rho": rho - h * direction}, bcfg, ops=ops)[1]
+            rho_bar = rho_bar + (gp["rho"] - gm["rho"]) / (2 * h)
+            phi_bar = (gp["phi"] - gm["phi"]) / (2 * h)
+    return {"rho": rho_bar, "log_sigma": logsig_bar, "phi": phi_bar}
 
 
 def _conjugate_exp(G, rho, t: float):

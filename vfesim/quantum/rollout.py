@@ -19,12 +19,26 @@ rate cotangents accumulate per step; the transports' cotangents accumulate over 
 once through U_ij = U_i U_j^dag and rule R2 to phi_bar. Gibbs priors: :func:`.unitary.gibbs_vjp`;
 F(rho^T): :func:`.energy.energy_and_gradient_arrays`; Born terms: rule R7.
 
-Checkpointing (uniform): the states at t = 0, s, 2s, ... are kept (c = ceil(T/s) checkpoints, c N d^2
-complex numbers); the reverse sweep replays one segment of s steps from its checkpoint, keeping that
-segment's tapes ((w + 3) N d^2 per step, w the window width), then runs its adjoint. Memory
-O((c + s (w + 3)) N d^2); every step's forward is computed twice (recomputation factor 2, independent of
-s), plus one adjoint (about 2-3 forward steps). The default s = ceil(sqrt(T)) balances the two memory
-terms. No autograd library is used.
+Mirror-descent steps after a step (rule R9) are reversed first, by
+:func:`.flows.mirror_descent_step_vjp` (Armijo's eta is piecewise constant: no cotangent); their H, T
+cotangents arrive through log sigma_i, their phi cotangents directly. dt (one per step), the gate's
+threshold theta and width tau get cotangents too (:func:`_update_vjp`).
+
+Checkpointing, uniform (``checkpoint_every=s``): the states at t = 0, s, 2s, ... are kept (c = ceil(T/s)
+checkpoints, c N d^2 complex numbers); the reverse sweep replays one segment of s steps from its
+checkpoint, keeping that segment's states and tapes ((w + 3) N d^2 per step, w the window width), then runs
+its adjoint. Memory O((c + s (w + 3)) N d^2); every step's forward is computed twice (recomputation factor
+2, independent of s), plus one adjoint (about 2-3 forward steps). The default s = ceil(sqrt(T)) balances
+the two memory terms.
+
+Checkpointing, binomial (``checkpoints=c``, Griewank's revolve): at most c states are held at once (the
+initial state included; ``stats["max_stored"]``) plus the tape of one step, memory O((c + w + 3) N d^2).
+A segment [t0, t1) with f = c - 1 free slots is split at t0 + l1: the right part (at most
+beta(f - 1, r) steps, beta(f, r) = (f + r)!/(f! r!), r the least with beta(f, r) >= t1 - t0) is
+reversed with one slot fewer, then the left part with the slot freed. Every step is advanced at most
+r + 1 times (r + 2 counting the taped replay); forward steps <= T + (r + 1) T, for T = 100: c = 4 (r = 7),
+c = 6 (r = 4), c = 8 (r = 3). The forward pass that computes the loss stores the first
+descent's checkpoints, so it is not repeated. c = 1 replays from t = 0 for every step (T (T + 1)/2).
 
 Gradient conventions (as :mod:`.energy`): ``rho`` traceless Hermitian (dL = tr(G d rho) on the tangent
 space of S_d), ``hamiltonian`` Hermitian, the rest plain partial derivatives; a rate given as a number
@@ -54,14 +68,14 @@ from .channels import (
 )
 from .config import QuantumConfig
 from .energy import NUMPY_OPS, QuantumOps, energy_and_gradient_arrays, floor_eps
-from .evolve import Prepared, QuantumDynamics, prepare, senders, step
-from .flows import mirror_descent_step
+from .evolve import Prepared, QuantumDynamics, normalised, prepare, senders, step
+from .flows import mirror_descent_step, mirror_descent_step_vjp
 from .frames import frames_vjp, spin_generators
 from .linalg import dagger, herm, traceless
 from .state import validate_state
 from .unitary import gibbs_vjp, relative_entropy_gibbs_vjp, soft_gate_vjp, unitary_step_vjp
 
-__all__ = ["Schedule", "RolloutResult", "LOSS_TERMS", "rollout"]
+__all__ = ["Schedule", "RolloutResult", "LOSS_TERMS", "rollout", "binomial", "repetitions"]
 
 LOSS_TERMS = ("born", "free_energy")
 
@@ -157,78 +171,138 @@ def _zeros_acc(P: Prepared, xp, cdt):
         "gamma_th": xp.zeros(n, rdt),
         "eps_c": xp.zeros((n, w), rdt),
         "M": xp.zeros((n, w, d, d), cdt),
+        "logsig": xp.zeros((n, d, d), cdt),
+        "sigma": xp.zeros((n, d, d), cdt),
+        "phi": xp.zeros((n, 3), rdt),
+        "theta": 0.0,
+        "tau": 0.0,
     }
 
 
 def _update_vjp(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynamics, acc):
-    """Adjoint of :func:`.evolve.agent_update` for the batch ``sel`` -> (x0_bar, R_bar); parameter
-    cotangents are added into ``acc``."""
+    """Adjoint of :func:`.evolve.agent_update` for the batch ``sel`` -> (x0_bar, R_bar, dt_bar); parameter
+    cotangents are added into ``acc``.
+
+    dt enters through t = g dt (t_bar from R1) and the strengths eps = 1 - exp(-rate dt)
+    (d eps/d dt = rate exp(-rate dt)); the soft gate g = sigmoid((D - theta)/tau) gives
+    theta_bar = -sum D_bar and tau_bar = -sum D_bar (D - theta)/tau with D_bar = g_bar g (1 - g)/tau.
+    """
     xp = _xp(out_bar)
     xs, y, z = tape["xs"], tape["y"], tape["z"]
     x = xs[-1]
-    lam, V, T = P.lam[sel], P.V[sel], P.T[sel]
-    sigma, l, p = P.sigma[sel], P.l[sel], P.p[sel]
+    lam, V = P.lam[sel], P.V[sel]
+    sigma = P.sigma[sel]
+    gamma, gamma_th = P.gamma[sel], P.gamma_th[sel]
     z_bar, sig_bar, eps_t_bar = mix_vjp(out_bar, z, sigma, tape["eps_t"])
     if dyn.dephasing_basis == "computational":
         y_bar, eps_d_bar = dephase_vjp(z_bar, y, tape["eps_d"])
         H_bar = xp.zeros_like(y)
     else:
         y_bar, eps_d_bar, H_bar = dephase_energy_vjp(z_bar, y, tape["eps_d"], V, lam)
-    acc["gamma"][sel] += dephasing_strength_vjp(eps_d_bar, P.gamma[sel], dt)
-    acc["gamma_th"][sel] += dephasing_strength_vjp(eps_t_bar, P.gamma_th[sel], dt)
+    acc["gamma"][sel] += dephasing_strength_vjp(eps_d_bar, gamma, dt)
+    acc["gamma_th"][sel] += dephasing_strength_vjp(eps_t_bar, gamma_th, dt)
     x_bar, H_u, t_bar = unitary_step_vjp(y_bar, x, y, tape["U"], lam, V, tape["t"])
+    g = tape["g"]
+    dt_bar = (
+        (t_bar * g).sum()
+        + (eps_d_bar * gamma * xp.exp(-gamma * dt)).sum()
+        + (eps_t_bar * gamma_th * xp.exp(-gamma_th * dt)).sum()
+    )
     H_bar = H_bar + H_u
-    logsig_bar = None
     if dyn.gate == "soft":
-        D_bar = soft_gate_vjp(t_bar * dt, tape["g"], dyn.gate_width)
+        D_bar = soft_gate_vjp(t_bar * dt, g, dyn.gate_width)
+        acc["theta"] -= float(D_bar.sum())
+        acc["tau"] -= float((D_bar * (tape["D"] - dyn.gate_threshold)).sum()) / dyn.gate_width
         rb, logsig_bar = relative_entropy_gibbs_vjp(D_bar, tape["gcache"], x.dtype)
         x_bar = x_bar + rb
-    H_g, T_g = gibbs_vjp(sig_bar, logsig_bar, lam, V, T, sigma, l, p)
-    acc["H"][sel] += H_bar + H_g
-    acc["T"][sel] += T_g
+        acc["logsig"][sel] += logsig_bar
+    acc["sigma"][sel] += sig_bar  # the Gibbs adjoint is linear and H is fixed: applied once, at the end
+    acc["H"][sel] += H_bar
     R_bar = xp.zeros_like(R)
     w = R.shape[1]
     if dyn.coupling != "none" and w:
         M, eps_c = P.M[sel], P.eps_c[sel]
-        sig = M @ R @ dagger(M)
+        Rn = normalised(R)
+        trR = R.diagonal(axis1=-2, axis2=-1).sum(axis=-1).real[..., None, None].astype(R.dtype)
+        sig = M @ Rn @ dagger(M)
         eps_c_bar = xp.zeros_like(eps_c)
         M_bar = xp.zeros_like(M)
         for k in range(w - 1, -1, -1):
             if dyn.coupling == "C1":
                 x_bar, s_bar, e_bar = mix_vjp(x_bar, xs[k], sig[:, k], eps_c[:, k])
                 Mk = M[:, k]
-                R_bar[:, k] = dagger(Mk) @ s_bar @ Mk
-                M_bar[:, k] = 2.0 * s_bar @ Mk @ R[:, k]
+                Rn_bar = dagger(Mk) @ s_bar @ Mk  # then through R / tr R
+                c = xp.einsum("nkl,nlk->n", Rn_bar, Rn[:, k]).real[:, None, None]
+                R_bar[:, k] = (Rn_bar - c * xp.eye(R.shape[-1], dtype=R.dtype)) / trR[:, k]
+                M_bar[:, k] = 2.0 * s_bar @ Mk @ Rn[:, k]
             else:
                 x_bar, e_bar = pinch_mix_vjp(x_bar, xs[k], tape["Ws"][k], eps_c[:, k])
             eps_c_bar[:, k] = e_bar
         acc["eps_c"][sel] += eps_c_bar
         acc["M"][sel] += M_bar
-    return x_bar, R_bar
+    return x_bar, R_bar, float(dt_bar)
 
 
 def _step_vjp(P: Prepared, old, new, tapes, out_bar, dt: float, dyn: QuantumDynamics, acc):
-    """Cotangent of the states before a step from the cotangent ``out_bar`` of the states after it."""
+    """Cotangent of the states before a step from the cotangent ``out_bar`` of the states after it (new:
+    the states after the channels, before any mirror step) -> (bar, dt_bar)."""
     xp = _xp(old)
     index = xp.asarray(P.index)
     if dyn.order == "jacobi":
-        x_bar, R_bar = _update_vjp(P, slice(None), old[index], tapes[0], out_bar, dt, dyn, acc)
+        x_bar, R_bar, dt_bar = _update_vjp(P, slice(None), old[index], tapes[0], out_bar, dt, dyn, acc)
         xp.add.at(x_bar, index.reshape(-1), R_bar.reshape(-1, *old.shape[1:]))
-        return x_bar
+        return x_bar, dt_bar
     bar_new = out_bar.copy()
     bar_old = xp.zeros_like(out_bar)
+    dt_bar = 0.0
     for i in range(old.shape[0] - 1, -1, -1):
         R = senders(P.index[i : i + 1], i, old, new)
-        x_bar, R_bar = _update_vjp(P, slice(i, i + 1), R, tapes[i], bar_new[i : i + 1], dt, dyn, acc)
+        x_bar, R_bar, db = _update_vjp(P, slice(i, i + 1), R, tapes[i], bar_new[i : i + 1], dt, dyn, acc)
+        dt_bar += db
         bar_old[i] += x_bar[0]
         for k, j in enumerate(P.index[i]):
             if P.mask[i, k]:
                 (bar_new if j < i else bar_old)[j] += R_bar[0, k]
-    return bar_old
+    return bar_old, dt_bar
 
 
 def _gradient_shape(key: str, value, g):
     return float(g.sum()) if np.ndim(value) == 0 else g
+
+
+def binomial(c: int, r: int) -> int:
+    """beta(c, r) = (c + r)! / (c! r!): the most steps c free checkpoints reverse with each step advanced
+    at most r times (Griewank, revolve)."""
+    return math.comb(c + r, c)
+
+
+def repetitions(n_steps: int, slots: int) -> int:
+    """The least r with beta(slots, r) >= n_steps (slots >= 1 free checkpoints): the recomputation bound
+    of :func:`rollout` with ``checkpoints = slots + 1``."""
+    r = 0
+    while binomial(slots, r) < n_steps:
+        r += 1
+    return r
+
+
+def _split(length: int, slots: int) -> int:
+    """Binomial split of a segment of ``length`` >= 2 steps with ``slots`` >= 1 free checkpoints: the
+    length of the left part. The right part gets at most beta(slots - 1, r) steps (it is reversed with
+    one checkpoint fewer), the left part at most beta(slots, r - 1) (one repetition fewer), r from
+    :func:`repetitions`; beta(slots, r) = beta(slots, r - 1) + beta(slots - 1, r) covers the segment."""
+    r = repetitions(length, slots)
+    return length - min(binomial(slots - 1, r), length - 1)
+
+
+def _spine(n_steps: int, slots: int) -> list[int]:
+    """Checkpoints the binomial schedule places on its first (rightmost) descent: stored by the forward
+    pass, so that pass is not repeated."""
+    out, t0 = [], 0
+    while n_steps - t0 > 1 and slots > 0:
+        t0 += _split(n_steps - t0, slots)
+        out.append(t0)
+        slots -= 1
+    return out
 
 
 def rollout(
@@ -239,14 +313,17 @@ def rollout(
     grad: bool = True,
     *,
     checkpoint_every: int | None = None,
+    checkpoints: int | None = None,
     ops: QuantumOps = NUMPY_OPS,
 ) -> RolloutResult:
     """Loss of a T-step rollout and, with ``grad``, its exact gradient (module docstring).
 
     loss: "born", "free_energy" or a mapping of both to weights. grads keys: ``rho``, ``hamiltonian``,
     ``temperature``, ``phi``, ``dephasing_rate``, ``thermal_rate``, ``coupling_strength``,
-    ``coupling_length``. checkpoint_every: segment length s (default ceil(sqrt(T))).
-    The hard gate and mirror-descent steps (rule R9) have no gradient here: with ``grad`` they raise.
+    ``coupling_length``, ``dt`` (T,) (one per step), ``gate_threshold``, ``gate_width``.
+    checkpoint_every: uniform checkpointing with segment length s (default ceil(sqrt(T)));
+    checkpoints: binomial checkpointing with at most c >= 1 stored states (exclusive with
+    checkpoint_every). The hard gate has no gradient: with ``grad`` it raises.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule: must be a Schedule, got {type(schedule).__name__}")
@@ -255,13 +332,14 @@ def rollout(
     T = schedule.n_steps
     if grad and dyn.gate == "hard":
         raise ConfigError("gate", "the hard gate has no gradient: use gate='soft', or grad=False")
-    if grad and dyn.mirror_steps:
+    if checkpoint_every is not None and checkpoints is not None:
         raise ConfigError(
-            "mirror_steps", "gradients through mirror-descent steps (rule R9) are not implemented: use 0"
+            "checkpoints", "give checkpoint_every (uniform) or checkpoints (binomial), not both"
         )
-    s = math.ceil(math.sqrt(T)) if checkpoint_every is None else checkpoint_every
-    if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
-        raise ConfigError("checkpoint_every", f"must be an integer >= 1, got {checkpoint_every!r}")
+    for key, v in (("checkpoint_every", checkpoint_every), ("checkpoints", checkpoints)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+            raise ConfigError(key, f"must be an integer >= 1, got {v!r}")
+    s = math.ceil(math.sqrt(T)) if checkpoint_every is None else int(checkpoint_every)
     validate_state(qstate, qcfg)
     arrays = {k: qstate[k].data for k in qstate.data_vars}
     rho = arrays["rho"]
@@ -275,11 +353,17 @@ def rollout(
             raise ConfigError("outcomes", f"has {schedule.outcomes.shape[1]} agents, the state has {n}")
     P = prepare(arrays, qcfg, dyn)
     dts = schedule.dt
+    stats = {"forward_steps": 0, "max_stored": 1}
 
     def advance(r, t, keep=False):
+        """Step t -> (state after it, tape: step tapes, state before the mirror steps, their (input,
+        eta)) ."""
+        stats["forward_steps"] += 1
         r, tapes = step(P, r, float(dts[t]), dyn, keep)
+        pre, mirror = r, []
         for _ in range(dyn.mirror_steps):
-            r, _ = mirror_descent_step(
+            r_in = r
+            r, info = mirror_descent_step(
                 {**arrays, "rho": r},
                 qcfg,
                 eta0=dyn.mirror_eta,
@@ -287,18 +371,20 @@ def rollout(
                 max_backtracks=dyn.max_backtracks,
                 ops=ops,
             )
-        return r, tapes
+            mirror.append((r_in, info["eta"]))
+        return r, (dict(step=tapes, pre=pre, mirror=mirror) if keep else None)
 
-    ckpt = {0: rho}
+    binom = checkpoints is not None
+    keep_at = set(_spine(T, checkpoints - 1)) if binom else {t for t in range(s, T, s)}
+    store = {0: rho}
     born = 0.0
-    forward_steps = 0
     for t in range(T):
         rho, _ = advance(rho, t)
-        forward_steps += 1
         if w_born:
             born += _born(rho, schedule.outcomes[t], w_born)[0]
-        if (t + 1) % s == 0 and t + 1 < T:
-            ckpt[t + 1] = rho
+        if t + 1 in keep_at:
+            store[t + 1] = rho
+    stats["max_stored"] = len(store)
     terms = {}
     if "born" in weights:
         terms["born"] = born
@@ -308,36 +394,54 @@ def rollout(
         terms["free_energy"] = w_F * Fterms["total"]
     final = qstate.copy()
     final["rho"] = (qstate["rho"].dims, rho)
-    stats = {"checkpoints": len(ckpt), "segment": s, "forward_steps": forward_steps}
+    if binom:
+        stats.update(scheme="binomial", checkpoints=checkpoints)
+    else:
+        stats.update(scheme="uniform", checkpoints=len(store), segment=s)
     total = float(sum(terms.values()))
     if not grad:
         return RolloutResult(total, terms, None, final, stats)
 
     acc = _zeros_acc(P, xp, rho.dtype)
+    dt_bar = np.zeros(T)
     bar = xp.zeros_like(rho)
     if w_F:
         bar = bar + w_F * Fgrads["rho"]
     if w_born:
         bar = bar + _born(rho, schedule.outcomes[T - 1], w_born)[1]
-    for start in sorted(ckpt, reverse=True):
-        stop = min(start + s, T)
-        states, tapes = [ckpt[start]], []
-        for t in range(start, stop):
-            r, tp = advance(states[-1], t, keep=True)
-            forward_steps += 1
-            states.append(r)
-            tapes.append(tp)
-        for t in range(stop - 1, start - 1, -1):
-            old, new = states[t - start], states[t - start + 1]
-            bar = _step_vjp(P, old, new, tapes[t - start], bar, float(dts[t]), dyn, acc)
-            if w_born and t >= 1:
-                bar = bar + _born(old, schedule.outcomes[t - 1], w_born)[1]
-        del states, tapes
-    stats["forward_steps"] = forward_steps
+
+    def back(t, old, tape, bar):
+        """Cotangent of the state at t from that at t + 1 (mirror steps in reverse, then the step)."""
+        for r_in, eta in reversed(tape["mirror"]):
+            res = mirror_descent_step_vjp(bar, {**arrays, "rho": r_in}, qcfg, eta, ops=ops)
+            bar = res["rho"]
+            acc["logsig"] += res["log_sigma"]
+            if res["phi"] is not None:
+                acc["phi"] += res["phi"]
+        bar, dt_bar[t] = _step_vjp(P, old, tape["pre"], tape["step"], bar, float(dts[t]), dyn, acc)
+        if w_born and t >= 1:
+            bar = bar + _born(old, schedule.outcomes[t - 1], w_born)[1]
+        return bar
+
+    if binom:
+        bar = _reverse_binomial(T, checkpoints - 1, store, advance, back, bar, stats)
+    else:
+        for start in sorted(store, reverse=True):
+            stop = min(start + s, T)
+            states, tapes = [store[start]], []
+            for t in range(start, stop):
+                r, tp = advance(states[-1], t, keep=True)
+                states.append(r)
+                tapes.append(tp)
+            stats["max_stored"] = max(stats["max_stored"], len(store) + len(states) - 1)
+            for t in range(stop - 1, start - 1, -1):
+                bar = back(t, states[t - start], tapes[t - start], bar)
+            del states, tapes
 
     U_bar = transports_vjp(acc["M"], P.U, xp.asarray(P.index))
-    phi_bar = frames_vjp(U_bar, P.fcache, spin_generators(rho.shape[-1]))
-    H_bar, T_bar = acc["H"], acc["T"]
+    phi_bar = frames_vjp(U_bar, P.fcache, spin_generators(rho.shape[-1])) + acc["phi"]
+    H_m, T_m = gibbs_vjp(acc["sigma"], acc["logsig"], P.lam, P.V, P.T, P.sigma, P.l, P.p)
+    H_bar, T_bar = acc["H"] + H_m, acc["T"] + T_m
     if w_F:
         H_bar = H_bar + w_F * Fgrads["hamiltonian"]
         T_bar = T_bar + w_F * Fgrads["temperature"]
@@ -358,5 +462,36 @@ def rollout(
         "thermal_rate": _gradient_shape("thermal_rate", dyn.thermal_rate, acc["gamma_th"]),
         "coupling_strength": e0_bar,
         "coupling_length": ell_bar,
+        "dt": dt_bar,
+        "gate_threshold": acc["theta"],
+        "gate_width": acc["tau"],
     }
     return RolloutResult(total, terms, grads, final, stats)
+
+
+def _reverse_binomial(T: int, slots: int, store: dict, advance, back, bar, stats: dict):
+    """Reverse sweep over [0, T) with binomial checkpointing (module docstring): ``store`` holds the state
+    at 0 and the forward pass's checkpoints (:func:`_spine`); at most slots + 1 states are held at once
+    (stats["max_stored"]). Recursion depth <= slots + 1."""
+
+    def run(t0: int, t1: int, r):
+        for t in range(t0, t1):
+            r, _ = advance(r, t)
+        return r
+
+    def rev(t0: int, t1: int, free: int, bar):
+        if t1 - t0 == 1 or free == 0:
+            for t in range(t1 - 1, t0 - 1, -1):  # free == 0: replay from t0 for every step
+                old = run(t0, t, store[t0])
+                _, tape = advance(old, t, keep=True)
+                bar = back(t, old, tape, bar)
+            return bar
+        mid = t0 + _split(t1 - t0, free)
+        if mid not in store:
+            store[mid] = run(t0, mid, store[t0])
+            stats["max_stored"] = max(stats["max_stored"], len(store))
+        bar = rev(mid, t1, free - 1, bar)
+        del store[mid]
+        return rev(t0, mid, free, bar)
+
+    return rev(0, T, slots, bar)

@@ -28,6 +28,7 @@ from .linalg import dagger, dd_exp, dd_expi, dk, eigh, from_eig, herm, trace
 __all__ = [
     "hamiltonian_eig",
     "propagator",
+    "newton_schulz",
     "unitary_step",
     "unitary_step_vjp",
     "gibbs",
@@ -45,12 +46,26 @@ def hamiltonian_eig(H):
     return eigh(H)
 
 
+def newton_schulz(U):
+    """One Newton–Schulz step U (3 I - U^dag U)/2 towards the nearest unitary (polar factor), spec §3.1:
+    with U^dag U = I + E it leaves U^dag U = I - 3E^2/4 + O(E^3), so the unitarity residual goes from
+    |E| to O(|E|^2) + the round-off of the two products (about d u)."""
+    xp = _xp(U)
+    eye = xp.eye(U.shape[-1], dtype=U.dtype)
+    return U @ (1.5 * eye - 0.5 * (dagger(U) @ U))
+
+
 def propagator(lam, V, t):
-    """U(t) = V diag(exp(-i lam t)) V^dag for per-agent times t (N,) (or a scalar)."""
+    """U(t) = V diag(exp(-i lam t)) V^dag for per-agent times t (N,) (or a scalar).
+
+    complex64: the float32 eigenvectors V are orthonormal only to ~d u_32 (|U^dag U - I| up to 1e-5 at
+    d = 64 on the H200, spec §3.1), so U gets one :func:`newton_schulz` step. The adjoints (R1) treat U as
+    the exact exponential; the correction is of the order of that round-off."""
     xp = _xp(lam)
     t = xp.asarray(t, dtype=lam.dtype)
     ph = xp.exp(-1j * lam * (t[..., None] if t.ndim else t)).astype(V.dtype)
-    return (V * ph[:, None, :]) @ dagger(V)
+    U = (V * ph[:, None, :]) @ dagger(V)
+    return newton_schulz(U) if U.dtype == np.complex64 else U
 
 
 def unitary_step(rho, U):

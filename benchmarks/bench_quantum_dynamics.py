@@ -1,0 +1,216 @@
+"""Density-matrix dynamics: one step and one rollout with its adjoint (issue 13, spec/quantum.md §3, §4, §6).
+
+    python benchmarks/bench_quantum_dynamics.py                       # CPU: N = 1024, d = 2 4 8, c128/c64
+    python benchmarks/bench_quantum_dynamics.py --qutip               # + vfesim Lindblad vs QuTiP mesolve
+    python benchmarks/bench_quantum_dynamics.py --backend cupy --sizes 4096 65536 262144 \\
+        --dtypes complex128 complex64 --torch                         # GPU, + the PyTorch autograd baseline
+
+Problem (the issue's target): Jacobi steps of N agents with C1 coupling over a causal window of w = 8
+senders (eps0 = 0.3, ell = 1.618), the unitary step from one eigh of H_i per rollout, computational-basis
+dephasing (gamma = 0.2) and a Born loss with every agent observed at every step; dt = 0.09. "step": one
+synchronous step (evolve's inner step, arrays in, arrays out). "rollout": T = 100 steps with the exact
+adjoint (:func:`vfesim.quantum.rollout`, uniform checkpointing, s = ceil(sqrt T)); includes the
+per-rollout eigh of H, frames and transports. Medians of repeated calls after one warm-up.
+
+Achieved bytes/s against a traffic model (c = bytes of one complex number; the model counts each array a
+step must read or write once): forward step (2 w + 6) N d^2 c (senders and transports, w each; state in,
+after the unitary, after the dephasing, out; U; sigma), adjoint step (3 w + 10) N d^2 c (tapes read,
+cotangents of states, senders and transports), rollout T (2 forward + 1 adjoint) (forward twice: the loss
+pass and the checkpoint replay). On the GPU compare with the copy rate printed by ``--copy``.
+
+``--qutip`` (CPU): the same Lindblad problem per agent (H_i, L_k = sqrt(gamma)|k><k|) over T dt with
+QuTiP 5 ``mesolve`` (adams, atol 1e-10, rtol 1e-8) on ``--qutip-agents`` agents, against
+:func:`vfesim.quantum.lindblad_evolve` ("exact" Liouvillian propagator, "strang") on the same agents and
+on N: time per agent and max |rho - rho_qutip|.
+
+``--torch``: benchmarks/torch_quantum_rollout.py (PyTorch autograd, the same rollout; imported only then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import vfesim
+from vfesim.quantum import QuantumDynamics, Schedule, rollout
+from vfesim.quantum.channels import causal_window
+from vfesim.quantum.evolve import prepare, step
+from vfesim.quantum.lindblad import lindblad_evolve
+from vfesim.quantum.state import make_state
+
+HERE = Path(__file__).resolve().parent
+DT, T_STEPS, WINDOW, EPS0, ELL, GAMMA = 0.09, 100, 8, 0.3, 1.618, 0.2
+
+
+def array_module(name: str):
+    if name == "numpy":
+        return np
+    import cupy
+
+    return cupy
+
+
+def sync(xp) -> None:
+    if xp is not np:
+        xp.cuda.Device().synchronize()
+
+
+def timeit(fn, xp, *, min_reps=3, max_reps=20, target_s=1.0) -> tuple[float, int]:
+    fn()
+    sync(xp)
+    times = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < target_s):
+        t0 = time.perf_counter()
+        fn()
+        sync(xp)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), len(times)
+
+
+def problem(N: int, d: int, dtype: str, xp, seed: int = 0):
+    """(cfg, state Dataset on the device, dynamics, schedule) of the module docstring's problem."""
+    cfg = vfesim.QuantumConfig(d=d, lambda_belief=0.0)
+    host = vfesim.random_state(cfg, N, seed=seed, dtype=dtype)
+    st = make_state(cfg, *(xp.asarray(host[k].values) for k in ("rho", "hamiltonian", "temperature", "phi")))
+    dyn = QuantumDynamics(
+        coupling_strength=EPS0,
+        coupling_length=ELL,
+        neighbours=causal_window(N, WINDOW),
+        dephasing_rate=GAMMA,
+    )
+    y = np.random.default_rng(seed).integers(0, d, size=(T_STEPS, N))
+    return cfg, st, dyn, Schedule(dyn, DT, T_STEPS, y)
+
+
+def traffic(N: int, d: int, dtype: str) -> tuple[float, float]:
+    c = np.dtype(dtype).itemsize
+    fwd = (2 * WINDOW + 6) * N * d * d * c
+    adj = (3 * WINDOW + 10) * N * d * d * c
+    return fwd, T_STEPS * (2 * fwd + adj)
+
+
+def bench(N: int, d: int, dtype: str, xp, rollout_too: bool) -> dict:
+    cfg, st, dyn, sched = problem(N, d, dtype, xp)
+    arrays = {k: st[k].data for k in st.data_vars}
+    P = prepare(arrays, cfg, dyn)
+    rho = arrays["rho"]
+    t_step, n_step = timeit(lambda: step(P, rho, DT, dyn), xp)
+    b_step, b_roll = traffic(N, d, dtype)
+    row = dict(N=N, d=d, dtype=dtype, step_s=t_step, step_GBps=b_step / t_step / 1e9, step_reps=n_step)
+    if rollout_too:
+        t_roll, n_roll = timeit(lambda: rollout(st, cfg, sched, "born"), xp, min_reps=1, max_reps=5)
+        row.update(rollout_s=t_roll, rollout_GBps=b_roll / t_roll / 1e9, rollout_reps=n_roll)
+    return row
+
+
+def copy_rate(xp, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate (read + write) in GB/s."""
+    a = xp.ones(nbytes // 8, np.float64)
+    b = xp.empty_like(a)
+    t, _ = timeit(lambda: b.__setitem__(Ellipsis, a), xp)
+    return 2 * a.nbytes / t / 1e9
+
+
+def bench_qutip(n_agents: int, d: int, N: int) -> dict:
+    """The Lindblad comparison of the module docstring (complex128, CPU)."""
+    import qutip
+
+    cfg = vfesim.QuantumConfig(d=d)
+    st = vfesim.random_state(cfg, N, seed=1)
+    rho, H = st.rho.values, st.hamiltonian.values
+    t_end = T_STEPS * DT
+    c_ops = [qutip.Qobj(np.sqrt(GAMMA) * np.outer(np.eye(d)[k], np.eye(d)[k])) for k in range(d)]
+    opts = {"atol": 1e-10, "rtol": 1e-8, "store_states": False, "store_final_state": True}
+
+    def run_qutip():
+        return [
+            qutip.mesolve(
+                qutip.Qobj(H[i]), qutip.Qobj(rho[i]), [0.0, t_end], c_ops, options=opts
+            ).final_state.full()
+            for i in range(n_agents)
+        ]
+
+    t0 = time.perf_counter()
+    ref = np.array(run_qutip())
+    t_q = (time.perf_counter() - t0) / n_agents
+    row = dict(d=d, qutip_agents=n_agents, qutip_s_per_agent=t_q)
+    for method, n_steps in (("exact", 1), ("strang", T_STEPS)):
+        dt = t_end / n_steps
+        out = lindblad_evolve(rho[:n_agents], H[:n_agents], dt, n_steps, dephasing_rate=GAMMA, method=method)
+        err = float(np.abs(out[-1] - ref).max())
+        t_v, _ = timeit(
+            lambda dt=dt, n=n_steps, m=method: lindblad_evolve(rho, H, dt, n, dephasing_rate=GAMMA, method=m),
+            np,
+        )
+        row[f"{method}_s_per_agent"] = t_v / N
+        row[f"{method}_max_err"] = err
+        row[f"{method}_speedup"] = t_q / (t_v / N)
+    return row
+
+
+def table(rows: list[dict], keys: list[str]) -> str:
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+    cells = [[fmt(r.get(k, "")) for k in keys] for r in rows]
+    width = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, width, strict=True))
+    return "\n".join([line(keys), *(line(c) for c in cells)])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
+    ap.add_argument("--sizes", type=int, nargs="*", default=None, help="N (default 1024 CPU, 3 sizes GPU)")
+    ap.add_argument("--ds", type=int, nargs="*", default=[2, 4, 8])
+    ap.add_argument("--dtypes", nargs="*", default=["complex128", "complex64"])
+    ap.add_argument("--no-rollout", action="store_true", help="time the step only")
+    ap.add_argument("--copy", action="store_true", help="also print the device copy rate (GPU)")
+    ap.add_argument("--qutip", action="store_true", help="Lindblad vs QuTiP mesolve (CPU)")
+    ap.add_argument("--qutip-agents", type=int, default=16)
+    ap.add_argument("--torch", action="store_true", help="the PyTorch autograd baseline at the same sizes")
+    ap.add_argument("--out", default=None, help="folder for quantum_dynamics_bench.jsonl")
+    args = ap.parse_args(argv)
+    xp = array_module(args.backend)
+    sizes = args.sizes or ([1024] if xp is np else [4096, 65536, 262144])
+    print(f"# {platform.node()} {platform.processor()} numpy {np.__version__} backend {args.backend}")
+    print(f"# T = {T_STEPS}, window = {WINDOW}, dt = {DT}; medians; GB/s of the traffic model (docstring)")
+    if args.copy and xp is not np:
+        print(f"# device copy rate {copy_rate(xp):.0f} GB/s")
+    rows = []
+    for N in sizes:
+        for d in args.ds:
+            for dtype in args.dtypes:
+                rows.append(bench(N, d, dtype, xp, not args.no_rollout))
+                print(table(rows[-1:], list(rows[-1])), flush=True)
+    keys = ["N", "d", "dtype", "step_s", "step_GBps"] + (
+        [] if args.no_rollout else ["rollout_s", "rollout_GBps"]
+    )
+    if args.torch:
+        sys.path.insert(0, str(HERE))
+        import torch_quantum_rollout
+
+        for r in rows:
+            r.update(torch_quantum_rollout.bench(r["N"], r["d"], r["dtype"], T_STEPS, WINDOW))
+            r["speedup_vs_torch"] = r.get("torch_rollout_s", math.nan) / r.get("rollout_s", math.nan)
+        keys += ["torch_rollout_s", "speedup_vs_torch"]
+    print("\n" + table(rows, keys))
+    if args.qutip:
+        qrows = [bench_qutip(args.qutip_agents, d, sizes[0]) for d in args.ds]
+        print("\n# Lindblad (H, computational dephasing) over T dt, per agent: QuTiP mesolve vs vfesim")
+        print(table(qrows, list(qrows[0])))
+        rows += qrows
+    if args.out:
+        with open(Path(args.out) / "quantum_dynamics_bench.jsonl", "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
