@@ -9,10 +9,12 @@ import pytest
 from quantum_stages import stage_inputs, stage_outputs
 from vfesim_kernels import quantum_cpu, quantum_math
 
-from vfesim.backends.numba_backend import QUANTUM_OPS
+from vfesim.backends import numba_backend
 from vfesim.quantum.energy import NUMPY_OPS
-from vfesim.quantum.kernel_ops import jacobi_tol2
+from vfesim.quantum.kernel_ops import jacobi_tol2, kernel_ops
 
+# The CPU kernels for every d (the numba backend switches to the NumPy stages above a size).
+KERNEL_OPS = kernel_ops(lambda: np, quantum_cpu.launch)
 _jac = quantum_math.link(numba.njit, "test")
 _jacobi, _load = _jac.jacobi_eigh, _jac.load_herm
 
@@ -78,7 +80,7 @@ def test_jacobi_eigh_reconstructs_and_is_unitary(d):
 def test_cpu_kernels_match_numpy_stages(d, dtype, rtol):
     v = stage_inputs(d, dtype)
     ref = stage_outputs(NUMPY_OPS, v, dtype)
-    got = stage_outputs(QUANTUM_OPS, v, dtype)
+    got = stage_outputs(KERNEL_OPS, v, dtype)
     for k, b in ref.items():
         a = got[k]
         assert a.dtype == b.dtype and a.shape == b.shape, k
@@ -87,8 +89,22 @@ def test_cpu_kernels_match_numpy_stages(d, dtype, rtol):
 
 def test_results_do_not_depend_on_the_thread_split(monkeypatch):
     v = stage_inputs(4, "complex128", N=40, seed=5)
-    one = stage_outputs(QUANTUM_OPS, v, "complex128")
+    one = stage_outputs(KERNEL_OPS, v, "complex128")
     monkeypatch.setattr(quantum_cpu, "MIN_AGENTS_PER_THREAD", 1)
-    split = stage_outputs(QUANTUM_OPS, v, "complex128")
+    split = stage_outputs(KERNEL_OPS, v, "complex128")
     for k in one:
         np.testing.assert_array_equal(one[k], split[k], err_msg=k)
+
+
+def test_numba_backend_runs_kernels_up_to_its_size_limit(monkeypatch):
+    """The numba backend's stages: Jacobi kernels up to QUANTUM_JACOBI_MAX_D, LAPACK (NumPy) above."""
+    calls = []
+    run = quantum_cpu._run
+    monkeypatch.setattr(quantum_cpu, "_run", lambda k, *a: (calls.append(k), run(k, *a)))
+    ops = numba_backend.QUANTUM_OPS
+    small, large = numba_backend.QUANTUM_JACOBI_MAX_D, numba_backend.QUANTUM_JACOBI_MAX_D + 1
+    ops.eig_log(stage_inputs(small, "complex128", N=6)["x"])
+    assert calls == [quantum_cpu.KERNELS["eig_log"]]
+    v = stage_inputs(large, "complex128", N=6)
+    np.testing.assert_array_equal(ops.eig_log(v["x"])[2], NUMPY_OPS.eig_log(v["x"])[2])
+    assert len(calls) == 1

@@ -37,7 +37,8 @@ from ..config import ModelConfig
 from ..gaussian.energy import NUMPY_AGENT_OPS, StagedStages
 from ..groups import generators
 from ..pairwise.gemm import pairwise_dense_gemm, pairwise_gemm
-from ..quantum.kernel_ops import kernel_ops
+from ..quantum.energy import NUMPY_OPS
+from ..quantum.kernel_ops import kernel_ops, sized_ops
 from . import Backend
 
 __all__ = [
@@ -522,7 +523,10 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
     ks[name][_cdiv(N, kc.BLOCK), kc.BLOCK](*views)
 
 
-QUANTUM_OPS = kernel_ops(array_module, _quantum_launch)
+# One thread per agent up to d = 8 (each matrix in local memory); above, the batched CuPy stages
+# (cuSOLVER's eigh).
+QUANTUM_KERNEL_MAX_D = 8
+QUANTUM_OPS = sized_ops(kernel_ops(array_module, _quantum_launch), NUMPY_OPS, QUANTUM_KERNEL_MAX_D)
 
 BACKEND = Backend(
     name="cuda",

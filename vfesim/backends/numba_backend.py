@@ -18,7 +18,8 @@ from ..gaussian.features import agent_features
 from ..gaussian.geometry import MOVABLE
 from ..gaussian.terms import self_kl
 from ..groups import generators
-from ..quantum.kernel_ops import kernel_ops
+from ..quantum.energy import NUMPY_OPS
+from ..quantum.kernel_ops import kernel_ops, sized_ops
 from . import Backend
 from .numpy_backend import to_device, to_host  # host arrays: nothing to move
 
@@ -120,7 +121,11 @@ class SerialUpdates(NumbaUpdates):
         self.kernels = _SerialKernels()
 
 
-QUANTUM_OPS = kernel_ops(lambda: np, quantum_cpu.launch)
+# Per-agent Jacobi kernels up to d = 5; LAPACK's batched eigh (NumPy stages) above. Measured on 2 cores
+# (benchmarks/bench_quantum.py --stages): the kernels' eig_log takes 0.6x NumPy's time at d = 4 and 0.86x
+# at d = 5, but 1.7x at d = 6 and 1.9x at d = 8 (Jacobi sweeps cost O(d^3) per sweep; LAPACK reduces once).
+QUANTUM_JACOBI_MAX_D = 5
+QUANTUM_OPS = sized_ops(kernel_ops(lambda: np, quantum_cpu.launch), NUMPY_OPS, QUANTUM_JACOBI_MAX_D)
 
 BACKEND = Backend(
     name="numba",

@@ -16,7 +16,19 @@ import numpy as np
 
 from .energy import QuantumOps
 
-__all__ = ["kernel_ops", "jacobi_tol2"]
+__all__ = ["kernel_ops", "sized_ops", "jacobi_tol2"]
+
+# Which argument of each stage carries the matrix size d (its last axis).
+_SIZE_ARG = {
+    "eig_log": 0,
+    "gibbs": 0,
+    "frames": 1,
+    "pull_features": 0,
+    "pull_vjp": 2,
+    "dk_log": 1,
+    "dk_exp": 2,
+    "frames_vjp": 0,
+}
 
 
 def jacobi_tol2(dtype) -> float:
@@ -102,3 +114,20 @@ def kernel_ops(array_module: Callable, launch: Callable) -> QuantumOps:
         return out
 
     return QuantumOps(eig_log, gibbs, frames, pull_features, pull_vjp, dk_log, dk_exp, frames_vjp)
+
+
+def sized_ops(small: QuantumOps, large: QuantumOps, max_d: int) -> QuantumOps:
+    """Stages that run ``small`` for matrices up to ``max_d`` and ``large`` above (e.g. per-agent Jacobi
+    kernels for small d, batched LAPACK / cuSOLVER array code for larger d)."""
+
+    def pick(name):
+        i = _SIZE_ARG[name]
+        lo, hi = getattr(small, name), getattr(large, name)
+
+        def stage(*args):
+            return (lo if args[i].shape[-1] <= max_d else hi)(*args)
+
+        stage.__name__ = name
+        return stage
+
+    return QuantumOps(*(pick(name) for name in QuantumOps._fields))
