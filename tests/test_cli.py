@@ -199,3 +199,23 @@ def test_cli_run_matches_python_api(tmp_path):
     run = simulate(toml, out=tmp_path / "b.zarr", progress=False)
     a = open_run(tmp_path / "a.zarr")
     np.testing.assert_array_equal(a["mu_q"].values[-1], run.state["mu_q"].values)
+
+
+def test_scenario_with_several_mistakes_reports_all_and_exits_2(tmp_path, capsys):
+    toml = write(
+        tmp_path,
+        SMALL.replace("dt = 0.05", "dt = -0.05")
+        .replace("n_agents = 6", "n_agnets = 6")
+        .replace("save_every = 2", 'save_every = "2"'),
+    )
+    assert main(["run", str(toml), "--out", str(tmp_path / "r.zarr")]) == 2
+    err = capsys.readouterr().err
+    assert f"{toml}: 4 problems:" in err
+    for line in (
+        "population.n_agnets: unknown key; did you mean 'n_agents'?",
+        "population.n_agents: is required",
+        "integrator.dt: must be > 0, got -0.05",
+        "run.save_every: must be an integer, got str '2'",
+    ):
+        assert f"\n  {line}" in err
+    assert not (tmp_path / "r.zarr").exists()

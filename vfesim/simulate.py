@@ -173,7 +173,7 @@ def simulate(
     lines when logging shows INFO; False -> silent.
     Returns a :class:`Run`; ``Run.open()`` is the lazy trajectory Dataset.
     """
-    name = "scenario"
+    name, source = "scenario", None
     if isinstance(scenario_or_config, ModelConfig):
         model = scenario_or_config.to_dict()
         if model.pop("dtype") is not None:
@@ -187,11 +187,12 @@ def simulate(
         d = {k: dict(v) if isinstance(v, dict) else v for k, v in scenario_or_config.items()}
     else:
         d, name = read_toml(scenario_or_config), Path(scenario_or_config).stem
+        source = scenario_or_config
     for sec, changes in sections.items():
         if not isinstance(changes, dict):
             raise ScenarioError(sec, f"keyword section must be a dict, got {changes!r}")
         d[sec] = {**d.get(sec, {}), **changes}
-    scn = Scenario.from_dict(d, name=name)
+    scn = Scenario.from_dict(d, name=name, source=source)
     scn = _with_overrides(scn, steps, backend, out)
     path = scn.output["path"]
     if path is None:
