@@ -4,6 +4,7 @@ import io
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from vfesim.cli import main
 from vfesim.io import open_run
 from vfesim.progress import Progress
+from vfesim.scenario import Scenario
 
 SMALL = """
 [model]
@@ -49,6 +51,22 @@ def test_run_resume_inspect_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "status       complete" in text and "8 saved of 8" in text
     assert "system_free_energy" in text and "checkpoints  at steps 4, 8" in text
+    assert "family       gaussian" in text and "backend      numpy, float64" in text
+    summary, scenario = text.split("\n\n", 1)
+    assert max(map(len, text.splitlines())) < len(str(out)) + 40  # no one-line JSON dump
+    assert tomllib.loads(scenario)["integrator"] == {
+        "method": "verlet",
+        "dt": 0.05,
+        "friction": 0.1,
+        "options": {},
+    }
+    assert scenario.index("[model]") < scenario.index("[population]") < scenario.index("[run]")
+    assert main(["inspect", str(out), "--scenario"]) == 0
+    again = write(tmp_path, capsys.readouterr().out, "again.toml")
+    assert (
+        Scenario.from_toml(again).to_dict()
+        == Scenario.from_toml(toml).replace("output", path=str(out)).to_dict()
+    )
     assert main(["inspect", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["frames_saved"] == 5 and info["scenario"]["integrator"]["method"] == "verlet"

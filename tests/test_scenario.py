@@ -1,11 +1,12 @@
 """Scenario validation: every bad key is named, defaults resolve, scenarios/*.toml load."""
 
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from vfesim.scenario import Scenario, ScenarioError, load_scenario
+from vfesim.scenario import Scenario, ScenarioError, load_scenario, to_toml
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 
@@ -230,3 +231,36 @@ def test_model_value_and_unknown_model_key_together():
     del d["model"]["temprature"]
     with pytest.raises(ScenarioError, match="^model.kappa_beta: must be > 0"):
         Scenario.from_dict(d)
+
+
+def test_to_toml_round_trips_matrices_nested_options_and_odd_strings(tmp_path):
+    s = Scenario.from_dict(
+        {
+            **GOOD,
+            "model": {
+                "K": 3,
+                "lambda_obs": 1.0,
+                "W": [[1.0, 0.0, 0.0], [0.0, 1e-300, 0.5]],
+                "R": [[1.0, 0], [0, 2]],
+            },
+            "integrator": {
+                "method": "verlet",
+                "dt": 0.1,
+                "options": {"mass": {"mu_q": 2.0}, "momenta": "zero"},
+            },
+            "output": {"path": 'a "quoted" dir\\r.zarr'},
+        }
+    )
+    text = s.to_toml()
+    assert "[[" not in text.replace("W = [[", "").replace(
+        "R = [[", ""
+    )  # matrices inline, no arrays of tables
+    assert tomllib.loads(text) == s.to_dict()
+    (tmp_path / "s.toml").write_text(text)
+    again = Scenario.from_toml(tmp_path / "s.toml")
+    assert again.to_dict() == s.to_dict() and again.model == s.model
+    assert to_toml({"run": {"x": float("inf"), "y": True, "odd key": -3}}) == (
+        '[run]\nx = inf\ny = true\n"odd key" = -3\n'
+    )
+    with pytest.raises(TypeError, match="cannot write object"):
+        to_toml({"run": {"x": object()}})

@@ -49,9 +49,17 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-version-change", action="store_true", help="resume a run of another vfesim version"
     )
     _common(p)
-    p = sub.add_parser("inspect", help="config, steps done, energies, checkpoints")
+    p = sub.add_parser(
+        "inspect", help="a run's summary (steps done, checkpoints, energies) and its scenario as TOML"
+    )
     p.add_argument("store")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--json", action="store_true", help="everything as JSON (machine-readable)")
+    what.add_argument(
+        "--scenario",
+        action="store_true",
+        help="only the resolved scenario, as a TOML file `vfesim run` takes",
+    )
     _common(p)
     p = sub.add_parser("plot", help="PNG figures of a run")
     p.add_argument("store")
@@ -114,7 +122,8 @@ def _chunking_lines(chunking: dict | None) -> list[str]:
     ]
 
 
-def _inspect(path: str, as_json: bool) -> None:
+def _inspect(path: str, as_json: bool, scenario_only: bool) -> None:
+    from .scenario import to_toml
     from .simulate import run_info
 
     info = run_info(path)
@@ -122,23 +131,32 @@ def _inspect(path: str, as_json: bool) -> None:
         _out(json.dumps(info, indent=2, sort_keys=True))
         return
     sc = info["scenario"]
+    scenario = f"# scenario {info['name']!r}, resolved (every default filled in)\n"
+    scenario += to_toml(sc)
+    if scenario_only:
+        _out(scenario.rstrip("\n"))
+        return
+    running = "  (or killed: `vfesim resume` continues it)" if info["status"] == "running" else ""
+    done = info["last_saved_step"]
     lines = [
         f"run          {info['path']}  ({info['name']})",
-        f"status       {info['status']}"
-        + ("  (or killed: `vfesim resume` continues it)" if info["status"] == "running" else ""),
-        f"version      vfesim {info['vfesim_version']}, backend {info['backend']}, {info['dtype']}",
+        f"status       {info['status']}{running}",
+        f"family       {info.get('family') or 'gaussian'}, vfesim {info['vfesim_version']}",
         f"agents       {info['n_agents']}  (K = {sc['model'].get('K')})",
+        f"backend      {info['backend']}, {info['dtype']}",
         *_chunking_lines(info.get("chunking")),
         f"integrator   {sc['integrator']['method']}, dt = {sc['integrator']['dt']}, "
         f"friction = {sc['integrator']['friction']}",
-        f"steps        {info['last_saved_step']} saved of {info['n_steps']} "
+        f"steps        {done if done is not None else 'none'} saved of {info['n_steps']} "
         f"({info['frames_saved']} frames, every {sc['run']['save_every']})",
-        f"checkpoints  at steps {', '.join(map(str, info['checkpoints'])) or 'none'}",
+        f"checkpoints  at steps {', '.join(map(str, info['checkpoints'])) or 'none'}"
+        f" (every {sc['run']['checkpoint_every']}, {sc['output']['keep_checkpoints']} kept)",
     ]
-    for k, v in info["last_energies"].items():
-        lines.append(f"  {k:<28} {v:.10g}")
-    lines.append("scenario     " + json.dumps(sc, sort_keys=True))
-    _out("\n".join(lines))
+    if info["last_energies"]:
+        lines.append(f"energies     at step {done}")
+        width = max(map(len, info["last_energies"]))
+        lines += [f"  {k:<{width}}  {v:.10g}" for k, v in info["last_energies"].items()]
+    _out("\n".join(lines) + "\n\n" + scenario.rstrip("\n"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 allow_version_change=args.allow_version_change,
             )
         elif args.command == "inspect":
-            _inspect(args.store, args.json)
+            _inspect(args.store, args.json, args.scenario)
         elif args.command == "plot":
             from .plots import plot_run
 

@@ -23,6 +23,7 @@ import difflib
 import json
 import math
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,15 @@ from .backends import names as backend_names
 from .config import ConfigError, ModelConfig, SparseNeighbours, _check_real
 from .state import StateError, make_state, random_state
 
-__all__ = ["ScenarioError", "Scenario", "load_scenario", "read_toml", "BACKENDS", "run_memory_bytes"]
+__all__ = [
+    "ScenarioError",
+    "Scenario",
+    "load_scenario",
+    "read_toml",
+    "to_toml",
+    "BACKENDS",
+    "run_memory_bytes",
+]
 
 BACKENDS = (*backend_names(), "auto")
 
@@ -436,6 +445,10 @@ class Scenario:
     def to_json(self) -> str:
         return json.dumps({"name": self.name, "scenario": self.to_dict()}, sort_keys=True)
 
+    def to_toml(self) -> str:
+        """The resolved scenario as a TOML file (``Scenario.from_toml`` reads it back equal)."""
+        return to_toml(self.to_dict())
+
     def replace(self, section: str, **changes: Any) -> Scenario:
         """A new scenario with keys of one section changed (validated again)."""
         d = self.to_dict()
@@ -493,6 +506,42 @@ def _prior_camps(state: xr.Dataset, cfg: ModelConfig, camps: int, offset: float)
     arrays["mu_p"] = arrays["mu_p"] + shift
     arrays["mu_q"] = arrays["mu_q"] + shift
     return make_state(cfg, **arrays)
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(k: str) -> str:
+    return k if _BARE_KEY.match(k) else json.dumps(k)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        return repr(v) if math.isfinite(v) else ("nan" if v != v else "inf" if v > 0 else "-inf")
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # a JSON string is a TOML basic string
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} {v!r} as TOML")
+
+
+def to_toml(d: dict[str, dict[str, Any]]) -> str:
+    """A scenario dict (sections of keys) as TOML text: one ``[section]`` per table, tables inside a
+    section written inline."""
+    blocks = []
+    order = [s for s in SECTIONS if s in d] + [s for s in d if s not in SECTIONS]
+    for section, keys in ((s, d[s]) for s in order):
+        lines = [f"[{_toml_key(section)}]"]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in keys.items()]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
 
 
 def read_toml(path: str | Path) -> dict:

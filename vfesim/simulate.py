@@ -567,6 +567,7 @@ def run_info(path: str | Path) -> dict:
     return {
         "path": str(path),
         "name": scn["name"],
+        "family": attrs.get("agent_family"),
         "scenario": scn["scenario"],
         "status": attrs.get("status"),
         "vfesim_version": store.attr("vfesim_version"),
