@@ -237,3 +237,38 @@ def test_scenario_with_several_mistakes_reports_all_and_exits_2(tmp_path, capsys
     ):
         assert f"\n  {line}" in err
     assert not (tmp_path / "r.zarr").exists()
+
+
+def test_shipped_scenarios_listed_and_run_by_name(tmp_path, capsys, monkeypatch):
+    from vfesim.scenario import packaged_scenarios
+
+    shipped = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "scenarios").glob("*.toml"))
+    assert list(packaged_scenarios()) == shipped and "consensus" in shipped
+    assert main(["scenarios"]) == 0
+    listing = capsys.readouterr().out
+    assert main(["run", "--list"]) == 0
+    assert capsys.readouterr().out == listing
+    for name in shipped:
+        assert any(line.startswith(f"{name}  ") for line in listing.splitlines()), name
+    assert "inertia           Inertia: Hamiltonian (Verlet) dynamics with light friction.\n" in listing
+    monkeypatch.chdir(tmp_path)  # a name, not a path: found among the shipped scenarios
+    assert main(["run", "inertia", "--out", "i.zarr", "--steps", "2", "-q"]) == 0
+    assert json.loads(open_run("i.zarr").attrs["scenario"])["name"] == "inertia"
+    write(tmp_path, SMALL, "inertia.toml")  # a file of that name here wins over the shipped one
+    assert main(["run", "inertia.toml", "--out", "mine.zarr", "-q"]) == 0
+    assert open_run("mine.zarr").sizes["agent"] == 6
+
+
+def test_unknown_scenario_name_lists_the_shipped_ones(tmp_path, capsys):
+    assert main(["run", "concensus", "--out", str(tmp_path / "r.zarr")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "concensus: no such scenario file, nor a scenario shipped with vfesim; did you mean 'consensus'?"
+        in err
+    )
+    assert "shipped: consensus, inertia, large_population, observation, polarization" in err
+    assert main(["run", str(tmp_path / "nothing.toml"), "--out", str(tmp_path / "r.zarr")]) == 2
+    assert "nothing.toml: scenario file not found" in capsys.readouterr().err  # a path: as before
+    with pytest.raises(SystemExit) as e:
+        main(["run"])
+    assert e.value.code == 2 and "give a scenario file or the name" in capsys.readouterr().err

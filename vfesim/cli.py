@@ -33,8 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vfesim", description="Run and analyse vfesim simulations.")
     ap.add_argument("--version", action="version", version=f"vfesim {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run a scenario file")
-    p.add_argument("scenario", help="scenario TOML file")
+    p = sub.add_parser("run", help="run a scenario (a TOML file, or the name of a shipped one)")
+    p.add_argument(
+        "scenario", nargs="?", help="scenario TOML file, or the name of a shipped scenario (see --list)"
+    )
+    p.add_argument("--list", action="store_true", help="list the scenarios shipped with vfesim and exit")
     p.add_argument("--out", help="output Zarr store (default: [output] path)")
     p.add_argument("--steps", type=int, help="total number of steps (overrides run.n_steps)")
     p.add_argument("--backend", help="numpy | numba | cuda | auto (overrides run.backend)")
@@ -64,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="PNG figures of a run")
     p.add_argument("store")
     p.add_argument("--outdir", help="where to write PNGs (default: STORE without .zarr + _plots)")
+    _common(p)
+    p = sub.add_parser("scenarios", help="list the scenarios shipped with vfesim (`vfesim run NAME`)")
     _common(p)
     p = sub.add_parser("verify", help="check every chunk of a run store (exit code 5 on damage)")
     p.add_argument("store")
@@ -104,6 +109,16 @@ def _verify(path: str) -> int:
         lines.append(f"{path}: intact")
     _out("\n".join(lines))
     return 5 if bad else 0
+
+
+def _list_scenarios() -> None:
+    from .scenario import describe, packaged_dir, packaged_scenarios
+
+    known = packaged_scenarios()
+    width = max(map(len, known), default=0)
+    lines = [f"{name:<{width}}  {describe(path)}" for name, path in known.items()]
+    lines.append(f"(in {packaged_dir()}; run one with `vfesim run NAME --out NAME.zarr`)")
+    _out("\n".join(lines))
 
 
 def _chunking_lines(chunking: dict | None) -> list[str]:
@@ -161,7 +176,8 @@ def _inspect(path: str, as_json: bool, scenario_only: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``vfesim`` command; returns the exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     configure_logging(quiet=args.quiet, verbose=args.verbose)
     from .integrators.base import DynamicsError
     from .io.store import StoreError
@@ -169,8 +185,13 @@ def main(argv: list[str] | None = None) -> int:
 
     progress = False if args.quiet else None
     try:
-        if args.command == "run":
+        if args.command == "scenarios" or (args.command == "run" and args.list):
+            _list_scenarios()
+        elif args.command == "run":
             from .simulate import simulate
+
+            if args.scenario is None:
+                parser.error("run: give a scenario file or the name of a shipped one (`vfesim scenarios`)")
 
             simulate(
                 args.scenario,

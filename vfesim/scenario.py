@@ -415,7 +415,7 @@ class Scenario:
     @classmethod
     def from_toml(cls, path: str | Path) -> Scenario:
         """Read and validate a TOML scenario file."""
-        return cls.from_dict(read_toml(path), name=Path(path).stem, source=path)
+        return cls.from_dict(read_toml(path), name=Path(path).stem, source=find_scenario(path))
 
     @classmethod
     def from_json(cls, s: str) -> Scenario:
@@ -544,14 +544,56 @@ def to_toml(d: dict[str, dict[str, Any]]) -> str:
     return "\n\n".join(blocks) + "\n"
 
 
+def packaged_dir() -> Path:
+    """Where the scenarios shipped with vfesim are: ``vfesim/scenarios`` in an installed wheel (setup.cfg
+    maps the repository's ``scenarios/`` there), the repository's ``scenarios/`` in a source checkout
+    or an editable install (the one copy of the files)."""
+    installed = Path(__file__).resolve().parent / "scenarios"
+    return installed if installed.is_dir() else Path(__file__).resolve().parents[1] / "scenarios"
+
+
+def packaged_scenarios() -> dict[str, Path]:
+    """The scenarios shipped with vfesim, by name (file stem), sorted."""
+    d = packaged_dir()
+    return {p.stem: p for p in sorted(d.glob("*.toml"))} if d.is_dir() else {}
+
+
+def describe(path: str | Path) -> str:
+    """A scenario file's one-line description: the first sentence of its leading comment."""
+    text = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        text.append(line.lstrip("#").strip())
+    first = " ".join(text).split(". ", 1)[0].rstrip(".")
+    return first + "." if first else "(no description)"
+
+
+def find_scenario(source: str | os.PathLike) -> Path:
+    """The scenario file ``source`` names: a path, else the name of a packaged scenario (``consensus``
+    or ``consensus.toml``). A path that is neither raises ScenarioError listing the packaged names."""
+    path = Path(source)
+    if path.exists() or len(path.parts) != 1:
+        return path
+    known = packaged_scenarios()
+    name = path.name.removesuffix(".toml")
+    if name in known:
+        return known[name]
+    raise ScenarioError(
+        str(source),
+        f"no such scenario file, nor a scenario shipped with vfesim{_did_you_mean(name, known)} "
+        f"(shipped: {', '.join(known) or 'none'}; `vfesim scenarios` describes them)",
+    )
+
+
 def read_toml(path: str | Path) -> dict:
-    """The raw nested dict of a TOML file (not yet validated)."""
+    """The raw nested dict of a TOML file (not yet validated); ``path`` may name a packaged scenario."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
             "scenario: expected a Scenario, a TOML file path or a dict of sections (simulate also "
             f"takes a ModelConfig), got {type(path).__module__}.{type(path).__name__}"
         )
-    path = Path(path)
+    path = find_scenario(path)
     try:
         with path.open("rb") as f:
             return tomllib.load(f)

@@ -29,7 +29,7 @@ from .io.lock import store_lock
 from .io.reader import open_run
 from .io.store import RunStore, StoreError, frame_steps, term_var
 from .progress import Progress, log
-from .scenario import Scenario, ScenarioError, load_scenario, read_toml
+from .scenario import Scenario, ScenarioError, find_scenario, load_scenario, read_toml
 
 __all__ = ["Run", "simulate", "resume", "RunError", "Terminated", "frame_bytes"]
 
@@ -210,7 +210,7 @@ def simulate(
         d = {k: dict(v) if isinstance(v, dict) else v for k, v in scenario_or_config.items()}
     else:
         d, name = read_toml(scenario_or_config), Path(scenario_or_config).stem
-        source = scenario_or_config
+        source = find_scenario(scenario_or_config)
     for sec, changes in sections.items():
         if not isinstance(changes, dict):
             raise ScenarioError(sec, f"keyword section must be a dict, got {changes!r}")
