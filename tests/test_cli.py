@@ -4,6 +4,7 @@ import io
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from vfesim.cli import main
 from vfesim.io import open_run
 from vfesim.progress import Progress
+from vfesim.scenario import Scenario
 
 SMALL = """
 [model]
@@ -49,6 +51,22 @@ def test_run_resume_inspect_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "status       complete" in text and "8 saved of 8" in text
     assert "system_free_energy" in text and "checkpoints  at steps 4, 8" in text
+    assert "family       gaussian" in text and "backend      numpy, float64" in text
+    summary, scenario = text.split("\n\n", 1)
+    assert max(map(len, text.splitlines())) < len(str(out)) + 40  # no one-line JSON dump
+    assert tomllib.loads(scenario)["integrator"] == {
+        "method": "verlet",
+        "dt": 0.05,
+        "friction": 0.1,
+        "options": {},
+    }
+    assert scenario.index("[model]") < scenario.index("[population]") < scenario.index("[run]")
+    assert main(["inspect", str(out), "--scenario"]) == 0
+    again = write(tmp_path, capsys.readouterr().out, "again.toml")
+    assert (
+        Scenario.from_toml(again).to_dict()
+        == Scenario.from_toml(toml).replace("output", path=str(out)).to_dict()
+    )
     assert main(["inspect", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["frames_saved"] == 5 and info["scenario"]["integrator"]["method"] == "verlet"
@@ -199,3 +217,58 @@ def test_cli_run_matches_python_api(tmp_path):
     run = simulate(toml, out=tmp_path / "b.zarr", progress=False)
     a = open_run(tmp_path / "a.zarr")
     np.testing.assert_array_equal(a["mu_q"].values[-1], run.state["mu_q"].values)
+
+
+def test_scenario_with_several_mistakes_reports_all_and_exits_2(tmp_path, capsys):
+    toml = write(
+        tmp_path,
+        SMALL.replace("dt = 0.05", "dt = -0.05")
+        .replace("n_agents = 6", "n_agnets = 6")
+        .replace("save_every = 2", 'save_every = "2"'),
+    )
+    assert main(["run", str(toml), "--out", str(tmp_path / "r.zarr")]) == 2
+    err = capsys.readouterr().err
+    assert f"{toml}: 4 problems:" in err
+    for line in (
+        "population.n_agnets: unknown key; did you mean 'n_agents'?",
+        "population.n_agents: is required",
+        "integrator.dt: must be > 0, got -0.05",
+        "run.save_every: must be an integer, got str '2'",
+    ):
+        assert f"\n  {line}" in err
+    assert not (tmp_path / "r.zarr").exists()
+
+
+def test_shipped_scenarios_listed_and_run_by_name(tmp_path, capsys, monkeypatch):
+    from vfesim.scenario import packaged_scenarios
+
+    shipped = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "scenarios").glob("*.toml"))
+    assert list(packaged_scenarios()) == shipped and "consensus" in shipped
+    assert main(["scenarios"]) == 0
+    listing = capsys.readouterr().out
+    assert main(["run", "--list"]) == 0
+    assert capsys.readouterr().out == listing
+    for name in shipped:
+        assert any(line.startswith(f"{name}  ") for line in listing.splitlines()), name
+    assert "inertia           Inertia: Hamiltonian (Verlet) dynamics with light friction.\n" in listing
+    monkeypatch.chdir(tmp_path)  # a name, not a path: found among the shipped scenarios
+    assert main(["run", "inertia", "--out", "i.zarr", "--steps", "2", "-q"]) == 0
+    assert json.loads(open_run("i.zarr").attrs["scenario"])["name"] == "inertia"
+    write(tmp_path, SMALL, "inertia.toml")  # a file of that name here wins over the shipped one
+    assert main(["run", "inertia.toml", "--out", "mine.zarr", "-q"]) == 0
+    assert open_run("mine.zarr").sizes["agent"] == 6
+
+
+def test_unknown_scenario_name_lists_the_shipped_ones(tmp_path, capsys):
+    assert main(["run", "concensus", "--out", str(tmp_path / "r.zarr")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "concensus: no such scenario file, nor a scenario shipped with vfesim; did you mean 'consensus'?"
+        in err
+    )
+    assert "shipped: consensus, inertia, large_population, observation, polarization" in err
+    assert main(["run", str(tmp_path / "nothing.toml"), "--out", str(tmp_path / "r.zarr")]) == 2
+    assert "nothing.toml: scenario file not found" in capsys.readouterr().err  # a path: as before
+    with pytest.raises(SystemExit) as e:
+        main(["run"])
+    assert e.value.code == 2 and "give a scenario file or the name" in capsys.readouterr().err

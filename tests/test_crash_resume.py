@@ -37,6 +37,26 @@ async def counted_set(self, key, value):
         os.kill(os.getpid(), signal.SIGKILL)
     return await orig(self, key, value)
 zarr.storage.LocalStore.set = counted_set
+# VFESIM_TEST_SIGNAL_AT = "STEP,SIGNUM[,SETS]": send SIGNUM once step STEP is done; with SETS, send it
+# again at the SETS-th store write after that (inside the checkpoint the first signal asks for).
+signal_at = os.environ.get("VFESIM_TEST_SIGNAL_AT")
+if signal_at:
+    import vfesim.progress
+    step_at, signum, *again = map(int, signal_at.split(","))
+    update, sent = vfesim.progress.Progress.update, {"sets": None}
+    def update_then_signal(self, step, F=None):
+        update(self, step, F)
+        if step == step_at and sent["sets"] is None:
+            sent["sets"] = 0
+            os.kill(os.getpid(), signum)
+    vfesim.progress.Progress.update = update_then_signal
+    def set_then_signal(self, key, value):
+        if again and sent["sets"] is not None:
+            sent["sets"] += 1
+            if sent["sets"] == again[0]:
+                os.kill(os.getpid(), signum)
+        return counted_set(self, key, value)
+    zarr.storage.LocalStore.set = set_then_signal
 from vfesim.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -82,8 +102,8 @@ time_chunk = 2
 }
 
 
-def _cli(args, kill_at=0, kill_after_s=None):
-    env = {**os.environ, "VFESIM_TEST_KILL_AT": str(kill_at)}
+def _cli(args, kill_at=0, kill_after_s=None, signal_at=""):
+    env = {**os.environ, "VFESIM_TEST_KILL_AT": str(kill_at), "VFESIM_TEST_SIGNAL_AT": signal_at}
     proc = subprocess.Popen(
         [sys.executable, "-c", WRAPPER, *args, "--quiet"],
         env=env,
@@ -190,3 +210,41 @@ def test_kill_during_creation_leaves_no_store(tmp_path):
     assert "killed before its first checkpoint" in err
     assert open_run(out).attrs["status"] == "complete"
     assert not list(tmp_path.glob(".run.zarr.creating-*"))
+
+
+@pytest.mark.parametrize(
+    "signum, again, rc_want, ckpt_want",
+    [
+        (signal.SIGTERM, 0, 143, 15),  # checkpoints step 15 (between the checkpoints at 12 and 18)
+        (signal.SIGINT, 3, 130, 12),  # a second Ctrl-C inside that checkpoint write: step 12 stays
+    ],
+    ids=["sigterm", "sigint-twice"],
+)
+def test_signal_checkpoints_the_current_step_then_resume_is_bitwise(
+    signum, again, rc_want, ckpt_want, tmp_path
+):
+    toml = tmp_path / "verlet.toml"
+    toml.write_text(SCENARIOS["verlet"])  # 24 steps, a frame every 2, a checkpoint every 6
+    ref_run = simulate(read_toml(toml), out=tmp_path / "ref.zarr", progress=False)
+    ref = open_run(tmp_path / "ref.zarr").load()
+    out = tmp_path / "run.zarr"
+    signal_at = f"15,{int(signum)}" + (f",{again}" if again else "")
+    rc, err = _cli(["run", str(toml), "--out", str(out)], signal_at=signal_at)
+    assert rc == rc_want, err
+    assert f"at step 15; the last checkpoint is at step {ckpt_want}: `vfesim resume {out} --steps 24`" in err
+    assert "Traceback" not in err
+    assert RunStore(out).checkpoint_steps()[-1] == ckpt_want
+    stopped = open_run(out).load()
+    assert stopped.attrs["status"] == "interrupted"
+    assert stopped.sizes["time"] >= ckpt_want // 2 + 1
+    _assert_prefix_of(stopped, ref)
+    rc, err = _cli(["resume", str(out)])
+    assert rc == 0, err
+    final = open_run(out).load()
+    assert final.attrs["status"] == "complete" and final.sizes["time"] == ref.sizes["time"]
+    _assert_prefix_of(final, ref)
+    ckpt = RunStore(out).latest_checkpoint()
+    assert ckpt.step == 24 and ckpt.terms == ref_run.terms
+    for k in ref_run.state.data_vars:
+        np.testing.assert_array_equal(ckpt.state[k].values, ref_run.state[k].values, err_msg=k)
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]

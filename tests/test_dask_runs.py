@@ -82,7 +82,7 @@ def test_store_is_chunked_like_the_state_and_verifies(reference):
 def test_inspect_shows_backend_and_chunking(reference, capsys):
     assert main(["inspect", str(reference)]) == 0
     out = capsys.readouterr().out
-    assert "backend dask" in out
+    assert "backend      dask, float" in out
     assert "chunking     3 chunks of 5 agents, the last 3 (Zarr: 5 agents per chunk), inner numba" in out
 
 

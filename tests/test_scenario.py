@@ -1,11 +1,12 @@
 """Scenario validation: every bad key is named, defaults resolve, scenarios/*.toml load."""
 
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from vfesim.scenario import Scenario, ScenarioError, load_scenario
+from vfesim.scenario import Scenario, ScenarioError, load_scenario, to_toml
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 
@@ -166,3 +167,100 @@ def test_shipped_scenarios_run_a_few_steps(name, tmp_path):
     if name == "polarization":
         mu_p = ds["mu_p"].values[0]
         assert abs(mu_p[0::2, 0].mean() - mu_p[1::2, 0].mean()) > 6
+
+
+def test_all_mistakes_reported_at_once_with_suggestions(tmp_path):
+    toml = tmp_path / "many.toml"
+    toml.write_text(
+        "[modle]\nK = 3\n"
+        "[population]\nn_agents = 1\nmu_scale = -2.0\n"
+        "[integrator]\nmethod = 'verlett'\ndt = 0.1\n"
+        "[run]\nn_step = 4\nbackend = 'numpy'\n"
+        "[output]\nkeep_checkpoint = 3\ndt = 0.5\n"
+    )
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(toml)
+    msg = str(e.value)
+    assert msg.startswith(f"{toml}: 9 problems:\n")
+    want = [
+        ("modle", "unknown section; did you mean 'model'?"),
+        ("population.n_agents", "must be >= 2, got 1"),
+        ("population.mu_scale", "must be >= 0, got -2.0"),
+        ("integrator.method", "got 'verlett'; did you mean 'verlet'?"),
+        ("run.n_step", "unknown key; did you mean 'n_steps'?"),
+        ("run.n_steps", "is required"),
+        ("output.keep_checkpoint", "unknown key; did you mean 'keep_checkpoints'?"),
+        ("output.dt", "unknown key; it belongs in [integrator] (integrator.dt)"),
+        ("model.K", "is required (or model.irreps)"),
+    ]
+    assert [k for k, _ in e.value.errors] == [k for k, _ in want]
+    for (key, text), (_, message) in zip(want, e.value.errors, strict=True):
+        assert text in message, key
+        assert f"\n  {key}: {message}" in msg
+    assert e.value.key == "modle" and e.value.source == str(toml)
+
+
+def test_one_mistake_reads_as_before_and_names_the_file(tmp_path):
+    toml = tmp_path / "one.toml"
+    toml.write_text("[model]\nK = 3\n[population]\nn_agents = 5\n[integrator]\ndt = -1.0\n")
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(toml)
+    assert (
+        str(e.value)
+        == f"{toml}: 2 problems:\n  integrator.dt: must be > 0, got -1.0\n  run.n_steps: is required"
+    )
+    toml.write_text(toml.read_text() + "[run]\nn_steps = 2\n")
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(toml)
+    assert str(e.value) == f"{toml}: integrator.dt: must be > 0, got -1.0"
+    assert e.value.errors == [("integrator.dt", "must be > 0, got -1.0")]
+
+
+def test_model_value_and_unknown_model_key_together():
+    d = with_("model", kappa_beta=0, temprature=1.0)
+    d["run"]["dtype"] = "float16"
+    with pytest.raises(ScenarioError) as e:
+        Scenario.from_dict(d)
+    keys = [k for k, _ in e.value.errors]
+    # A bad run.dtype leaves the model unbuilt: its unknown keys are still reported.
+    assert keys == ["run.dtype", "model.temprature"]
+    d["run"]["dtype"] = "float64"
+    with pytest.raises(ScenarioError) as e:
+        Scenario.from_dict(d)
+    assert [k for k, _ in e.value.errors] == ["model.temprature"]
+    del d["model"]["temprature"]
+    with pytest.raises(ScenarioError, match="^model.kappa_beta: must be > 0"):
+        Scenario.from_dict(d)
+
+
+def test_to_toml_round_trips_matrices_nested_options_and_odd_strings(tmp_path):
+    s = Scenario.from_dict(
+        {
+            **GOOD,
+            "model": {
+                "K": 3,
+                "lambda_obs": 1.0,
+                "W": [[1.0, 0.0, 0.0], [0.0, 1e-300, 0.5]],
+                "R": [[1.0, 0], [0, 2]],
+            },
+            "integrator": {
+                "method": "verlet",
+                "dt": 0.1,
+                "options": {"mass": {"mu_q": 2.0}, "momenta": "zero"},
+            },
+            "output": {"path": 'a "quoted" dir\\r.zarr'},
+        }
+    )
+    text = s.to_toml()
+    assert "[[" not in text.replace("W = [[", "").replace(
+        "R = [[", ""
+    )  # matrices inline, no arrays of tables
+    assert tomllib.loads(text) == s.to_dict()
+    (tmp_path / "s.toml").write_text(text)
+    again = Scenario.from_toml(tmp_path / "s.toml")
+    assert again.to_dict() == s.to_dict() and again.model == s.model
+    assert to_toml({"run": {"x": float("inf"), "y": True, "odd key": -3}}) == (
+        '[run]\nx = inf\ny = true\n"odd key" = -3\n'
+    )
+    with pytest.raises(TypeError, match="cannot write object"):
+        to_toml({"run": {"x": object()}})

@@ -136,8 +136,8 @@ def test_nan_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     mod = importlib.import_module("vfesim.simulate")
     real = mod._make_integrator
 
-    def poisoned(scn, backend):
-        integ = real(scn, backend)
+    def poisoned(scn, backend, state):
+        integ = real(scn, backend, state)
 
         def step(c):
             c = integ.step(c)

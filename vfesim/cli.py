@@ -33,8 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vfesim", description="Run and analyse vfesim simulations.")
     ap.add_argument("--version", action="version", version=f"vfesim {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run a scenario file")
-    p.add_argument("scenario", help="scenario TOML file")
+    p = sub.add_parser("run", help="run a scenario (a TOML file, or the name of a shipped one)")
+    p.add_argument(
+        "scenario", nargs="?", help="scenario TOML file, or the name of a shipped scenario (see --list)"
+    )
+    p.add_argument("--list", action="store_true", help="list the scenarios shipped with vfesim and exit")
     p.add_argument("--out", help="output Zarr store (default: [output] path)")
     p.add_argument("--steps", type=int, help="total number of steps (overrides run.n_steps)")
     p.add_argument("--backend", help="numpy | numba | cuda | auto (overrides run.backend)")
@@ -49,13 +52,23 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-version-change", action="store_true", help="resume a run of another vfesim version"
     )
     _common(p)
-    p = sub.add_parser("inspect", help="config, steps done, energies, checkpoints")
+    p = sub.add_parser(
+        "inspect", help="a run's summary (steps done, checkpoints, energies) and its scenario as TOML"
+    )
     p.add_argument("store")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--json", action="store_true", help="everything as JSON (machine-readable)")
+    what.add_argument(
+        "--scenario",
+        action="store_true",
+        help="only the resolved scenario, as a TOML file `vfesim run` takes",
+    )
     _common(p)
     p = sub.add_parser("plot", help="PNG figures of a run")
     p.add_argument("store")
     p.add_argument("--outdir", help="where to write PNGs (default: STORE without .zarr + _plots)")
+    _common(p)
+    p = sub.add_parser("scenarios", help="list the scenarios shipped with vfesim (`vfesim run NAME`)")
     _common(p)
     p = sub.add_parser("verify", help="check every chunk of a run store (exit code 5 on damage)")
     p.add_argument("store")
@@ -98,6 +111,16 @@ def _verify(path: str) -> int:
     return 5 if bad else 0
 
 
+def _list_scenarios() -> None:
+    from .scenario import describe, packaged_dir, packaged_scenarios
+
+    known = packaged_scenarios()
+    width = max(map(len, known), default=0)
+    lines = [f"{name:<{width}}  {describe(path)}" for name, path in known.items()]
+    lines.append(f"(in {packaged_dir()}; run one with `vfesim run NAME --out NAME.zarr`)")
+    _out("\n".join(lines))
+
+
 def _chunking_lines(chunking: dict | None) -> list[str]:
     """The dask backend's chunking of a run (store attr ``chunking``), for ``inspect``."""
     if not chunking:
@@ -114,7 +137,8 @@ def _chunking_lines(chunking: dict | None) -> list[str]:
     ]
 
 
-def _inspect(path: str, as_json: bool) -> None:
+def _inspect(path: str, as_json: bool, scenario_only: bool) -> None:
+    from .scenario import to_toml
     from .simulate import run_info
 
     info = run_info(path)
@@ -122,28 +146,38 @@ def _inspect(path: str, as_json: bool) -> None:
         _out(json.dumps(info, indent=2, sort_keys=True))
         return
     sc = info["scenario"]
+    scenario = f"# scenario {info['name']!r}, resolved (every default filled in)\n"
+    scenario += to_toml(sc)
+    if scenario_only:
+        _out(scenario.rstrip("\n"))
+        return
+    running = "  (or killed: `vfesim resume` continues it)" if info["status"] == "running" else ""
+    done = info["last_saved_step"]
     lines = [
         f"run          {info['path']}  ({info['name']})",
-        f"status       {info['status']}"
-        + ("  (or killed: `vfesim resume` continues it)" if info["status"] == "running" else ""),
-        f"version      vfesim {info['vfesim_version']}, backend {info['backend']}, {info['dtype']}",
+        f"status       {info['status']}{running}",
+        f"family       {info.get('family') or 'gaussian'}, vfesim {info['vfesim_version']}",
         f"agents       {info['n_agents']}  (K = {sc['model'].get('K')})",
+        f"backend      {info['backend']}, {info['dtype']}",
         *_chunking_lines(info.get("chunking")),
         f"integrator   {sc['integrator']['method']}, dt = {sc['integrator']['dt']}, "
         f"friction = {sc['integrator']['friction']}",
-        f"steps        {info['last_saved_step']} saved of {info['n_steps']} "
+        f"steps        {done if done is not None else 'none'} saved of {info['n_steps']} "
         f"({info['frames_saved']} frames, every {sc['run']['save_every']})",
-        f"checkpoints  at steps {', '.join(map(str, info['checkpoints'])) or 'none'}",
+        f"checkpoints  at steps {', '.join(map(str, info['checkpoints'])) or 'none'}"
+        f" (every {sc['run']['checkpoint_every']}, {sc['output']['keep_checkpoints']} kept)",
     ]
-    for k, v in info["last_energies"].items():
-        lines.append(f"  {k:<28} {v:.10g}")
-    lines.append("scenario     " + json.dumps(sc, sort_keys=True))
-    _out("\n".join(lines))
+    if info["last_energies"]:
+        lines.append(f"energies     at step {done}")
+        width = max(map(len, info["last_energies"]))
+        lines += [f"  {k:<{width}}  {v:.10g}" for k, v in info["last_energies"].items()]
+    _out("\n".join(lines) + "\n\n" + scenario.rstrip("\n"))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``vfesim`` command; returns the exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     configure_logging(quiet=args.quiet, verbose=args.verbose)
     from .integrators.base import DynamicsError
     from .io.store import StoreError
@@ -151,8 +185,13 @@ def main(argv: list[str] | None = None) -> int:
 
     progress = False if args.quiet else None
     try:
-        if args.command == "run":
+        if args.command == "scenarios" or (args.command == "run" and args.list):
+            _list_scenarios()
+        elif args.command == "run":
             from .simulate import simulate
+
+            if args.scenario is None:
+                parser.error("run: give a scenario file or the name of a shipped one (`vfesim scenarios`)")
 
             simulate(
                 args.scenario,
@@ -174,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 allow_version_change=args.allow_version_change,
             )
         elif args.command == "inspect":
-            _inspect(args.store, args.json)
+            _inspect(args.store, args.json, args.scenario)
         elif args.command == "plot":
             from .plots import plot_run
 

@@ -19,9 +19,11 @@ Every problem raises :class:`ScenarioError` naming the key as ``section.key``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,15 @@ from .backends import names as backend_names
 from .config import ConfigError, ModelConfig, SparseNeighbours, _check_real
 from .state import StateError, make_state, random_state
 
-__all__ = ["ScenarioError", "Scenario", "load_scenario", "read_toml", "BACKENDS", "run_memory_bytes"]
+__all__ = [
+    "ScenarioError",
+    "Scenario",
+    "load_scenario",
+    "read_toml",
+    "to_toml",
+    "BACKENDS",
+    "run_memory_bytes",
+]
 
 BACKENDS = (*backend_names(), "auto")
 
@@ -48,7 +58,60 @@ SECTIONS = ("model", "population", "integrator", "run", "output")
 
 
 class ScenarioError(ConfigError):
-    """A scenario value is missing, unknown, of the wrong type or impossible; names ``section.key``."""
+    """A scenario value is missing, unknown, of the wrong type or impossible; names ``section.key``.
+
+    ``errors``: every ``(key, message)`` found (a scenario is checked whole, not up to its first
+    mistake); ``key`` is the first one's. ``source``: the scenario file, when there is one.
+    """
+
+    def __init__(self, key: str, message: str, *, source: str | None = None):
+        super().__init__(key, message)
+        self.message = message
+        self.errors: list[tuple[str, str]] = [(key, message)]
+        self.source = source
+        if source is not None:
+            self.args = (f"{source}: {key}: {message}",)
+
+    @classmethod
+    def several(cls, errors: list[tuple[str, str]], source: str | None = None) -> ScenarioError:
+        """One error reporting all of ``errors``, one line each (a single one reads as before)."""
+        if len(errors) == 1:
+            return cls(*errors[0], source=source)
+        e = cls(*errors[0], source=source)
+        e.errors = list(errors)
+        lines = "".join(f"\n  {k}: {m}" for k, m in errors)
+        e.args = (f"{source or 'scenario'}: {len(errors)} problems:{lines}",)
+        return e
+
+
+# A value that failed validation (already reported): checks that depend on it are skipped.
+BAD = object()
+
+
+class _Problems:
+    """Collects the problems of a scenario, so that all of them are reported at once."""
+
+    def __init__(self) -> None:
+        self.errors: list[tuple[str, str]] = []
+
+    def add(self, key: str, message: str) -> object:
+        self.errors.append((key, message))
+        return BAD
+
+    def get(self, key: str, check, *args: Any, **kw: Any) -> Any:
+        """``check(key, *args, **kw)``, or BAD (the problem recorded) where it raises ScenarioError."""
+        try:
+            return check(key, *args, **kw)
+        except ScenarioError as e:
+            self.errors += e.errors
+            return BAD
+
+    def unknown(self, section: str, d: dict, known: dict) -> dict:
+        """Record each key of ``d`` not in ``known`` (with a suggestion); return the known ones."""
+        for k in d:
+            if k not in known:
+                self.add(f"{section}.{k}", _unknown_key(k, section, known))
+        return {k: v for k, v in d.items() if k in known}
 
 
 def _int(key: str, v: Any, lo: int | None = None) -> int:
@@ -67,7 +130,7 @@ def _str(key: str, v: Any, choices: tuple[str, ...] | None = None) -> str:
     if not isinstance(v, str):
         raise ScenarioError(key, f"must be a string, got {type(v).__name__} {v!r}")
     if choices is not None and v not in choices:
-        raise ScenarioError(key, f"must be one of {list(choices)}, got {v!r}")
+        raise ScenarioError(key, f"must be one of {list(choices)}, got {v!r}{_did_you_mean(v, choices)}")
     return v
 
 
@@ -86,10 +149,30 @@ def _table(key: str, v: Any) -> dict[str, Any]:
     return v
 
 
-def _no_unknown(section: str, d: dict, known: dict) -> None:
-    for k in d:
-        if k not in known:
-            raise ScenarioError(f"{section}.{k}", f"unknown key (known: {sorted(known)})")
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _unknown_key(key: str, section: str, known) -> str:
+    """The message for an unknown key: a close spelling in the section, or the section it belongs to."""
+    hint = _did_you_mean(key, known)
+    if not hint:
+        homes = [s for s, keys in _section_keys().items() if s != section and key in keys]
+        if homes:
+            hint = f"; it belongs in [{homes[0]}] ({homes[0]}.{key})"
+    return f"unknown key{hint} (known: {sorted(known)})"
+
+
+def _section_keys() -> dict[str, set[str]]:
+    model = {f.name for f in dataclasses.fields(ModelConfig)} - {"dtype", "neighbours"}
+    return {
+        "model": model,
+        "population": set(POPULATION),
+        "integrator": set(INTEGRATOR),
+        "run": set(RUN) | {"chunks"},
+        "output": set(OUTPUT),
+    }
 
 
 # Defaults of each section (None: required or derived).
@@ -119,94 +202,103 @@ RUN = {
 OUTPUT = {"path": None, "time_chunk": None, "keep_checkpoints": 2}
 
 
-def _population(d: dict) -> dict:
-    _no_unknown("population", d, POPULATION)
-    p = {**POPULATION, **d}
-    if p["n_agents"] is None:
-        raise ScenarioError("population.n_agents", "is required")
-    p["n_agents"] = _int("population.n_agents", p["n_agents"], 2)
-    p["seed"] = _int("population.seed", p["seed"], 0)
-    p["mu_scale"] = _real("population.mu_scale", p["mu_scale"], nonneg=True)
+def _required(pr: _Problems, p: dict, section: str, key: str, check, *args: Any, **kw: Any) -> Any:
+    if p[key] is None:
+        return pr.add(f"{section}.{key}", "is required")
+    return pr.get(f"{section}.{key}", check, p[key], *args, **kw)
+
+
+def _phi_radius(key: str, v: Any) -> float:
+    r = _real(key, v, nonneg=True)
+    if r >= math.pi:
+        raise ScenarioError(key, f"must be < pi, got {r}")
+    return r
+
+
+def _population(d: dict, pr: _Problems) -> dict:
+    p = {**POPULATION, **pr.unknown("population", d, POPULATION)}
+    p["n_agents"] = _required(pr, p, "population", "n_agents", _int, 2)
+    n = p["n_agents"]
+    p["seed"] = pr.get("population.seed", _int, p["seed"], 0)
+    p["mu_scale"] = pr.get("population.mu_scale", _real, p["mu_scale"], nonneg=True)
     if p["prior_mu_scale"] is not None:
-        p["prior_mu_scale"] = _real("population.prior_mu_scale", p["prior_mu_scale"], nonneg=True)
-    p["eig_range"] = _range("population.eig_range", p["eig_range"])
+        p["prior_mu_scale"] = pr.get("population.prior_mu_scale", _real, p["prior_mu_scale"], nonneg=True)
+    p["eig_range"] = pr.get("population.eig_range", _range, p["eig_range"])
     if p["prior_eig_range"] is not None:
-        p["prior_eig_range"] = _range("population.prior_eig_range", p["prior_eig_range"])
-    p["phi_radius"] = _real("population.phi_radius", p["phi_radius"], nonneg=True)
-    if p["phi_radius"] >= math.pi:
-        raise ScenarioError("population.phi_radius", f"must be < pi, got {p['phi_radius']}")
-    p["obs_scale"] = _real("population.obs_scale", p["obs_scale"], nonneg=True)
-    p["neighbours"] = _str("population.neighbours", p["neighbours"], ("dense", "ring"))
+        p["prior_eig_range"] = pr.get("population.prior_eig_range", _range, p["prior_eig_range"])
+    p["phi_radius"] = pr.get("population.phi_radius", _phi_radius, p["phi_radius"])
+    p["obs_scale"] = pr.get("population.obs_scale", _real, p["obs_scale"], nonneg=True)
+    p["neighbours"] = pr.get("population.neighbours", _str, p["neighbours"], ("dense", "ring"))
     if p["neighbours"] == "ring":
         if p["half_width"] is None:
-            raise ScenarioError("population.half_width", "is required with neighbours = 'ring'")
-        hw = _int("population.half_width", p["half_width"], 1)
-        if 2 * hw > p["n_agents"] - 1:
-            raise ScenarioError(
-                "population.half_width",
-                f"2*half_width must be <= n_agents-1 = {p['n_agents'] - 1}, got {hw}",
-            )
-        p["half_width"] = hw
-    elif p["half_width"] is not None:
-        raise ScenarioError("population.half_width", "only valid with neighbours = 'ring'")
-    p["camps"] = _int("population.camps", p["camps"], 1)
-    if p["camps"] > p["n_agents"]:
-        raise ScenarioError("population.camps", f"must be <= n_agents, got {p['camps']}")
-    p["camp_offset"] = _real("population.camp_offset", p["camp_offset"], nonneg=True)
+            pr.add("population.half_width", "is required with neighbours = 'ring'")
+            p["half_width"] = BAD
+        else:
+            hw = p["half_width"] = pr.get("population.half_width", _int, p["half_width"], 1)
+            if hw is not BAD and n is not BAD and 2 * hw > n - 1:
+                p["half_width"] = pr.add(
+                    "population.half_width", f"2*half_width must be <= n_agents-1 = {n - 1}, got {hw}"
+                )
+    elif p["half_width"] is not None and p["neighbours"] is not BAD:
+        p["half_width"] = pr.add("population.half_width", "only valid with neighbours = 'ring'")
+    p["camps"] = pr.get("population.camps", _int, p["camps"], 1)
+    if p["camps"] is not BAD and n is not BAD and p["camps"] > n:
+        p["camps"] = pr.add("population.camps", f"must be <= n_agents, got {p['camps']}")
+    p["camp_offset"] = pr.get("population.camp_offset", _real, p["camp_offset"], nonneg=True)
+    if p["camps"] is not BAD and p["camps"] > 1 and p["camp_offset"] == 0:
+        pr.add("population.camp_offset", "must be > 0 when camps > 1")
     return p
 
 
-def _integrator(d: dict) -> dict:
-    _no_unknown("integrator", d, INTEGRATOR)
-    p = {**INTEGRATOR, **d}
-    p["method"] = _str("integrator.method", p["method"], tuple(_methods()))
-    if p["dt"] is None:
-        raise ScenarioError("integrator.dt", "is required")
-    p["dt"] = _real("integrator.dt", p["dt"], positive=True)
-    p["friction"] = _real("integrator.friction", p["friction"], nonneg=True)
-    opts = _table("integrator.options", p["options"])
-    for k, v in opts.items():
-        vals = v.values() if isinstance(v, dict) else [v]
-        if not all(isinstance(x, (bool, int, float, str)) for x in vals):
-            raise ScenarioError(
-                f"integrator.options.{k}", f"must be a scalar or a table of scalars, got {v!r}"
-            )
-    p["options"] = dict(opts)
+def _integrator(d: dict, pr: _Problems) -> dict:
+    p = {**INTEGRATOR, **pr.unknown("integrator", d, INTEGRATOR)}
+    p["method"] = pr.get("integrator.method", _str, p["method"], tuple(_methods()))
+    p["dt"] = _required(pr, p, "integrator", "dt", _real, positive=True)
+    p["friction"] = pr.get("integrator.friction", _real, p["friction"], nonneg=True)
+    opts = pr.get("integrator.options", _table, p["options"])
+    if opts is not BAD:
+        for k, v in opts.items():
+            vals = v.values() if isinstance(v, dict) else [v]
+            if not all(isinstance(x, (bool, int, float, str)) for x in vals):
+                pr.add(f"integrator.options.{k}", f"must be a scalar or a table of scalars, got {v!r}")
+        opts = dict(opts)
+    p["options"] = opts
     return p
 
 
-def _run(d: dict) -> dict:
-    _no_unknown("run", d, {**RUN, "chunks": None})
-    p = {**RUN, **d}
-    if p["n_steps"] is None:
-        raise ScenarioError("run.n_steps", "is required")
-    p["n_steps"] = _int("run.n_steps", p["n_steps"], 1)
-    p["save_every"] = _int("run.save_every", p["save_every"], 1)
+def _run(d: dict, pr: _Problems) -> dict:
+    p = {**RUN, **pr.unknown("run", d, {**RUN, "chunks": None})}
+    p["n_steps"] = _required(pr, p, "run", "n_steps", _int, 1)
+    p["save_every"] = pr.get("run.save_every", _int, p["save_every"], 1)
     if p["checkpoint_every"] is None:
         p["checkpoint_every"] = p["n_steps"]
-    p["checkpoint_every"] = _int("run.checkpoint_every", p["checkpoint_every"], 1)
-    p["backend"] = _str("run.backend", p["backend"], BACKENDS)
-    p["dtype"] = _str("run.dtype", p["dtype"], ("float32", "float64"))
-    p["seed"] = _int("run.seed", p["seed"], 0)
+        if p["n_steps"] is BAD:
+            p["checkpoint_every"] = BAD
+    else:
+        p["checkpoint_every"] = pr.get("run.checkpoint_every", _int, p["checkpoint_every"], 1)
+    p["backend"] = pr.get("run.backend", _str, p["backend"], BACKENDS)
+    p["dtype"] = pr.get("run.dtype", _str, p["dtype"], ("float32", "float64"))
+    p["seed"] = pr.get("run.seed", _int, p["seed"], 0)
     if "chunks" in p:  # stored only when given: scenarios of earlier runs compare equal on resume
-        p["chunks"] = _int("run.chunks", p["chunks"], 1)
-        if p["backend"] != "dask":
-            raise ScenarioError(
-                "run.chunks", f"agents per chunk apply to backend 'dask', not {p['backend']!r}"
-            )
+        p["chunks"] = pr.get("run.chunks", _int, p["chunks"], 1)
+        if p["backend"] not in ("dask", BAD):
+            pr.add("run.chunks", f"agents per chunk apply to backend 'dask', not {p['backend']!r}")
     return p
 
 
-def _output(d: dict) -> dict:
-    _no_unknown("output", d, OUTPUT)
-    p = {**OUTPUT, **d}
+def _output_path(key: str, v: Any) -> str:
+    if not _str(key, v):
+        raise ScenarioError(key, "must not be empty")
+    return v
+
+
+def _output(d: dict, pr: _Problems) -> dict:
+    p = {**OUTPUT, **pr.unknown("output", d, OUTPUT)}
     if p["path"] is not None:
-        p["path"] = _str("output.path", p["path"])
-        if not p["path"]:
-            raise ScenarioError("output.path", "must not be empty")
+        p["path"] = pr.get("output.path", _output_path, p["path"])
     if p["time_chunk"] is not None:
-        p["time_chunk"] = _int("output.time_chunk", p["time_chunk"], 1)
-    p["keep_checkpoints"] = _int("output.keep_checkpoints", p["keep_checkpoints"], 2)
+        p["time_chunk"] = pr.get("output.time_chunk", _int, p["time_chunk"], 1)
+    p["keep_checkpoints"] = pr.get("output.keep_checkpoints", _int, p["keep_checkpoints"], 2)
     return p
 
 
@@ -253,14 +345,21 @@ def _check_memory(model: ModelConfig, pop: dict, dtype: str) -> None:
     )
 
 
-def _model(d: dict, pop: dict, dtype: str) -> ModelConfig:
+def _model(d: dict, pr: _Problems, pop: dict, dtype: Any) -> ModelConfig | object:
+    """The ModelConfig of ``[model]``; BAD where a problem is found (or a key it needs is bad)."""
     d = dict(d)
     if "dtype" in d:
-        raise ScenarioError("model.dtype", "set the dtype in run.dtype")
+        pr.add("model.dtype", "set the dtype in run.dtype")
+        del d["dtype"]
     if "neighbours" in d:
-        raise ScenarioError("model.neighbours", "set neighbours in population.neighbours")
-    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"dtype", "neighbours"}
-    _no_unknown("model", d, dict.fromkeys(names))
+        pr.add("model.neighbours", "set neighbours in population.neighbours")
+        del d["neighbours"]
+    n_bad = len(pr.errors)
+    d = pr.unknown("model", d, _section_keys()["model"])
+    if "K" not in d and "irreps" not in d:
+        pr.add("model.K", "is required (or model.irreps)")
+    if len(pr.errors) > n_bad or BAD in (dtype, pop["neighbours"], pop["n_agents"], pop["half_width"]):
+        return BAD
     if "irreps" in d and isinstance(d["irreps"], list):
         d["irreps"] = tuple(d["irreps"])
     if pop["neighbours"] == "ring":
@@ -268,9 +367,9 @@ def _model(d: dict, pop: dict, dtype: str) -> ModelConfig:
     try:
         return ModelConfig(**d, dtype=dtype)
     except ConfigError as e:
-        raise ScenarioError(f"model.{e.key}", str(e).split(": ", 1)[1]) from None
+        return pr.add(f"model.{e.key}", str(e).split(": ", 1)[1])
     except (TypeError, ValueError) as e:
-        raise ScenarioError("model", str(e)) from None
+        return pr.add("model", str(e))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -285,29 +384,38 @@ class Scenario:
     name: str = "scenario"
 
     @classmethod
-    def from_dict(cls, d: dict, name: str = "scenario") -> Scenario:
-        """Validate a nested dict (as read from TOML); raise ScenarioError naming the key."""
-        d = _table("scenario", d)
+    def from_dict(cls, d: dict, name: str = "scenario", source: str | Path | None = None) -> Scenario:
+        """Validate a nested dict (as read from TOML); raise one ScenarioError naming every bad key
+        (and ``source``, the file it came from, if given)."""
+        src = None if source is None else str(source)
+        if not isinstance(d, dict):
+            raise ScenarioError("scenario", f"must be a table, got {type(d).__name__}", source=src)
+        pr = _Problems()
         for k in d:
             if k not in SECTIONS:
-                raise ScenarioError(k, f"unknown section (known: {list(SECTIONS)})")
-        sec = {s: _table(s, d.get(s, {})) for s in SECTIONS}
-        pop = _population(sec["population"])
-        integ = _integrator(sec["integrator"])
-        run = _run(sec["run"])
-        out = _output(sec["output"])
-        if "K" not in sec["model"] and "irreps" not in sec["model"]:
-            raise ScenarioError("model.K", "is required (or model.irreps)")
-        model = _model(sec["model"], pop, run["dtype"])
-        _check_memory(model, pop, run["dtype"])
-        if pop["camps"] > 1 and pop["camp_offset"] == 0:
-            raise ScenarioError("population.camp_offset", "must be > 0 when camps > 1")
+                pr.add(k, f"unknown section{_did_you_mean(k, SECTIONS)} (known: {list(SECTIONS)})")
+        sec = {}
+        for s in SECTIONS:
+            t = pr.get(s, _table, d.get(s, {}))
+            sec[s] = {} if t is BAD else t
+        pop = _population(sec["population"], pr)
+        integ = _integrator(sec["integrator"], pr)
+        run = _run(sec["run"], pr)
+        out = _output(sec["output"], pr)
+        model = _model(sec["model"], pr, pop, run["dtype"])
+        if not pr.errors:
+            try:
+                _check_memory(model, pop, run["dtype"])
+            except ScenarioError as e:
+                pr.errors += e.errors
+        if pr.errors:
+            raise ScenarioError.several(pr.errors, src)
         return cls(model, pop, integ, run, out, name)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Scenario:
         """Read and validate a TOML scenario file."""
-        return cls.from_dict(read_toml(path), name=Path(path).stem)
+        return cls.from_dict(read_toml(path), name=Path(path).stem, source=find_scenario(path))
 
     @classmethod
     def from_json(cls, s: str) -> Scenario:
@@ -336,6 +444,10 @@ class Scenario:
 
     def to_json(self) -> str:
         return json.dumps({"name": self.name, "scenario": self.to_dict()}, sort_keys=True)
+
+    def to_toml(self) -> str:
+        """The resolved scenario as a TOML file (``Scenario.from_toml`` reads it back equal)."""
+        return to_toml(self.to_dict())
 
     def replace(self, section: str, **changes: Any) -> Scenario:
         """A new scenario with keys of one section changed (validated again)."""
@@ -396,14 +508,92 @@ def _prior_camps(state: xr.Dataset, cfg: ModelConfig, camps: int, offset: float)
     return make_state(cfg, **arrays)
 
 
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(k: str) -> str:
+    return k if _BARE_KEY.match(k) else json.dumps(k)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        return repr(v) if math.isfinite(v) else ("nan" if v != v else "inf" if v > 0 else "-inf")
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # a JSON string is a TOML basic string
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} {v!r} as TOML")
+
+
+def to_toml(d: dict[str, dict[str, Any]]) -> str:
+    """A scenario dict (sections of keys) as TOML text: one ``[section]`` per table, tables inside a
+    section written inline."""
+    blocks = []
+    order = [s for s in SECTIONS if s in d] + [s for s in d if s not in SECTIONS]
+    for section, keys in ((s, d[s]) for s in order):
+        lines = [f"[{_toml_key(section)}]"]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in keys.items()]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
+def packaged_dir() -> Path:
+    """Where the scenarios shipped with vfesim are: ``vfesim/scenarios`` in an installed wheel (setup.cfg
+    maps the repository's ``scenarios/`` there), the repository's ``scenarios/`` in a source checkout
+    or an editable install (the one copy of the files)."""
+    installed = Path(__file__).resolve().parent / "scenarios"
+    return installed if installed.is_dir() else Path(__file__).resolve().parents[1] / "scenarios"
+
+
+def packaged_scenarios() -> dict[str, Path]:
+    """The scenarios shipped with vfesim, by name (file stem), sorted."""
+    d = packaged_dir()
+    return {p.stem: p for p in sorted(d.glob("*.toml"))} if d.is_dir() else {}
+
+
+def describe(path: str | Path) -> str:
+    """A scenario file's one-line description: the first sentence of its leading comment."""
+    text = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        text.append(line.lstrip("#").strip())
+    first = " ".join(text).split(". ", 1)[0].rstrip(".")
+    return first + "." if first else "(no description)"
+
+
+def find_scenario(source: str | os.PathLike) -> Path:
+    """The scenario file ``source`` names: a path, else the name of a packaged scenario (``consensus``
+    or ``consensus.toml``). A path that is neither raises ScenarioError listing the packaged names."""
+    path = Path(source)
+    if path.exists() or len(path.parts) != 1:
+        return path
+    known = packaged_scenarios()
+    name = path.name.removesuffix(".toml")
+    if name in known:
+        return known[name]
+    raise ScenarioError(
+        str(source),
+        f"no such scenario file, nor a scenario shipped with vfesim{_did_you_mean(name, known)} "
+        f"(shipped: {', '.join(known) or 'none'}; `vfesim scenarios` describes them)",
+    )
+
+
 def read_toml(path: str | Path) -> dict:
-    """The raw nested dict of a TOML file (not yet validated)."""
+    """The raw nested dict of a TOML file (not yet validated); ``path`` may name a packaged scenario."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
             "scenario: expected a Scenario, a TOML file path or a dict of sections (simulate also "
             f"takes a ModelConfig), got {type(path).__module__}.{type(path).__name__}"
         )
-    path = Path(path)
+    path = find_scenario(path)
     try:
         with path.open("rb") as f:
             return tomllib.load(f)

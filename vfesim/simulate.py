@@ -29,7 +29,7 @@ from .io.lock import store_lock
 from .io.reader import open_run
 from .io.store import RunStore, StoreError, frame_steps, term_var
 from .progress import Progress, log
-from .scenario import Scenario, ScenarioError, load_scenario, read_toml
+from .scenario import Scenario, ScenarioError, find_scenario, load_scenario, read_toml
 
 __all__ = ["Run", "simulate", "resume", "RunError", "Terminated", "frame_bytes"]
 
@@ -46,22 +46,45 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM during ``simulate``/``resume``: raised like Ctrl-C, so the run stops the same way."""
 
 
+class _Signals:
+    """SIGINT and SIGTERM during a run. While the run steps (``deferring``), the first signal asks it to
+    stop after the step in progress, checkpoint that step and exit; a second signal, or one outside the
+    steps (setup, resume checks, the final checkpoint write), interrupts at once: the store then
+    resumes from its last complete checkpoint (checkpoints are written aside and renamed)."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self.pending: KeyboardInterrupt | None = None
+
+    def handler(self, signum, frame) -> None:
+        exc = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        if self.deferring and self.pending is None:
+            self.pending = exc
+            log.warning(
+                "%s: stopping after the current step to checkpoint it (again to stop at once)",
+                "SIGTERM" if signum == signal.SIGTERM else "interrupt",
+            )
+            return
+        raise exc
+
+
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """Turn SIGTERM into :class:`Terminated` for the block (main thread, default handler only)."""
-    mine = threading.current_thread() is threading.main_thread()
-    if not mine or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
+def _run_signals():
+    """Route SIGINT and SIGTERM through a :class:`_Signals` for the block. Only in the main thread, and
+    only for signals whose handler is Python's default (SIGTERM: raised as :class:`Terminated`)."""
+    sig = _Signals()
+    if threading.current_thread() is not threading.main_thread():
+        yield sig
         return
-
-    def handler(signum, frame):
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, handler)
+    defaults = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+    mine = [s for s, d in defaults.items() if signal.getsignal(s) is d]
+    for s in mine:
+        signal.signal(s, sig.handler)
     try:
-        yield
+        yield sig
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for s in mine:
+            signal.signal(s, defaults[s])
 
 
 def _reported(e: BaseException) -> BaseException:
@@ -173,7 +196,7 @@ def simulate(
     lines when logging shows INFO; False -> silent.
     Returns a :class:`Run`; ``Run.open()`` is the lazy trajectory Dataset.
     """
-    name = "scenario"
+    name, source = "scenario", None
     if isinstance(scenario_or_config, ModelConfig):
         model = scenario_or_config.to_dict()
         if model.pop("dtype") is not None:
@@ -187,20 +210,21 @@ def simulate(
         d = {k: dict(v) if isinstance(v, dict) else v for k, v in scenario_or_config.items()}
     else:
         d, name = read_toml(scenario_or_config), Path(scenario_or_config).stem
+        source = find_scenario(scenario_or_config)
     for sec, changes in sections.items():
         if not isinstance(changes, dict):
             raise ScenarioError(sec, f"keyword section must be a dict, got {changes!r}")
         d[sec] = {**d.get(sec, {}), **changes}
-    scn = Scenario.from_dict(d, name=name)
+    scn = Scenario.from_dict(d, name=name, source=source)
     scn = _with_overrides(scn, steps, backend, out)
     path = scn.output["path"]
     if path is None:
         raise ScenarioError("output.path", "give out=... (or --out, or [output] path)")
     RunStore.probe(path, overwrite)  # before the lock: a bad path makes no lock file
-    with store_lock(path), _sigterm_as_interrupt():
+    with store_lock(path), _run_signals() as sig:
         RunStore.remove_stale_creating(path)
         RunStore.probe(path, overwrite)  # again: another run may have finished there meanwhile
-        return _simulate(scn, Path(path), overwrite, progress)
+        return _simulate(scn, Path(path), overwrite, progress, sig)
 
 
 def _check_time_chunk(chunk: int, frame: int) -> None:
@@ -214,7 +238,7 @@ def _check_time_chunk(chunk: int, frame: int) -> None:
         )
 
 
-def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None) -> Run:
+def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None, sig: _Signals) -> Run:
     backend_name = _resolve_backend(scn.run["backend"])
     state0 = scn.initial_state()
     integ = _make_integrator(scn, backend_name, state0)
@@ -266,7 +290,7 @@ def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None)
             log.error("interrupted before the first checkpoint: no run store was made at %s", path)
             _reported(e)
         raise
-    return _advance(store, scn, integ, carry, buf, 0, backend_name, progress)
+    return _advance(store, scn, integ, carry, buf, 0, backend_name, progress, sig)
 
 
 def _resolve_backend(name: str) -> str:
@@ -332,7 +356,7 @@ def _reload(store: RunStore, integ, carry, buf: list, buf_start: int):
     return carry, store.read_frames(buf_start, buf_start + len(buf), sizes)
 
 
-def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run:
+def _advance(store, scn, integ, carry, buf, buf_start, backend, progress, sig: _Signals) -> Run:
     from .integrators.base import DynamicsError
 
     run = scn.run
@@ -345,19 +369,28 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
     chunked = getattr(integ, "layout", None) is not None
     store.set_attrs(status="running")
     try:
+        sig.deferring = True  # a signal from here on stops the run at the end of a step, checkpointed
         while carry.step < n_steps:
             carry = integ.step(carry)
+            checkpointed = carry.step % ck == 0 or carry.step == n_steps
             if carry.step % every == 0 or carry.step == n_steps:  # the last step is always saved
                 buf.append(_frame(carry, names))
                 if len(buf) == chunk:
                     store.write_frames(buf_start, buf)
                     buf_start, buf = buf_start + chunk, []
-            if carry.step % ck == 0 or carry.step == n_steps:
+            if checkpointed:
                 _checkpoint(store, scn, carry, buf, buf_start, backend)
                 if chunked and carry.step < n_steps:
                     carry, buf = _reload(store, integ, carry, buf, buf_start)
             bar.update(carry.step, carry.terms.get("total"))
+            if sig.pending is not None and carry.step < n_steps:
+                sig.deferring = False  # a second signal interrupts this checkpoint write at once
+                if not checkpointed:
+                    _checkpoint(store, scn, carry, buf, buf_start, backend)
+                raise sig.pending
+        sig.deferring = False
     except DynamicsError as e:
+        sig.deferring = False
         bar.close()
         last = store.checkpoint_steps()
         msg = f"stopped: {e} (last good checkpoint: step {last[-1] if last else 'none'})"
@@ -365,6 +398,7 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
         _mark(store, f"failed: {e}")
         raise
     except KeyboardInterrupt as e:
+        sig.deferring = False
         bar.close()
         _mark(store, "interrupted")
         last = store.checkpoint_steps()
@@ -380,6 +414,7 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress) -> Run
         _reported(e)
         raise
     except Exception as e:
+        sig.deferring = False
         bar.close()
         _mark(store, f"failed: {type(e).__name__}: {e}")
         if _worker_lost(e):
@@ -457,16 +492,16 @@ def resume(
     leftovers = list(path.absolute().parent.glob(f".{path.name}.creating-*"))
     if not path.exists() and not path.is_symlink() and not leftovers:
         raise StoreError(f"{path}: not a vfesim run store (it does not exist)")
-    with store_lock(path), _sigterm_as_interrupt():
+    with store_lock(path), _run_signals() as sig:
         if RunStore.remove_stale_creating(path) and not path.exists():
             raise StoreError(
                 f"{path}: no run store here: the run on this path was killed before its first "
                 "checkpoint (its unfinished store was removed); start it again with `vfesim run`"
             )
-        return _resume(RunStore(path), steps, backend, scenario, progress, allow_version_change)
+        return _resume(RunStore(path), steps, backend, scenario, progress, allow_version_change, sig)
 
 
-def _resume(store: RunStore, steps, backend, scenario, progress, allow_version_change) -> Run:
+def _resume(store: RunStore, steps, backend, scenario, progress, allow_version_change, sig: _Signals) -> Run:
     path = store.path
     version = store.attr("vfesim_version")  # a missing or damaged zarr.json is named here
     store.check_entries()
@@ -548,7 +583,7 @@ def _resume(store: RunStore, steps, backend, scenario, progress, allow_version_c
         log.info("%s is complete at step %d (give --steps / steps= to extend it)", path, ckpt.step)
     else:
         log.info("resuming %s at step %d of %d", path, ckpt.step, run["n_steps"])
-    return _advance(store, scn, integ, carry, buf, buf_start, backend_name, progress)
+    return _advance(store, scn, integ, carry, buf, buf_start, backend_name, progress, sig)
 
 
 def run_info(path: str | Path) -> dict:
@@ -566,6 +601,7 @@ def run_info(path: str | Path) -> dict:
     return {
         "path": str(path),
         "name": scn["name"],
+        "family": attrs.get("agent_family"),
         "scenario": scn["scenario"],
         "status": attrs.get("status"),
         "vfesim_version": store.attr("vfesim_version"),
