@@ -124,7 +124,7 @@ def test_spin_generators(d):
     np.testing.assert_allclose(np.einsum("akl,alm->km", J, J), j * (j + 1) * np.eye(d), atol=1e-13)
 
 
-def test_integrators_refuse():
+def test_gaussian_integrators_refuse_density_matrices():
     qs = vfesim.random_state(CFG, 4)
-    with pytest.raises(NotImplementedError, match="quantum"):
+    with pytest.raises(ValueError, match="'gradient_flow' is not a density-matrix method.*mirror_descent"):
         vfesim.run_dynamics(qs, CFG, method="gradient_flow", dt=0.1, n_steps=1)

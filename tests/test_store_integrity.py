@@ -252,9 +252,10 @@ def test_interrupt_marks_the_store_and_can_be_resumed(how, tmp_path, monkeypatch
     def stop_after_step_4(store, scn, carry, *args):
         orig(store, scn, carry, *args)
         if carry.step == 4:
-            if how == "sigterm":
-                os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled in the main thread
-            raise KeyboardInterrupt
+            if how == "sigterm":  # a real signal, handled in the main thread: deferred to the step's end
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                raise KeyboardInterrupt
 
     monkeypatch.setattr(sim, "_checkpoint", stop_after_step_4)
     with pytest.raises(KeyboardInterrupt) as err:
