@@ -97,10 +97,11 @@ def device_state(N: int, K: int, dtype: str, seed: int = 0) -> dict:
 
 
 def pair_flops(N: int, K: int, nterms: int) -> float:
-    """Model FLOPs of the dense pairwise kernels: per ordered pair and term, three feature dots (2D each),
-    two weighted row accumulations (2D each) and ~21 scalar operations (logits, exps, weights)."""
+    """Model FLOPs of the dense pairwise kernels: per ordered pair and term, two feature dots (2D each),
+    two weighted row accumulations (2D each) and ~14 scalar operations (logits, two exps, online
+    log-sum-exp, weights). (Before the receiver sums joined the statistics sweep: three dots, ~21.)"""
     D = feature_dim(K)
-    return float(N) * (N - 1) * nterms * (10 * D + 21)
+    return float(N) * (N - 1) * nterms * (8 * D + 14)
 
 
 def config(K: int, terms: str) -> vfesim.ModelConfig:

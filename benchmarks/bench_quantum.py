@@ -9,7 +9,7 @@ Self + belief terms by default (``--terms both`` adds the prior term), dense nei
 the backend's device before timing (arrays in, arrays out: the public Dataset API adds validation and,
 for NumPy-backed states on a GPU, transfers). ``--oracle`` also times the naive per-pair oracle
 (tests/reference/quantum.py, energy only) at N = 64 against the numba backend's energy + gradient.
-``--pairs`` also times the pairwise part alone with its FLOP/s (10 d^2 N (N - 1), :func:`pair_flops`) and,
+``--pairs`` also times the pairwise part alone with its FLOP/s (8 d^2 N (N - 1), :func:`pair_flops`) and,
 on a GPU, the cuBLAS GEMM rate as the ceiling; ``--torch`` adds the PyTorch autograd baseline
 (benchmarks/torch_quantum_baseline.py). Medians of repeated calls after one warm-up (which compiles).
 Writes DIR/quantum_bench.jsonl and .txt.
@@ -66,9 +66,9 @@ def bench(backend_name: str, N: int, d: int, dtype: str, terms: str) -> dict:
 
 def pair_flops(N: int, d: int) -> float:
     """Floating-point operations of the dense streaming pairs per evaluation: per ordered pair a D-term dot
-    product in the statistics pass and in each of the two gradient passes, plus a D-term accumulation in
-    each gradient pass (D = d^2; 2 flops per multiply-add): 10 D N (N - 1)."""
-    return 10.0 * d * d * N * (N - 1)
+    product and a D-term accumulation in each of the two passes (receiver pass with the row statistics,
+    sender pass; D = d^2; 2 flops per multiply-add): 8 D N (N - 1). (Three passes before: 10 D N (N - 1).)"""
+    return 8.0 * d * d * N * (N - 1)
 
 
 def bench_pairs(backend_name: str, N: int, d: int, dtype: str) -> dict:

@@ -39,7 +39,6 @@ from .core import (
     device,
     lse_merge,
     lse_push,
-    lse_push_e,
     pair_kl,
     pair_logit,
     pair_weight,
@@ -166,37 +165,66 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
     r0 + NR - 1 (global indices; r0 = 0, NR = N for all pairs), B (nf, N, D) every sender. Launch (S
     slices of the other side, ``chunk_s`` senders and ``chunk_r`` receivers per slice, nf terms,
     nb(n) = ceil(n / (threads * opt))):
-      stats[(nb(NR), S, nf), threads](A, B, c, r0, f0, chunk_s, pm, ps, pt)         pm, ps, pt (S, nf, NR)
-      merge[(ceil(NR / BLOCK), nf), BLOCK](pm, ps, pt, kappa, f0, m, inv_s, abar, energy)   (nf, NR) each
-      grads[(nb(max(NR, N)), 2 S, nf), threads](A, B, c, m, inv_s, abar, r0, f0, chunk_s, chunk_r, gAr, gBs)
-    gAr (S, nf, NR, D + 1): per slice of senders, sum_j W_ij B_j and sum_j W_ij per receiver; gBs (S, nf, N,
-    D): per slice of receivers, sum_i W_ij A'_i per sender. With KL' = KL / kappa = A'_i . B_j + c'_i
-    (A' = A / (2 kappa), c' likewise) and kappa' = 1: W'_ij = W_ij, energy = kappa E',
-    sum_i W_ij A'_i = (sum_i W_ij A_i) / (2 kappa).
+      stats[(nb(NR), S, nf), threads](A, B, c, r0, f0, chunk_s, pm, ps, pt, gAr, gAx)
+      merge[(ceil(NR / BLOCK), nf), BLOCK](pm, ps, pt, kappa, f0, m, inv_s, abar, energy, gAr, gAx)
+      grads[(nb(N), S, nf), threads](A, B, c, m, inv_s, abar, r0, f0, chunk_r, gBs)
+    pm, ps, pt (S, nf, NR) and m, inv_s, abar, energy (nf, NR). ``stats`` is the receiver pass: per slice of
+    senders, the online log-sum-exp of each receiver and, in the same sweep, its weighted sums of sender
+    rows relative to the slice's running maximum (rescaled when the maximum moves): gAr[sl, :, :, :D] =
+    sum_j e_j B_j, and for ``expected`` gAx[sl] = sum_j e_j delta_j (B_j, 1) with e_j = exp(x_j - m_sl),
+    delta_j = m_sl - x_j >= 0 (gAx may be a dummy for ``softmin``). ``merge`` combines the slices in order
+    and turns each slice's sums into its part of sum_j W_ij B_j (columns :D) and of sum_j W_ij (column D).
+    ``grads`` is the sender pass: per slice of receivers, gBs (S, nf, N, D) = sum_i W_ij A'_i. The caller
+    sums gAr and gBs over slices in slice order. With KL' = KL / kappa = A'_i . B_j + c'_i (A' = A /
+    (2 kappa), c' likewise) and kappa' = 1: W'_ij = W_ij, energy = kappa E', sum_i W_ij A'_i = (sum_i
+    W_ij A_i) / (2 kappa). Per pair: two exponentials and three D-wide dot/axpy passes (three and five
+    before the receiver sums moved into the statistics sweep).
     The pair i == j is skipped by a per-pair test only in the shared tiles that hold one of the block's
     own agents (and, in ``grads``, owners past the end only in the last block); every other tile runs
     the same loop without the tests.
     """
     dt = _NB[np.dtype(dtype)]
     one = np.dtype(dtype).type(1.0)
+    zero = np.dtype(dtype).type(0.0)
     ninf = np.dtype(dtype).type(-np.inf)
     agg = AGG_CODES[aggregator]
+    expected = aggregator == "expected"
     ex = PAIR_EXP[np.dtype(dtype)]
     TS = _tile_rows(D, np.dtype(dtype).itemsize, threads)
     OPT = opt
     NT = threads
 
-    def push(own, o, rw, oc, m, s, t):
-        """Online log-sum-exp of owner o over one more sender (row rw)."""
+    def push(own, o, rw, oc, m, s, t, acc, accx, px):
+        """Owner o (a receiver) meets one more sender (row rw): online log-sum-exp statistics and the
+        sums of sender rows weighted by exp(x - m), rescaled when the maximum m moves."""
         kl = pair_kl(own, o, rw, 0, oc)
         x = pair_logit(kl, one)
-        mm, ss, tt = lse_push_e(m[o], s[o], t[o], x, kl, ex(-abs(x - m[o])), one)
-        m[o] = mm
-        s[o] = ss
-        t[o] = tt
+        mo = m[o]
+        e = ex(-abs(x - mo))
+        if x > mo:  # a new maximum: the sums so far scale by e = exp(m_old - x); this row has weight 1
+            if expected and s[o] > zero:
+                sh = x - mo  # every delta so far grows by the shift
+                for d in range(D):
+                    accx[o, d] = e * (accx[o, d] + sh * acc[o, d])
+                px[o] = e * (px[o] + sh * s[o])
+            for d in range(D):
+                acc[o, d] = acc[o, d] * e + rw[0, d]
+            m[o] = x
+            s[o] = s[o] * e + one
+            t[o] = t[o] * e + kl
+        else:
+            for d in range(D):
+                acc[o, d] += e * rw[0, d]
+            if expected:
+                ed = e * (mo - x)
+                for d in range(D):
+                    accx[o, d] += ed * rw[0, d]
+                px[o] += ed
+            s[o] += e
+            t[o] += e * kl
 
-    def stats(A, B, c, r0, f0, chunk, pm, ps, pt):
-        """Partial row statistics (max, sum, weighted sum) of receivers over one slice of senders."""
+    def stats(A, B, c, r0, f0, chunk, pm, ps, pt, gAr, gAx):
+        """Receiver pass over one slice of senders: row statistics and weighted sums of sender rows."""
         tid = cuda.threadIdx.x
         f = f0 + cuda.blockIdx.z
         sl = cuda.blockIdx.y
@@ -214,15 +242,21 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
         m = cuda.local.array(OPT, dt)
         s = cuda.local.array(OPT, dt)
         t = cuda.local.array(OPT, dt)
+        acc = cuda.local.array((OPT, D), dt)
+        accx = cuda.local.array((OPT, D), dt)
+        px = cuda.local.array(OPT, dt)
         rw = cuda.local.array((1, D), dt)
         for o in range(OPT):
             ii = min(i0 + o * NT, NR - 1)
             for d in range(D):
                 own[o, d] = A[f, ii, d]
+                acc[o, d] = zero
+                accx[o, d] = zero
             oc[o] = c[f, ii]
             m[o] = ninf
-            s[o] = 0.0
-            t[o] = 0.0
+            s[o] = zero
+            t[o] = zero
+            px[o] = zero
         sX = cuda.shared.array((TS, D), dt)
         for j0 in range(j_begin, j_end, TS):
             cuda.syncthreads()
@@ -238,95 +272,98 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
                         rw[0, d] = sX[jj, d]
                     for o in range(OPT):
                         if j0 + jj != g0 + o * NT:
-                            push(own, o, rw, oc, m, s, t)
+                            push(own, o, rw, oc, m, s, t, acc, accx, px)
             else:
                 for jj in range(nj):
                     for d in range(D):
                         rw[0, d] = sX[jj, d]
                     for o in range(OPT):
-                        push(own, o, rw, oc, m, s, t)
+                        push(own, o, rw, oc, m, s, t, acc, accx, px)
         for o in range(OPT):
             i = i0 + o * NT
             if i < NR:
                 pm[sl, f, i] = m[o]
                 ps[sl, f, i] = s[o]
                 pt[sl, f, i] = t[o]
+                for d in range(D):
+                    gAr[sl, f, i, d] = acc[o, d]
+                if expected:
+                    for d in range(D):
+                        gAx[sl, f, i, d] = accx[o, d]
+                    gAx[sl, f, i, D] = px[o]
 
-    def merge(pm, ps, pt, kappa, f0, m, inv_s, abar, energy):
-        """Merge the slices' statistics in slice order; per-receiver energy kappa * A_kappa'."""
+    def merge(pm, ps, pt, kappa, f0, m, inv_s, abar, energy, gAr, gAx):
+        """Merge the slices' statistics in slice order; per-receiver energy kappa * A_kappa'; each slice's
+        weighted sums become its part of sum_j W_ij (B_j, 1)."""
         i = cuda.grid(1)
         f = f0 + cuda.blockIdx.y
         if i >= pm.shape[2]:
             return
+        S = pm.shape[0]
         mm = pm[0, f, i]
         ss = ps[0, f, i]
         tt = pt[0, f, i]
-        for sl in range(1, pm.shape[0]):
+        for sl in range(1, S):
             mm, ss, tt = lse_merge(mm, ss, tt, pm[sl, f, i], ps[sl, f, i], pt[sl, f, i])
+        inv = one / ss if ss > zero else zero * ss
         m[f, i] = mm
-        inv_s[f, i] = one / ss if ss > 0.0 else 0.0 * ss
+        inv_s[f, i] = inv
         abar[f, i] = row_abar(ss, tt)
         energy[f, i] = kappa[f] * row_energy(mm, ss, tt, one, agg)
-
-    def recv_acc(own, o, rw, oc, om, oi, oa, acc, accw):
-        """Receiver role: W of owner o (a receiver) and sender row rw; acc += W B_j, accw += W."""
-        kl = pair_kl(own, o, rw, 0, oc)
-        e = ex(pair_logit(kl, one) - om[o])
-        w = pair_weight_e(e, kl, oi[o], oa[o], one, agg)
-        accumulate_row(acc, o, w, rw, 0)
-        accw[o] += w
+        # expected: ap = sum_j beta_j (m - x_j), the mean KL' above the row's least (no cancellation)
+        ap = zero
+        if expected:
+            for sl in range(S):
+                sk = ps[sl, f, i]
+                if sk > zero:
+                    ap += math.exp(pm[sl, f, i] - mm) * (gAx[sl, f, i, D] + (mm - pm[sl, f, i]) * sk)
+            ap *= inv
+        for sl in range(S):
+            sk = ps[sl, f, i]
+            if sk > zero:
+                w = math.exp(pm[sl, f, i] - mm) * inv  # this slice's exp(x - m_sl) -> beta
+            else:
+                w = zero
+            if expected:  # W_j = beta_j (1 + ap - delta_j), delta_j = m - x_j
+                sh = mm - pm[sl, f, i] if sk > zero else zero
+                w1 = w * (one + ap)
+                for d in range(D):
+                    gAr[sl, f, i, d] = w1 * gAr[sl, f, i, d] - w * (gAx[sl, f, i, d] + sh * gAr[sl, f, i, d])
+                gAr[sl, f, i, D] = w1 * sk - w * (gAx[sl, f, i, D] + sh * sk)
+            else:
+                for d in range(D):
+                    gAr[sl, f, i, d] *= w
+                gAr[sl, f, i, D] = w * sk
 
     def send_acc(own, o, rw, rc, rm, ri, ra, acc):
-        """Sender role: W of receiver row rw (statistics rc, rm, ri, ra) and owner o (a sender)."""
+        """W of receiver row rw (statistics rc, rm, ri, ra) and owner o (a sender); acc += W A'_i."""
         kl = pair_kl(rw, 0, own, o, rc)
         e = ex(pair_logit(kl, one) - rm)
         w = pair_weight_e(e, kl, ri, ra, one, agg)
         accumulate_row(acc, o, w, rw, 0)
 
-    def grads(A, B, c, m, inv_s, abar, r0, f0, chunk_s, chunk_r, gAr, gBs):
-        """Blocks y < S: receiver sums over a slice of senders; y >= S: sender sums over a slice of
-        receivers."""
+    def grads(A, B, c, m, inv_s, abar, r0, f0, chunk, gBs):
+        """Sender pass: per slice of receivers, sum_i W_ij A'_i for each sender j."""
         tid = cuda.threadIdx.x
         f = f0 + cuda.blockIdx.z
-        S = gAr.shape[0]
+        sl = cuda.blockIdx.y
         NR = A.shape[1]
         N = B.shape[1]
-        sender = cuda.blockIdx.y >= S
-        sl = cuda.blockIdx.y - S if sender else cuda.blockIdx.y
-        n_own = N if sender else NR
         b0 = cuda.blockIdx.x * (NT * OPT)
-        if b0 >= n_own:
-            return  # the whole block: the grid covers the larger side
         i0 = b0 + tid
-        # Owners and others as global agent indices (receivers are r0 + local index).
-        g_off = 0 if sender else r0  # global = local + g_off for the owners
-        o_off = r0 if sender else 0  # ... and for the others
-        lo = g_off + b0
-        hi = g_off + min(n_own, b0 + NT * OPT)
-        n_oth = NR if sender else N
-        chunk = chunk_r if sender else chunk_s
+        lo = b0  # the block's owners (senders, global indices) lo .. hi - 1
+        hi = min(N, b0 + NT * OPT)
         k_begin = sl * chunk
-        k_end = min(n_oth, k_begin + chunk)
+        k_end = min(NR, k_begin + chunk)
         own = cuda.local.array((OPT, D), dt)
-        oc = cuda.local.array(OPT, dt)
-        om = cuda.local.array(OPT, dt)
-        oi = cuda.local.array(OPT, dt)
-        oa = cuda.local.array(OPT, dt)
         acc = cuda.local.array((OPT, D), dt)
-        accw = cuda.local.array(OPT, dt)
         rw = cuda.local.array((1, D), dt)
         rc = cuda.local.array(1, dt)
         for o in range(OPT):
-            ii = min(i0 + o * NT, n_own - 1)
+            ii = min(i0 + o * NT, N - 1)
             for d in range(D):
-                own[o, d] = B[f, ii, d] if sender else A[f, ii, d]
-                acc[o, d] = 0.0
-            if not sender:
-                oc[o] = c[f, ii]
-                om[o] = m[f, ii]
-                oi[o] = inv_s[f, ii]
-                oa[o] = abar[f, ii]
-            accw[o] = 0.0
+                own[o, d] = B[f, ii, d]
+                acc[o, d] = zero
         sX = cuda.shared.array((TS, D), dt)
         sc = cuda.shared.array(TS, dt)
         sm = cuda.shared.array(TS, dt)
@@ -338,53 +375,38 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
                 row = r // D
                 if k0 + row < k_end:
                     col = r - row * D
-                    sX[row, col] = A[f, k0 + row, col] if sender else B[f, k0 + row, col]
-            if sender:
-                for r in range(tid, TS, NT):
-                    if k0 + r < k_end:
-                        sc[r] = c[f, k0 + r]
-                        sm[r] = m[f, k0 + r]
-                        si[r] = inv_s[f, k0 + r]
-                        sa[r] = abar[f, k0 + r]
+                    sX[row, col] = A[f, k0 + row, col]
+            for r in range(tid, TS, NT):
+                if k0 + r < k_end:
+                    sc[r] = c[f, k0 + r]
+                    sm[r] = m[f, k0 + r]
+                    si[r] = inv_s[f, k0 + r]
+                    sa[r] = abar[f, k0 + r]
             cuda.syncthreads()
             nk = min(TS, k_end - k0)
             # Checked pairs: tiles with the block's own agents (skip i == j) and the last, partial block
-            # (skip owners past the end, whose clamped loads would meet empty statistics).
-            checked = (o_off + k0 < hi and o_off + k0 + nk > lo) or b0 + NT * OPT > n_own
+            # (skip owners past the end, whose clamped loads would count a sender twice).
+            checked = (r0 + k0 < hi and r0 + k0 + nk > lo) or b0 + NT * OPT > N
             for kk in range(nk):
-                for d in range(D):  # the other side's row once into registers, for all OPT owners
+                for d in range(D):  # the receiver's row once into registers, for all OPT owners
                     rw[0, d] = sX[kk, d]
-                kg = o_off + k0 + kk
-                if sender:  # own = B_j; rw is receiver k's A_k with its statistics
-                    rc[0] = sc[kk]
-                    rm, ri, ra = sm[kk], si[kk], sa[kk]
-                    if checked:
-                        for o in range(OPT):
-                            if kg != lo + tid + o * NT and i0 + o * NT < n_own:
-                                send_acc(own, o, rw, rc, rm, ri, ra, acc)
-                    else:
-                        for o in range(OPT):
-                            send_acc(own, o, rw, rc, rm, ri, ra, acc)
-                elif checked:  # own = A_i with its statistics; rw is sender k's B_k
+                kg = r0 + k0 + kk
+                rc[0] = sc[kk]
+                rm, ri, ra = sm[kk], si[kk], sa[kk]
+                if checked:
                     for o in range(OPT):
-                        if kg != lo + tid + o * NT and i0 + o * NT < n_own:
-                            recv_acc(own, o, rw, oc, om, oi, oa, acc, accw)
+                        if kg != lo + tid + o * NT and i0 + o * NT < N:
+                            send_acc(own, o, rw, rc, rm, ri, ra, acc)
                 else:
                     for o in range(OPT):
-                        recv_acc(own, o, rw, oc, om, oi, oa, acc, accw)
+                        send_acc(own, o, rw, rc, rm, ri, ra, acc)
         for o in range(OPT):
             i = i0 + o * NT
-            if i < n_own:
-                if sender:
-                    for d in range(D):
-                        gBs[sl, f, i, d] = acc[o, d]
-                else:
-                    for d in range(D):
-                        gAr[sl, f, i, d] = acc[o, d]
-                    gAr[sl, f, i, D] = accw[o]
+            if i < N:
+                for d in range(D):
+                    gBs[sl, f, i, d] = acc[o, d]
 
     push = device(push)
-    recv_acc = device(recv_acc)
     send_acc = device(send_acc)
     pyfuncs = {"stats": stats, "merge": merge, "grads": grads}
     return compile_kernels(pyfuncs) | {"tile": TS, "threads": NT, "opt": OPT}

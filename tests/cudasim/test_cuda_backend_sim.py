@@ -295,3 +295,30 @@ def test_dense_rows_sum_to_all_pairs(aggregator):
     np.testing.assert_allclose(E_sum, E, rtol=1e-12)
     with pytest.raises(ValueError, match="r0=10"):
         cb.pairwise_dense_rows(A[:5], c[:5], B, 10, kappa, aggregator)
+
+
+@pytest.mark.parametrize("N", [16, 37])
+@pytest.mark.parametrize("order", ["rising", "falling", "random"])
+@pytest.mark.parametrize("aggregator", ["softmin", "expected"])
+def test_receiver_sums_follow_a_moving_maximum(aggregator, order, N):
+    """The receiver pass sums sender rows weighted relative to a running maximum, rescaled when it moves.
+    Logits spread over ~400 (weights from 1 down to e^-400, none overflowing) and senders in an order that
+    moves every receiver's maximum at each sender ("rising"), never ("falling") or at random, over
+    several sender slices (N = 16) or blocks (N = 37): equal to the all-pairs reference (float64)."""
+    from vfesim.pairwise.reference import pairwise_dense
+
+    rng = np.random.default_rng(7)
+    D, kappa = 4, 0.5
+    A = rng.normal(size=(N, D))
+    A[:, 0] = 1.0  # KL_ij / kappa = (A_i . B_j + c_i) / (2 kappa): B_j[0] sets a sender's logit for everyone
+    B = 0.1 * rng.normal(size=(N, D))
+    rank = {"rising": np.arange(N)[::-1], "falling": np.arange(N), "random": rng.permutation(N)}[order]
+    B[:, 0] = 400.0 * rank / N  # small B[0] = large logit: "rising" meets ever larger logits
+    c = rng.uniform(1.0, 2.0, N)
+    assert kc.dense_splits(N, kc.PAIR_OPT, kc.PAIR_THREADS)[0] == (2 if N == 16 else 1)
+    E, gA, gB, gc = pairwise_dense(A, B, c, kappa, aggregator)
+    erow, gA_r, gc_r, gB_c = cb.pairwise_dense_rows(A, c, B, 0, kappa, aggregator)
+    for got, want in [(gA_r, gA), (gc_r, gc), (gB_c, gB)]:
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-13 * np.abs(want).max())
+    np.testing.assert_allclose(float(erow.sum()), E, rtol=1e-12)

@@ -181,6 +181,15 @@ class _Workspace:
         self.buf["G"][...] = xp.asarray(generators(irreps), dtype=dtype)
         self.params: tuple | None = None
 
+    def expected_sums(self, aggregator: str):
+        """The streaming kernels' second receiver sums (``gAx``, the ``expected`` aggregator only; a
+        one-element placeholder otherwise), allocated at first use."""
+        shape = (self.S, 2, self.N, kc.feature_dim(self.K) + 1) if aggregator == "expected" else (1, 1, 1, 1)
+        if self.buf.get("gAx") is None or self.buf["gAx"].shape != shape:
+            self.buf["gAx"] = array_module().zeros(shape, self.dtype)
+            self.dev["gAx"] = kc.as_device_view(self.buf["gAx"])
+        return self.dev["gAx"]
+
     def set_params(self, cfg: ModelConfig) -> None:
         """Upload kappa, 1/(2 kappa) and lambda of both alignment terms when they changed."""
         p = (cfg.kappa_beta, cfg.kappa_gamma, cfg.lambda_belief, cfg.lambda_prior)
@@ -362,14 +371,17 @@ class FusedStages:
             k = self.pair_kern = kc.make_dense_kernels(D, dt, cfg.aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
             nt = k["threads"]
             nb = _cdiv(N, nt * k["opt"])
-            k["stats"][(nb, ws.S, nf), nt](d["A"], d["B"], d["c"], 0, f0, ws.chunk, d["pm"], d["ps"], d["pt"])
-            k["merge"][(nblk, nf), blk](
-                d["pm"], d["ps"], d["pt"], d["kappa"], f0, d["m"], d["inv_s"], d["abar"], d["energy"]
+            gAx = ws.expected_sums(cfg.aggregator)
+            k["stats"][(nb, ws.S, nf), nt](
+                d["A"], d["B"], d["c"], 0, f0, ws.chunk, d["pm"], d["ps"], d["pt"], d["gAr"], gAx
             )
-            k["grads"][(nb, 2 * ws.S, nf), nt](
-                d["A"], d["B"], d["c"], d["m"], d["inv_s"], d["abar"], 0, f0, ws.chunk, ws.chunk,
-                d["gAr"], d["gBs"],
+            k["merge"][(nblk, nf), blk](
+                d["pm"], d["ps"], d["pt"], d["kappa"], f0, d["m"], d["inv_s"], d["abar"], d["energy"],
+                d["gAr"], gAx,
             )  # fmt: skip
+            k["grads"][(nb, ws.S, nf), nt](
+                d["A"], d["B"], d["c"], d["m"], d["inv_s"], d["abar"], 0, f0, ws.chunk, d["gBs"]
+            )
         else:
             k = self.pair_kern = kc.make_sparse_kernels(D, dt, cfg.aggregator)
             nbr = _neighbour_lists(cfg.neighbours).dev
@@ -470,18 +482,17 @@ def _dense_streaming(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
     pm, ps, pt = (xp.empty((S, 1, NR), dt) for _ in range(3))
     m, inv_s, abar, energy = (xp.empty((1, NR), dt) for _ in range(4))
     gAr = xp.empty((S, 1, NR, D + 1), dt)
+    gAx = xp.empty((S, 1, NR, D + 1) if aggregator == "expected" else (1, 1, 1, 1), dt)
     gBs = xp.empty((S, 1, N, D), dt)
     kap = xp.ones(1, dt)
     v = kc.as_device_view
-    dA, dB, dc = v(Ah), v(Bb), v(ch)
-    k["stats"][(_cdiv(NR, nt * k["opt"]), S, 1), nt](dA, dB, dc, r0, 0, chunk_s, v(pm), v(ps), v(pt))
+    dA, dB, dc, dgA, dgx = v(Ah), v(Bb), v(ch), v(gAr), v(gAx)
+    nb_r, nb_s = _cdiv(NR, nt * k["opt"]), _cdiv(N, nt * k["opt"])
+    k["stats"][(nb_r, S, 1), nt](dA, dB, dc, r0, 0, chunk_s, v(pm), v(ps), v(pt), dgA, dgx)
     k["merge"][(_cdiv(NR, kc.BLOCK), 1), kc.BLOCK](
-        v(pm), v(ps), v(pt), v(kap), 0, v(m), v(inv_s), v(abar), v(energy)
+        v(pm), v(ps), v(pt), v(kap), 0, v(m), v(inv_s), v(abar), v(energy), dgA, dgx
     )
-    nb = _cdiv(max(NR, N), nt * k["opt"])
-    k["grads"][(nb, 2 * S, 1), nt](
-        dA, dB, dc, v(m), v(inv_s), v(abar), r0, 0, chunk_s, chunk_r, v(gAr), v(gBs)
-    )
+    k["grads"][(nb_s, S, 1), nt](dA, dB, dc, v(m), v(inv_s), v(abar), r0, 0, chunk_r, v(gBs))
     gA, gB = gAr[0, 0], gBs[0, 0]
     for sl in range(1, S):  # the slices in order: a fixed summation order
         gA = gA + gAr[sl, 0]
