@@ -27,6 +27,7 @@ _pull_vjp_agent = _m.pull_vjp_agent
 _dk_log_agent = _m.dk_log_agent
 _dk_exp_agent = _m.dk_exp_agent
 _frames_vjp_agent = _m.frames_vjp_agent
+_channel_step_agent = _m.channel_step_agent
 
 # Serial kernels over an agent range, run on a few Python threads (they release the GIL): parallel over
 # agents without Numba's parfors, whose compilation costs ~3 s per kernel and dtype (the kernels here
@@ -117,6 +118,21 @@ def _frames_vjp(n0, n1, Ubar, k, V, J, out):
         _frames_vjp_agent(Ubar, k, V, J, n, out, T[0], T[1], T[2])
 
 
+@_kernel
+def _channel_step(
+    n0, n1, rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, thr, width, dt, floor, tol2,
+    out, gmin,
+):  # fmt: skip
+    d = rho.shape[1]
+    T = np.empty((5, d, d), rho.dtype)
+    w = np.empty(d, lam.dtype)
+    for n in range(n0, n1):
+        _channel_step_agent(
+            rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, thr, width, dt, floor, tol2,
+            out, gmin, T[0], T[1], T[2], T[3], T[4], w,
+        )  # fmt: skip
+
+
 KERNELS = {
     "eig_log": _eig_log,
     "gibbs": _gibbs,
@@ -126,6 +142,7 @@ KERNELS = {
     "dk_log": _dk_log,
     "dk_exp": _dk_exp,
     "frames_vjp": _frames_vjp,
+    "channel_step": _channel_step,
 }
 
 

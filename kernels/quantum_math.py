@@ -351,6 +351,127 @@ def frames_vjp_agent(Ubar, k, V, J, n, out, T1, T2, T3):
         out[n, a] = acc
 
 
+def _push_diag(W, Dg, out):
+    """out = W diag(Dg) W^dagger from the diagonal of Dg (Dg's off-diagonal entries are ignored)."""
+    d = W.shape[0]
+    for r in range(d):
+        for c in range(d):
+            acc = 0.0 * W[0, 0]
+            for k in range(d):
+                acc += W[r, k] * Dg[k, k].real * W[c, k].conjugate()
+            out[r, c] = acc
+
+
+def channel_step_agent(
+    rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, gate_thr, gate_width, dt, floor,
+    tol2, out, gmin, X, S, T1, T2, W, w,
+):  # fmt: skip
+    """One step of the density-matrix channels for agent n (vfesim.quantum.evolve, forward only):
+    coupling over the window (C1 ``(1 - e) x + e tr(x) s`` or C2 ``x + e (pinch_W(x) - x)``, s the sender's
+    normalised state in the receiver's frame U_n U_j^dagger rho_j U_j U_n^dagger / tr rho_j, W its
+    eigenbasis) -> gate g -> unitary ``herm(U_t x U_t^dagger)``, U_t = V diag(exp(-i lam t)) V^dagger,
+    t = g dt (one Newton-Schulz step in complex64) -> dephasing (off-diagonals of the computational or
+    energy basis scaled by 1 - eps_d) -> thermalising ``(1 - eps_t) z + eps_t tr(z) sigma``.
+    modes = (coupling 0 none / 1 C1 / 2 C2, dephasing basis 0 computational / 1 energy, gate 0 none / 1
+    soft / 2 hard, Newton-Schulz 1 for complex64 else 0). The gate's D(x || sigma) uses the floored x;
+    gmin[n] receives its least eigenvalue (the caller refuses a step where it is <= 0, as the array code
+    does). Scratch X, S, T1, T2, W (d, d), w (d,)."""
+    d = X.shape[0]
+    coupling = modes[0]
+    for r in range(d):
+        for c in range(d):
+            X[r, c] = rho[n, r, c]
+    if coupling != 0:
+        for k in range(index.shape[1]):
+            if not mask[n, k]:
+                continue
+            j = index[n, k]
+            e = eps_c[n, k]
+            trj = 0.0
+            for r in range(d):
+                trj += rho[j, r, r].real
+            pull_back(U[j], rho[j], T1, T2)
+            push_forward(U[n], T2, T1, S)
+            if coupling == 1:
+                trx = 0.0
+                for r in range(d):
+                    trx += X[r, r].real
+                cx = 1.0 - e
+                cs = e * trx / trj
+                for r in range(d):
+                    for c in range(d):
+                        X[r, c] = cx * X[r, c] + cs * S[r, c]
+            else:
+                jacobi_eigh(S, w, W, tol2)
+                pull_back(W, X, T1, T2)
+                _push_diag(W, T2, T1)
+                for r in range(d):
+                    for c in range(d):
+                        X[r, c] = X[r, c] + e * (T1[r, c] - X[r, c])
+    g = 1.0
+    if modes[2] != 0:  # D(x_f || sigma), x_f = (1 - floor) herm(x) + floor I / d
+        for r in range(d):
+            for c in range(d):
+                T1[r, c] = (1.0 - floor) * 0.5 * (X[r, c] + X[c, r].conjugate())
+            T1[r, r] += floor / d
+        pull_back(V[n], T1, T2, S)  # S = V^dagger x_f V: tr(x_f log sigma) = sum_k l_k S_kk
+        dv = 0.0
+        for k in range(d):
+            dv -= l[n, k] * S[k, k].real
+        jacobi_eigh(T1, w, W, tol2)
+        least = w[0]
+        for k in range(d):
+            least = min(least, w[k])
+            if w[k] > 0.0:
+                dv += w[k] * math.log(w[k])
+        gmin[n] = least
+        if modes[2] == 1:
+            g = 0.5 * (1.0 + math.tanh(0.5 * (dv - gate_thr) / gate_width))
+        else:
+            g = 1.0 if dv > gate_thr else 0.0
+    t = g * dt
+    for r in range(d):  # T1 = U_t
+        for c in range(d):
+            acc = 0.0 * V[n, 0, 0]
+            for k in range(d):
+                ph = -lam[n, k] * t
+                acc += V[n, r, k] * complex(math.cos(ph), math.sin(ph)) * V[n, c, k].conjugate()
+            T1[r, c] = acc
+    if modes[3] != 0:  # complex64: U <- U (3 I - U^dagger U) / 2 (Newton-Schulz)
+        mm_dl(T1, T1, T2)
+        for r in range(d):
+            for c in range(d):
+                T2[r, c] = -0.5 * T2[r, c]
+            T2[r, r] += 1.5
+        mm(T1, T2, S)
+        for r in range(d):
+            for c in range(d):
+                T1[r, c] = S[r, c]
+    push_forward(T1, X, T2, S)  # S = U x U^dagger, then herm
+    for r in range(d):
+        for c in range(d):
+            X[r, c] = 0.5 * (S[r, c] + S[c, r].conjugate())
+    ed = eps_d[n]
+    if modes[1] == 0:
+        for r in range(d):
+            for c in range(d):
+                if r != c:
+                    X[r, c] = X[r, c] - ed * X[r, c]
+    else:
+        pull_back(V[n], X, T1, T2)
+        _push_diag(V[n], T2, T1)
+        for r in range(d):
+            for c in range(d):
+                X[r, c] = X[r, c] + ed * (T1[r, c] - X[r, c])
+    et = eps_t[n]
+    trz = 0.0
+    for r in range(d):
+        trz += X[r, r].real
+    for r in range(d):
+        for c in range(d):
+            out[n, r, c] = (1.0 - et) * X[r, c] + et * trz * sigma[n, r, c]
+
+
 # In dependency order (callees first): :func:`link` compiles them in this order.
 FUNCTIONS = (
     "jacobi_eigh",
@@ -375,6 +496,8 @@ FUNCTIONS = (
     "dk_log_agent",
     "dk_exp_agent",
     "frames_vjp_agent",
+    "_push_diag",
+    "channel_step_agent",
 )
 
 

@@ -44,3 +44,26 @@ def stage_outputs(ops, v, dtype):
         dk_log=ops.dk_log(s, W, v["E"]), dk_exp=ops.dk_exp(l, p, V, v["E"]),
         frames_vjp=ops.frames_vjp(v["Ub"], cache, v["J"]),
     )  # fmt: skip
+
+
+def channel_case(d, dtype, coupling, basis, gate, window="sparse", N=9, seed=0):
+    """(P, rho, dynamics) of one channel step (vfesim.quantum.evolve): a random population with per-agent
+    dephasing rates, thermalisation and a coupling window (dense, or a ragged sparse one with masked slots)."""
+    import vfesim
+    from vfesim.quantum.evolve import QuantumDynamics, prepare
+
+    cfg = vfesim.QuantumConfig(d=d)
+    qs = vfesim.random_state(cfg, n_agents=N, seed=seed, dtype=dtype)
+    if window == "dense":
+        nb = "dense"
+    else:
+        rng = np.random.default_rng(seed + 1)
+        lists = [list(rng.choice(np.delete(np.arange(N), i), i % 4, replace=False)) for i in range(N)]
+        nb = vfesim.SparseNeighbours.from_lists(lists)  # 0 to 3 senders: masked slots, one agent alone
+    dyn = QuantumDynamics(
+        coupling=coupling, coupling_strength=0.4, coupling_length=2.0, neighbours=nb,
+        dephasing_rate=np.linspace(0.1, 1.0, N), dephasing_basis=basis, thermal_rate=0.3,
+        gate=gate, gate_threshold=0.05, gate_width=0.5,
+    )  # fmt: skip
+    arrays = {k: qs[k].values for k in qs.data_vars}
+    return prepare(arrays, cfg, dyn), arrays["rho"], dyn

@@ -6,7 +6,7 @@ are checked under the simulator (tests/cudasim/test_quantum_sim.py) and for sm_9
 import numba
 import numpy as np
 import pytest
-from quantum_stages import stage_inputs, stage_outputs
+from quantum_stages import channel_case, stage_inputs, stage_outputs
 from vfesim_kernels import quantum_cpu, quantum_math
 
 from vfesim.backends import numba_backend
@@ -108,3 +108,37 @@ def test_numba_backend_runs_kernels_up_to_its_size_limit(monkeypatch):
     v = stage_inputs(large, "complex128", N=6)
     np.testing.assert_array_equal(ops.eig_log(v["x"])[2], NUMPY_OPS.eig_log(v["x"])[2])
     assert len(calls) == 1
+
+
+CHANNEL_MODES = [
+    ("C1", "computational", "none"),
+    ("C1", "energy", "soft"),
+    ("C2", "computational", "hard"),
+    ("C2", "energy", "none"),
+    ("none", "computational", "soft"),
+]
+
+
+@pytest.mark.parametrize("coupling, basis, gate", CHANNEL_MODES)
+@pytest.mark.parametrize("d, dtype, window", [(2, "complex128", "sparse"), (3, "complex128", "dense"),
+                                              (4, "complex128", "sparse"), (5, "complex128", "sparse"),
+                                              (4, "complex64", "dense")])  # fmt: skip
+def test_channel_step_kernel_matches_the_array_code(coupling, basis, gate, d, dtype, window):
+    """One forward channel step (coupling window, gate, unitary, dephasing, thermalising) of the CPU kernel
+    against vfesim.quantum.evolve's array code."""
+    P, rho, dyn = channel_case(d, dtype, coupling, basis, gate, window)
+    want = NUMPY_OPS.channel_step(P, rho, 0.3, dyn)
+    got = KERNEL_OPS.channel_step(P, rho, 0.3, dyn)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = 1e-13 if dtype == "complex128" else 2e-6
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    assert np.abs(got - rho).max() > 100 * tol  # the step moved the states
+
+
+def test_channel_step_kernel_refuses_a_non_positive_state_under_the_gate():
+    P, rho, dyn = channel_case(3, "complex128", "none", "computational", "soft")
+    rho = rho.copy()
+    rho[4] = np.diag([1.2, -0.2, 0.0])
+    for ops in (NUMPY_OPS, KERNEL_OPS):
+        with pytest.raises(ValueError, match=r"rho\[agent=4\]: not positive semidefinite"):
+            ops.channel_step(P, rho, 0.3, dyn)

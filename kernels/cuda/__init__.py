@@ -110,6 +110,10 @@ def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
         "dk_log": f"void({r2}, {c3}, {c3}, {c3})",
         "dk_exp": f"void({r2}, {r2}, {c3}, {c3}, {c3})",
         "frames_vjp": f"void({c3}, {r2}, {c3}, {c3}, {r2})",
+        "channel_step": (
+            f"void({c3}, int64[:, ::1], boolean[:, ::1], {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {r1}, {r1}, "
+            f"int64[::1], float64, float64, float64, float64, float64, {c3}, {r1})"
+        ),
     }
 
 

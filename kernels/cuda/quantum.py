@@ -26,6 +26,7 @@ _pull_vjp_agent = _m.pull_vjp_agent
 _dk_log_agent = _m.dk_log_agent
 _dk_exp_agent = _m.dk_exp_agent
 _frames_vjp_agent = _m.frames_vjp_agent
+_channel_step_agent = _m.channel_step_agent
 
 _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex128}
 
@@ -33,7 +34,7 @@ _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex1
 @functools.cache
 def make_quantum_kernels(d: int, dtype: str) -> dict:
     """The per-agent kernels for matrices of size ``d`` and complex ``dtype``: eig_log, gibbs, frames,
-    pull_features, pull_vjp, dk_log, dk_exp, frames_vjp (arguments as the CPU kernels of
+    pull_features, pull_vjp, dk_log, dk_exp, frames_vjp, channel_step (arguments as the CPU kernels of
     :mod:`vfesim_kernels.quantum_cpu`, without the agent range)."""
     cdt = _COMPLEX[np.dtype(dtype)]
     rdt = _NB[np.finfo(np.dtype(dtype)).dtype]
@@ -94,6 +95,23 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
             T3 = cuda.local.array((d, d), cdt)
             _frames_vjp_agent(Ubar, k, V, J, n, out, T1, T2, T3)
 
+    def channel_step(
+        rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, thr, width, dt, floor, tol2,
+        out, gmin,
+    ):  # fmt: skip
+        n = cuda.grid(1)
+        if n < rho.shape[0]:
+            X = cuda.local.array((d, d), cdt)
+            S = cuda.local.array((d, d), cdt)
+            T1 = cuda.local.array((d, d), cdt)
+            T2 = cuda.local.array((d, d), cdt)
+            W = cuda.local.array((d, d), cdt)
+            w = cuda.local.array(d, rdt)
+            _channel_step_agent(
+                rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, thr, width, dt, floor,
+                tol2, out, gmin, X, S, T1, T2, W, w,
+            )  # fmt: skip
+
     pyfuncs = {
         "eig_log": eig_log,
         "gibbs": gibbs,
@@ -103,5 +121,6 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
         "dk_log": dk_log,
         "dk_exp": dk_exp,
         "frames_vjp": frames_vjp,
+        "channel_step": channel_step,
     }
     return compile_kernels(pyfuncs)

@@ -3,7 +3,7 @@
 
 import numpy as np
 import pytest
-from quantum_stages import stage_inputs, stage_outputs
+from quantum_stages import channel_case, stage_inputs, stage_outputs
 
 import vfesim
 from vfesim.backends.cuda_backend import QUANTUM_OPS
@@ -53,3 +53,16 @@ def test_cuda_sparse_complex64_matches_numpy():
     for k in g_ref.data_vars:
         b = g_ref[k].values
         np.testing.assert_allclose(g[k].values, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()), err_msg=k)
+
+
+@pytest.mark.parametrize(
+    "coupling, basis, gate, dtype, tol",
+    [("C1", "energy", "soft", "complex128", 1e-13), ("C2", "computational", "hard", "complex64", 2e-6)],
+)
+def test_cuda_channel_step_matches_the_array_code(coupling, basis, gate, dtype, tol):
+    """The channel step kernel (one thread per agent) against vfesim.quantum.evolve's array code."""
+    P, rho, dyn = channel_case(3, dtype, coupling, basis, gate, N=6)
+    want = NUMPY_OPS.channel_step(P, rho, 0.3, dyn)
+    got = QUANTUM_OPS.channel_step(P, rho, 0.3, dyn)
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)

@@ -133,6 +133,8 @@ class QuantumOps(NamedTuple):
     pull_vjp(gA, gB, U, a, log a) -> (a_bar, log_a_bar, U_bar): adjoint of pull_features
     dk_log(s, W, E) -> Dlog(x)[E];  dk_exp(l, p, V, E) -> Dexp(L)[E] (Daleckii–Krein)
     frames_vjp(U_bar, cache, J) -> phi_bar (N, 3)
+    channel_step(P, rho, dt, dynamics) -> rho after one Jacobi step of the channels, forward only
+        (vfesim.quantum.evolve: P its Prepared caches, dynamics a QuantumDynamics)
     """
 
     eig_log: Callable
@@ -143,9 +145,18 @@ class QuantumOps(NamedTuple):
     dk_log: Callable
     dk_exp: Callable
     frames_vjp: Callable
+    channel_step: Callable
 
 
-NUMPY_OPS = QuantumOps(_eig_log, _gibbs, frames, _pull_features, _pull_vjp, _dk_log, _dk_exp, frames_vjp)
+def _channel_step(P, rho, dt, dyn):
+    from .evolve import agent_update  # evolve imports this module
+
+    return agent_update(P, slice(None), rho, rho[_xp(rho).asarray(P.index)], dt, dyn)[0]
+
+
+NUMPY_OPS = QuantumOps(
+    _eig_log, _gibbs, frames, _pull_features, _pull_vjp, _dk_log, _dk_exp, frames_vjp, _channel_step
+)
 
 
 def _alignment(ops, a, log_a, c_half, U, kappa, aggregator, neighbours, dense, sparse):

@@ -271,13 +271,16 @@ def senders(index_rows, i0: int, old, new):
     return xp.where((idx < rows)[..., None, None], new[idx], old[idx])
 
 
-def step(P: Prepared, rho, dt: float, dyn: QuantumDynamics, keep: bool = False):
+def step(P: Prepared, rho, dt: float, dyn: QuantumDynamics, keep: bool = False, ops: QuantumOps = NUMPY_OPS):
     """One synchronous step of all agents -> (rho_new (N, d, d), tapes: list (one per update batch) or None).
 
-    Jacobi: one batch of all agents. Gauss–Seidel: one batch per agent, in index order.
+    Jacobi: one batch of all agents (without a tape: ``ops.channel_step``, the backend's per-agent kernels
+    where it has them). Gauss–Seidel: one batch per agent, in index order.
     """
     xp = _xp(rho)
     if dyn.order == "jacobi":
+        if not keep:
+            return ops.channel_step(P, rho, dt, dyn), None
         out, tape = agent_update(P, slice(None), rho, rho[xp.asarray(P.index)], dt, dyn, keep)
         return out, ([tape] if keep else None)
     new = rho.copy()
@@ -369,7 +372,7 @@ def evolve(
 
     record(0)
     for k in range(1, n_steps + 1):
-        rho, _ = step(P, rho, dt, dynamics)
+        rho, _ = step(P, rho, dt, dynamics, ops=ops)
         for _ in range(dynamics.mirror_steps):
             rho, info = mirror_descent_step(
                 {**arrays, "rho": rho},

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .energy import QuantumOps
+from .energy import QuantumOps, floor_eps
 
 __all__ = ["kernel_ops", "sized_ops", "jacobi_tol2"]
 
@@ -28,7 +28,12 @@ _SIZE_ARG = {
     "dk_log": 1,
     "dk_exp": 2,
     "frames_vjp": 0,
+    "channel_step": 1,
 }
+# Codes of the channel step's modes (vfesim_kernels.quantum_math.channel_step_agent).
+_COUPLING = {"none": 0, "C1": 1, "C2": 2}
+_BASIS = {"computational": 0, "energy": 1}
+_GATE = {"none": 0, "soft": 1, "hard": 2}
 
 
 def jacobi_tol2(dtype) -> float:
@@ -45,7 +50,10 @@ def kernel_ops(array_module: Callable, launch: Callable) -> QuantumOps:
     """A :class:`QuantumOps` whose stages run ``launch`` on arrays of ``array_module()``."""
 
     def c(a):
-        return array_module().ascontiguousarray(a)
+        a = array_module().ascontiguousarray(a)
+        # A read-only NumPy input (e.g. a SparseNeighbours' index) is copied: the CUDA simulator (and numba
+        # for host arrays) copies every argument back after a launch.
+        return a.copy() if isinstance(a, np.ndarray) and not a.flags.writeable else a
 
     def run(name, like, *args):
         N, d = like.shape[0], like.shape[-1]
@@ -113,7 +121,35 @@ def kernel_ops(array_module: Callable, launch: Callable) -> QuantumOps:
         run("frames_vjp", V, c(U_bar), c(k), c(V), xp.array(J, V.dtype), out)
         return out
 
-    return QuantumOps(eig_log, gibbs, frames, pull_features, pull_vjp, dk_log, dk_exp, frames_vjp)
+    def channel_step(P, rho, dt, dyn):
+        xp = array_module()
+        rho = c(rho)
+        N = rho.shape[0]
+        eps_d = -xp.expm1(-P.gamma * dt)  # vfesim.quantum.channels.dephasing_strength
+        eps_t = -xp.expm1(-P.gamma_th * dt)
+        newton = int(rho.dtype == np.complex64)
+        modes = xp.asarray([_COUPLING[dyn.coupling], _BASIS[dyn.dephasing_basis], _GATE[dyn.gate], newton])
+        out = xp.empty_like(rho)
+        gmin = xp.full(N, np.inf, _real(rho.dtype))
+        index, mask = xp.asarray(P.index, np.int64), xp.asarray(P.mask)
+        floor = float(floor_eps(rho.dtype))
+        run(
+            "channel_step", rho, rho, c(index), c(mask), c(P.U), c(P.eps_c), c(P.lam), c(P.V), c(P.sigma),
+            c(P.l), c(eps_d), c(eps_t), modes, float(dyn.gate_threshold), float(dyn.gate_width), float(dt),
+            floor, jacobi_tol2(rho.dtype), out, gmin,
+        )  # fmt: skip
+        if dyn.gate != "none":
+            bad = gmin <= 0
+            if bool(bad.any()):
+                i = int(xp.argmax(bad))
+                raise ValueError(
+                    f"rho[agent={i}]: not positive semidefinite (floored eigenvalue {float(gmin[i]):.3g})"
+                )
+        return out
+
+    return QuantumOps(
+        eig_log, gibbs, frames, pull_features, pull_vjp, dk_log, dk_exp, frames_vjp, channel_step
+    )
 
 
 def sized_ops(small: QuantumOps, large: QuantumOps, max_d: int) -> QuantumOps:

@@ -359,6 +359,8 @@ def rollout(
         """Step t -> (state after it, tape: step tapes, state before the mirror steps, their (input,
         eta)) ."""
         stats["forward_steps"] += 1
+        # The array code's step in every sweep (ops only for F): the forward states a reverse sweep
+        # recomputes are then bitwise those of the first sweep, with or without a tape.
         r, tapes = step(P, r, float(dts[t]), dyn, keep)
         pre, mirror = r, []
         for _ in range(dyn.mirror_steps):
