@@ -48,7 +48,7 @@ def stage_outputs(ops, v, dtype):
 
 def channel_case(d, dtype, coupling, basis, gate, window="sparse", N=9, seed=0):
     """(P, rho, dynamics) of one channel step (vfesim.quantum.evolve): a random population with per-agent
-    dephasing rates, thermalisation and a coupling window (dense, or a ragged sparse one with masked slots)."""
+    dephasing rates, thermalisation and a coupling window (dense, or ragged sparse with masked slots)."""
     import vfesim
     from vfesim.quantum.evolve import QuantumDynamics, prepare
 
