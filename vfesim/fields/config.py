@@ -145,7 +145,10 @@ class FieldConfig(JsonConfig):
 
     def coords(self) -> dict[str, np.ndarray]:
         """Grid coordinates: dim name -> spacing * arange(n) (float64)."""
-        return {d: self.spacing * np.arange(n, dtype=np.float64) for d, n in zip(self.grid_dims, self.grid)}
+        return {
+            d: self.spacing * np.arange(n, dtype=np.float64)
+            for d, n in zip(self.grid_dims, self.grid, strict=True)
+        }
 
     def replace(self, **changes: Any) -> FieldConfig:
         """A new config with some fields changed (validated again); a new K drops the old irreps."""

@@ -45,7 +45,7 @@ def distances(cfg: FieldConfig, centres) -> np.ndarray:
     grid."""
     c = _centres(cfg, centres)
     sq = np.zeros((c.shape[0], *cfg.grid))
-    for d, (name, x) in enumerate(cfg.coords().items()):
+    for d, x in enumerate(cfg.coords().values()):
         diff = x[None, :] - c[:, d : d + 1]  # (n, n_d)
         if cfg.boundary == "periodic":
             length = cfg.grid[d] * cfg.spacing

@@ -10,8 +10,8 @@ the softmax (field agents: ``u = v = chi`` at one grid point). Row energies::
 (``sum_j beta_ij (KL_ij + kappa ln beta_ij) = F_i`` for every row: "softmin" puts the weights outside
 that identity). With all weights 1 both are the plain aggregators of :mod:`.reference`. Derivatives::
 
-    "expected": dE_i/dKL_ij = beta_ij (m_ij - (m_ij KL_ij - abar_i) / kappa),  abar_i = E_i;  dE_i/dm_ij = beta_ij KL_ij
-    "softmin":  dE_i/dKL_ij = beta_ij (s_i - F_i (m_ij - s_i) / kappa);               dE_i/dm_ij = beta_ij F_i
+    "expected": dE_i/dKL_ij = beta_ij (m_ij - (m_ij KL_ij - E_i) / kappa),  dE_i/dm_ij = beta_ij KL_ij
+    "softmin":  dE_i/dKL_ij = beta_ij (s_i - F_i (m_ij - s_i) / kappa),     dE_i/dm_ij = beta_ij F_i
 
 Rows without a valid pair give energy 0 and zero derivatives. NumPy arrays; sums in a fixed order.
 """
