@@ -25,7 +25,9 @@ def _obs(K=3, D=2, seed=3):
 CONFIGS = {
     "1d-periodic-expected": dict(grid=(8,), boundary="periodic", lambda_phi=0.4, **_obs()),
     "1d-bounded-softmin": dict(grid=(8,), boundary="bounded", aggregator="softmin", lambda_phi=0.4),
-    "2d-bounded-expected": dict(grid=(4, 5), boundary="bounded", spacing=0.5, cell_volume="grid", lambda_phi=1.0),
+    "2d-bounded-expected": dict(
+        grid=(4, 5), boundary="bounded", spacing=0.5, cell_volume="grid", lambda_phi=1.0
+    ),
     "2d-periodic-softmin": dict(grid=(5, 4), aggregator="softmin", cell_volume=0.7, jitter=0.02, **_obs()),
     "2d-dense": dict(grid=(3, 4), neighbours="dense", lambda_phi=0.3),
 }

@@ -140,8 +140,8 @@ def test_one_point_field_is_the_point_agent(grid, boundary, aggregator, backend)
     obs = dict(W=W, R=A @ A.T + 2 * np.eye(2), lambda_obs=0.6)
     pcfg, pst = _point_state(aggregator=aggregator, jitter=0.01, **obs)
     fcfg = FieldConfig(
-        K=3, lambda_prior=0.5, aggregator=aggregator, jitter=0.01, grid=grid, boundary=boundary, lambda_phi=1.0,
-        **obs,
+        K=3, lambda_prior=0.5, aggregator=aggregator, jitter=0.01, grid=grid, boundary=boundary,
+        lambda_phi=1.0, **obs,
     )  # fmt: skip
     n = pst.sizes["agent"]
     expand = lambda a: a.reshape(n, *grid, *a.shape[1:])

@@ -80,7 +80,9 @@ def reference_field_attention(state: xr.Dataset, cfg, which: str = "belief") -> 
     n, grid = chi.shape[0], chi.shape[1:]
     G = so3_generators(cfg.irreps)
     nbrs = reference_neighbours(chi, cfg)
-    kmu, ksig, kappa = ("mu_q", "sigma_q", cfg.kappa_beta) if which == "belief" else ("mu_p", "sigma_p", cfg.kappa_gamma)
+    kmu, ksig, kappa = (
+        ("mu_q", "sigma_q", cfg.kappa_beta) if which == "belief" else ("mu_p", "sigma_p", cfg.kappa_gamma)
+    )
     out = np.zeros((n, *grid, n))
     for pt in np.ndindex(grid):
         for i in range(n):
@@ -111,11 +113,16 @@ def reference_field_energy(state: xr.Dataset, cfg) -> dict:
             if cfg.W is not None:
                 W, Rn = np.asarray(cfg.W), np.asarray(cfg.R)
                 r = a["obs"][at] - W @ a["mu_q"][at]
-                obs_e += w * ci * 0.5 * (
-                    W.shape[0] * math.log(2 * math.pi)
-                    + np.linalg.slogdet(Rn)[1]
-                    + np.trace(np.linalg.inv(Rn) @ W @ a["sigma_q"][at] @ W.T)
-                    + r @ np.linalg.inv(Rn) @ r
+                obs_e += (
+                    w
+                    * ci
+                    * 0.5
+                    * (
+                        W.shape[0] * math.log(2 * math.pi)
+                        + np.linalg.slogdet(Rn)[1]
+                        + np.trace(np.linalg.inv(Rn) @ W @ a["sigma_q"][at] @ W.T)
+                        + r @ np.linalg.inv(Rn) @ r
+                    )
                 )
             js = [j for j in nbrs[i] if chi[(j, *pt)] > 0]
             if not js:
@@ -150,4 +157,3 @@ def reference_field_energy(state: xr.Dataset, cfg) -> dict:
     }
     terms["total"] = sum(terms.values())
     return terms
-

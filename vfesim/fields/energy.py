@@ -250,7 +250,8 @@ def energy_and_gradient_arrays(
 def _agent_ops(backend) -> AgentOps:
     if backend.name not in BACKENDS:
         raise ValueError(
-            f"backend: field agents run on {list(BACKENDS)}, not {backend.name!r} (not built yet)"
+            f"backend: field agents run on {list(BACKENDS)} only, got {backend.name!r} (cuda and dask "
+            "are not built for them yet)"
         )
     ops = backend.agent_ops.get("gaussian", NUMPY_AGENT_OPS)
     if not isinstance(ops, AgentOps):
