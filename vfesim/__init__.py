@@ -6,6 +6,7 @@ from .backends import energy_and_gradient
 from .config import ConfigError, ModelConfig, SparseNeighbours
 from .dynamics import run_dynamics
 from .family import family_of
+from .fields import FieldConfig
 from .io import open_run
 from .quantum import QuantumConfig
 from .simulate import Run, simulate
@@ -15,6 +16,7 @@ __all__ = [
     "__version__",
     "ConditioningWarning",
     "ConfigError",
+    "FieldConfig",
     "ModelConfig",
     "NonFiniteError",
     "QuantumConfig",

@@ -1,6 +1,6 @@
 """Agent families: the one interface between the model of a kind of agent and the layers that run it.
 
-A family (Gaussian point agents, density-matrix agents; fields next) is an :class:`AgentFamily`
+A family (Gaussian point agents, density-matrix agents, field agents) is an :class:`AgentFamily`
 record: its config type, its state schema, its energy terms, the variables integrators move, and the
 functions that build, validate and differentiate its states. Everything outside the family's own
 package (state dispatch, backends, integrators, io, dynamics, plots) asks the family instead of naming
@@ -17,7 +17,7 @@ from typing import Any
 __all__ = ["AgentFamily", "register", "family_of", "family_named", "families"]
 
 # Modules that define the built-in families (imported on first lookup; each calls register()).
-BUILTIN = ("vfesim.gaussian.family", "vfesim.quantum.family")
+BUILTIN = ("vfesim.gaussian.family", "vfesim.quantum.family", "vfesim.fields.family")
 
 
 @dataclass(frozen=True)

@@ -190,5 +190,7 @@ def energy_and_gradient(
         terms, grads = be.energy_and_gradient(arrays, cfg)
     check_outputs(terms, grads)
     grads = be.to_host(grads) if isinstance(state[next(iter(state.data_vars))].data, np.ndarray) else grads
-    ds = xr.Dataset({k: (state[k].dims, v) for k, v in grads.items()}, attrs=dict(state.attrs))
+    ds = xr.Dataset(
+        {k: (state[k].dims, v) for k, v in grads.items()}, coords=state.coords, attrs=dict(state.attrs)
+    )
     return terms, ds

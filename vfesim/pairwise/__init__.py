@@ -9,19 +9,21 @@ aggregators ("expected", "softmin"), dense and sparse neighbours, and the cotang
 - :mod:`.reference`: the NumPy reference (row-blocked GEMMs; gathered sparse lists);
 - :mod:`.blocks`: a receiver block against a sender block (statistics, merge, gradient pass), the
   unit of work of a distributed scheduler;
-- :mod:`.gemm`: dense pairs by device GEMMs plus one row kernel (CUDA, long features).
+- :mod:`.gemm`: dense pairs by device GEMMs plus one row kernel (CUDA, long features);
+- :mod:`.weighted`: pair weights outside the softmax (field agents' support products).
 The streaming CPU and CUDA kernels are :mod:`vfesim_kernels.pairwise_cpu` and
 :mod:`vfesim_kernels.cuda.pairwise`, keyed by the feature width D.
 """
 
 from collections.abc import Callable
 
-from . import blocks
+from . import blocks, weighted
 from .reference import aggregator_check, pairwise_dense, pairwise_sparse, row_weights
 
 __all__ = [
     "aggregator_check",
     "blocks",
+    "weighted",
     "pairwise_dense",
     "pairwise_sparse",
     "pairwise_energy",

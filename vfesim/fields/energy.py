@@ -1,0 +1,286 @@
+"""The field free energy and its exact gradient: every point-agent term evaluated pointwise and summed
+over the grid, with the grid as a batch axis of the point-agent stages.
+
+With w the cell volume (:attr:`FieldConfig.weight`), chi_i the supports and N(i) the neighbour lists
+(:func:`vfesim.fields.supports.neighbour_lists`)::
+
+    F = lambda_self sum_c w sum_i chi_i KL(q_i || p_i)
+      + lambda_beta sum_c w sum_i chi_i Agg_j(chi_j, {KL(q_i || Omega_ij q_j)}_j)        (same for priors)
+      + lambda_obs  sum_c w sum_i chi_i E_q_i[-log N(o_i; W z, R)]
+      + lambda_phi  sum_c w sum_i chi_i sum_d |phi_i(c + e_d) - phi_i(c)|^2 / h^2
+
+all fields taken at the grid point c. At c the population is the agents whose support covers c
+(chi > 0): the attention softmax of receiver i runs over j in N(i) covering c, and the pair weights
+chi_i chi_j multiply outside it (:mod:`vfesim.pairwise.weighted`: "expected": sum_j chi_j beta_ij KL_ij;
+"softmin": (sum_j chi_j beta_ij) (-kappa log sum_j e^(-KL_ij/kappa))). Points outside a support are
+excluded by weight and never evaluated: no term, no gradient there (their field values are unused).
+The smoothness differences are forward differences (spacing h), wrapped on a periodic grid, omitted
+past a bounded grid's edge, and counted only where both points are covered.
+
+Gradient with respect to the support: exact where chi > 0. Where chi = 0 it is 0: there the energy is
+not differentiable in chi (an agent joins the softmax at a point its support comes to cover); it is the
+gradient with the covered sets held fixed.
+
+Stages: the covered (point, agent) pairs form one batch of point agents (point-major rows), run through
+the Gaussian per-agent stages (:class:`~vfesim.gaussian.energy.AgentOps`: a backend's kernels, or the
+array-generic NumPy ones); the pairs run block of points by block of points through the sparse weighted
+pairwise layer. Memory O(N P D + block), never N x N x P.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..gaussian.energy import NUMPY_AGENT_OPS, AgentOps, _with_jitter
+from ..gaussian.terms import observation, observation_vjp
+from ..groups import generators
+from ..pairwise.weighted import pairwise_sparse_weighted
+from .config import FieldConfig
+from .supports import neighbour_lists
+
+__all__ = [
+    "TERMS",
+    "BACKENDS",
+    "energy_and_gradient",
+    "energy_and_gradient_arrays",
+    "attention",
+    "gauge_smoothness",
+]
+
+TERMS = ("self", "belief_align", "prior_align", "observation", "gauge_smoothness")
+BACKENDS = ("numpy", "numba")
+
+# Elements of the gathered sender features (rows, k, D) of one block of grid points: 4M float64 = 32 MB.
+BLOCK_ELEMENTS = 1 << 22
+
+
+class Layout(NamedTuple):
+    """The covered (point, agent) pairs as a batch of point agents, point-major.
+
+    rows: flat indices into (P, N) of covered pairs; point, agent: (M,) of each row; rowmap (P, N): the
+    row of a pair, -1 where not covered; offsets (P + 1,): rows of point p are offsets[p]:offsets[p+1].
+    """
+
+    rows: np.ndarray
+    point: np.ndarray
+    agent: np.ndarray
+    rowmap: np.ndarray
+    offsets: np.ndarray
+
+
+def _layout(chi: np.ndarray) -> Layout:
+    """chi (N, P) -> the Layout of its covered pairs."""
+    N, P = chi.shape
+    cov = (chi > 0).T  # (P, N)
+    rows = np.flatnonzero(cov.ravel())
+    rowmap = np.full(P * N, -1, np.int64)
+    rowmap[rows] = np.arange(rows.size)
+    offsets = np.concatenate([[0], np.cumsum(cov.sum(axis=1))])
+    return Layout(rows, rows // N, rows % N, rowmap.reshape(P, N), offsets)
+
+
+def _to_rows(a, lay: Layout, N: int, P: int, gnd: int):
+    """(N, *grid, *tail) -> covered rows (M, *tail), point-major."""
+    tail = a.shape[1 + gnd :]
+    return np.ascontiguousarray(np.swapaxes(a.reshape(N, P, *tail), 0, 1).reshape(P * N, *tail)[lay.rows])
+
+
+def _from_rows(g, lay: Layout, N: int, grid: tuple[int, ...]):
+    """Covered rows (M, *tail) -> (N, *grid, *tail), zero where not covered."""
+    P = int(np.prod(grid))
+    tail = g.shape[1:]
+    full = np.zeros((P * N, *tail), g.dtype)
+    full[lay.rows] = g
+    return np.ascontiguousarray(np.swapaxes(full.reshape(P, N, *tail), 0, 1)).reshape(N, *grid, *tail)
+
+
+def _blocks(lay: Layout, width: int, D: int) -> Iterator[tuple[int, int]]:
+    """Blocks of whole grid points (p0, p1) of about BLOCK_ELEMENTS gathered elements each."""
+    P = lay.offsets.size - 1
+    target = max(1, BLOCK_ELEMENTS // max(1, width * D))
+    p0 = 0
+    while p0 < P:
+        p1 = int(np.searchsorted(lay.offsets, lay.offsets[p0] + target, side="right")) - 1
+        p1 = min(P, max(p0 + 1, p1))
+        yield p0, p1
+        p0 = p1
+
+
+def _pairs(A, B, c, chi_r, lay: Layout, index, mask, kappa: float, aggregator: str, want_beta: bool = False):
+    """The weighted pairwise term over every grid point: (E, gA, gB, gc, g_chi (M,)[, beta (M, k)])."""
+    gA, gB, gc = np.zeros_like(A), np.zeros_like(B), np.zeros_like(c)
+    g_chi = np.zeros_like(chi_r)
+    beta = np.zeros((A.shape[0], index.shape[1]), A.dtype) if want_beta else None
+    E = 0.0
+    for p0, p1 in _blocks(lay, index.shape[1], A.shape[1]):
+        s, e = int(lay.offsets[p0]), int(lay.offsets[p1])
+        if e == s:
+            continue
+        pt, ag = lay.point[s:e], lay.agent[s:e]
+        senders = lay.rowmap[pt[:, None], index[ag]]  # (rows, k) global rows, -1 if not covered
+        valid = mask[ag] & (senders >= 0)
+        local = np.where(valid, senders - s, 0)
+        out = pairwise_sparse_weighted(
+            A[s:e],
+            B[s:e],
+            c[s:e],
+            local,
+            valid,
+            chi_r[s:e],
+            chi_r[s:e],
+            kappa,
+            aggregator,
+            return_beta=want_beta,
+        )
+        E += out[0]
+        gA[s:e], gB[s:e], gc[s:e] = out[1], out[2], out[3]
+        g_chi[s:e] = out[4] + out[5]
+        if want_beta:
+            beta[s:e] = out[6]
+    return (E, gA, gB, gc, g_chi) + ((beta,) if want_beta else ())
+
+
+def gauge_smoothness(phi, chi, cfg: FieldConfig):
+    """sum_i sum_c w chi_i sum_d |phi_i(c + e_d) - phi_i(c)|^2 / h^2 over edges with both ends covered:
+    phi (N, *grid, 3), chi (N, *grid) -> (E, g_phi, g_chi)."""
+    h, w = cfg.spacing, cfg.weight
+    cov = chi > 0
+    g_phi = np.zeros_like(phi)
+    g_chi = np.zeros_like(chi)
+    E = 0.0
+    for d in range(cfg.ndim):
+        ax = 1 + d
+        diff = (np.roll(phi, -1, axis=ax) - phi) / h
+        edge = cov & np.roll(cov, -1, axis=ax)
+        if cfg.boundary == "bounded":
+            last = [slice(None)] * chi.ndim
+            last[ax] = -1
+            edge[tuple(last)] = False
+        sq = np.where(edge, (diff * diff).sum(axis=-1), 0.0)
+        E += float((w * chi * sq).sum(dtype=np.float64))
+        g_chi += w * sq
+        gd = np.where(edge, 2.0 * w * chi, 0.0)[..., None] * diff / h  # dE/d(phi(c + e_d)), = -dE/d(phi(c))
+        g_phi += np.roll(gd, 1, axis=ax) - gd
+    return E, g_phi, g_chi
+
+
+def energy_and_gradient_arrays(
+    arrays: dict[str, Any], cfg: FieldConfig, *, agent_ops: AgentOps = NUMPY_AGENT_OPS, neighbours=None
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Energy terms and the gradient of ``terms["total"]`` for raw NumPy arrays (no validation).
+
+    arrays: the field state's variables (agent, *grid, ...). neighbours: (index, mask) (default: from
+    the support and ``cfg``, :func:`~vfesim.fields.supports.neighbour_lists`). agent_ops: the per-agent
+    stages of point agents, run on the covered (point, agent) batch.
+    """
+    ops = agent_ops
+    mu_q = arrays["mu_q"]
+    N, grid, gnd = mu_q.shape[0], tuple(mu_q.shape[1:-1]), mu_q.ndim - 2
+    P = int(np.prod(grid))
+    chi = arrays["support"]
+    lay = _layout(chi.reshape(N, P))
+    rows = lambda k: _to_rows(arrays[k], lay, N, P, gnd)
+    a = {k: rows(k) for k in arrays if k != "support"}
+    chi_r = rows("support")
+    S = {k: _with_jitter(a[k], cfg.jitter) for k in ("sigma_q", "sigma_p")}
+    g = {k: np.zeros_like(v) for k, v in a.items()}
+    g_chi = np.zeros_like(chi_r)
+    w = cfg.weight
+    terms = dict.fromkeys(TERMS, 0.0)
+
+    if cfg.lambda_self > 0:
+        kl, *gk = ops.self_kl(a["mu_q"], S["sigma_q"], a["mu_p"], S["sigma_p"], 1.0)
+        wt = (cfg.lambda_self * w) * chi_r
+        terms["self"] = float((wt * kl).sum(dtype=np.float64))
+        for k, gv in zip(("mu_q", "sigma_q", "mu_p", "sigma_p"), gk, strict=True):
+            g[k] += wt.reshape(-1, *[1] * (gv.ndim - 1)) * gv
+        g_chi += (cfg.lambda_self * w) * kl
+
+    if cfg.lambda_obs > 0:
+        dt = mu_q.dtype
+        e, cache = observation(
+            a["mu_q"], S["sigma_q"], a["obs"], np.asarray(cfg.W, dt), np.asarray(cfg.R, dt)
+        )
+        wt = (cfg.lambda_obs * w) * chi_r
+        terms["observation"] = float((wt * e).sum(dtype=np.float64))
+        g_mu, g_sigma, g_obs = observation_vjp(wt, cache)
+        g["mu_q"] += g_mu
+        g["sigma_q"] += g_sigma
+        g["obs"] += g_obs
+        g_chi += (cfg.lambda_obs * w) * e
+
+    active = [
+        (name, lam, kappa, kmu, ksig)
+        for name, lam, kappa, kmu, ksig in (
+            ("belief_align", cfg.lambda_belief, cfg.kappa_beta, "mu_q", "sigma_q"),
+            ("prior_align", cfg.lambda_prior, cfg.kappa_gamma, "mu_p", "sigma_p"),
+        )
+        if lam > 0
+    ]
+    if active:
+        index, mask = neighbour_lists(chi, cfg) if neighbours is None else neighbours
+        R = ops.frames(a["phi"], cfg.irreps)
+        g_R = np.zeros_like(R)
+        for name, lam, kappa, kmu, ksig in active:
+            A, B, c, cache = ops.features(a[kmu], S[ksig], R, ksig)
+            E, gA, gB, gc, gx = _pairs(A, B, c, chi_r, lay, index, mask, kappa, cfg.aggregator)
+            s = lam * w
+            terms[name] = s * E
+            g_mu, g_sigma, g_Rk = ops.features_vjp(s * gA, s * gB, s * gc, cache)
+            g[kmu] += g_mu
+            g[ksig] += g_sigma
+            g_R += g_Rk
+            g_chi += s * gx
+        g["phi"] += ops.phi_grad(g_R, R, a["phi"], generators(cfg.irreps))
+
+    grads = {k: _from_rows(v, lay, N, grid) for k, v in g.items()}
+    grads["support"] = _from_rows(g_chi, lay, N, grid)
+    if cfg.lambda_phi > 0:
+        E, g_phi, gx = gauge_smoothness(arrays["phi"], chi, cfg)
+        terms["gauge_smoothness"] = cfg.lambda_phi * E
+        grads["phi"] += cfg.lambda_phi * g_phi
+        grads["support"] += cfg.lambda_phi * gx
+    terms["total"] = sum(terms[k] for k in TERMS)
+    return terms, grads
+
+
+def _agent_ops(backend) -> AgentOps:
+    if backend.name not in BACKENDS:
+        raise ValueError(
+            f"backend: field agents run on {list(BACKENDS)} only, got {backend.name!r} (cuda and dask "
+            "are not built for them yet)"
+        )
+    ops = backend.agent_ops.get("gaussian", NUMPY_AGENT_OPS)
+    if not isinstance(ops, AgentOps):
+        raise ValueError(f"backend: {backend.name!r} has no staged point-agent operations for field agents")
+    return ops
+
+
+def energy_and_gradient(arrays: dict[str, Any], cfg: FieldConfig, backend) -> tuple[dict[str, float], dict]:
+    """Terms and the gradient of ``terms["total"]`` with ``backend``'s point-agent stages ("numpy":
+    array-generic NumPy, "numba": its CPU kernels); the weighted pairs run in NumPy on both."""
+    return energy_and_gradient_arrays(arrays, cfg, agent_ops=_agent_ops(backend))
+
+
+def attention(arrays: dict[str, Any], cfg: FieldConfig, which: str = "belief") -> np.ndarray:
+    """Attention weights per grid point (N, *grid, k), aligned with ``neighbour_lists(support, cfg)``'s
+    index; 0 where the receiver or the sender does not cover the point. NumPy arrays."""
+    if which not in ("belief", "prior"):
+        raise ValueError(f"which: must be 'belief' or 'prior', got {which!r}")
+    kmu, ksig, kappa = (
+        ("mu_q", "sigma_q", cfg.kappa_beta) if which == "belief" else ("mu_p", "sigma_p", cfg.kappa_gamma)
+    )
+    mu = arrays[kmu]
+    N, grid, gnd = mu.shape[0], tuple(mu.shape[1:-1]), mu.ndim - 2
+    P = int(np.prod(grid))
+    chi = arrays["support"]
+    lay = _layout(chi.reshape(N, P))
+    index, mask = neighbour_lists(chi, cfg)
+    rows = lambda k: _to_rows(arrays[k], lay, N, P, gnd)
+    R = NUMPY_AGENT_OPS.frames(rows("phi"), cfg.irreps)
+    A, B, c, _ = NUMPY_AGENT_OPS.features(rows(kmu), _with_jitter(rows(ksig), cfg.jitter), R, ksig)
+    beta = _pairs(A, B, c, rows("support"), lay, index, mask, kappa, cfg.aggregator, want_beta=True)[-1]
+    return _from_rows(beta, lay, N, grid)

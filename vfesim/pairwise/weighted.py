@@ -1,0 +1,72 @@
+"""Pair weights outside the softmax: the pairwise layer with per-pair factors ``m_ij = u_i v_j``.
+
+Features as everywhere in :mod:`vfesim.pairwise`: ``KL_ij = 1/2 (A_i . B_j + c_i)``, attention
+``beta_ij = softmax_{j valid}(-KL_ij / kappa)``. The weights multiply the pair terms and are not part of
+the softmax (field agents: ``u = v = chi`` at one grid point). Row energies::
+
+    "expected": E_i = sum_j m_ij beta_ij KL_ij
+    "softmin":  E_i = s_i F_i,  s_i = sum_j m_ij beta_ij,  F_i = -kappa log sum_j exp(-KL_ij / kappa)
+
+(``sum_j beta_ij (KL_ij + kappa ln beta_ij) = F_i`` for every row: "softmin" puts the weights outside
+that identity). With all weights 1 both are the plain aggregators of :mod:`.reference`. Derivatives::
+
+    "expected": dE_i/dKL_ij = beta_ij (m_ij - (m_ij KL_ij - E_i) / kappa),  dE_i/dm_ij = beta_ij KL_ij
+    "softmin":  dE_i/dKL_ij = beta_ij (s_i - F_i (m_ij - s_i) / kappa),     dE_i/dm_ij = beta_ij F_i
+
+Rows without a valid pair give energy 0 and zero derivatives. NumPy arrays; sums in a fixed order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import sparse
+
+from .reference import aggregator_check, row_weights
+
+__all__ = ["weighted_row_weights", "pairwise_sparse_weighted"]
+
+
+def weighted_row_weights(L, valid, m, kappa: float, aggregator: str):
+    """Rows of KLs L (b, n) with a validity mask (b, n) and pair weights m (b, n).
+
+    Returns (energy (b,), beta (b, n), W = dE/dL (b, n), Wm = dE/dm (b, n)); invalid entries get 0.
+    """
+    aggregator_check(aggregator)
+    F, beta, _ = row_weights(L, valid, kappa, "softmin")
+    L0 = np.where(valid, L, 0.0)
+    m0 = np.where(valid, m, 0.0)
+    if aggregator == "expected":
+        a = m0 * L0
+        abar = (beta * a).sum(axis=1)
+        W = beta * (m0 - (a - abar[:, None]) / kappa)
+        return abar, beta, W, beta * L0
+    s = (beta * m0).sum(axis=1)
+    W = beta * (s[:, None] - F[:, None] * (m0 - s[:, None]) / kappa)
+    return s * F, beta, W, beta * F[:, None]
+
+
+def pairwise_sparse_weighted(A, B, c, index, mask, u, v, kappa: float, aggregator: str, *, return_beta=False):
+    """Receiver rows A (n_r, D), c (n_r,) against sender rows B (n_s, D) through lists index/mask
+    (n_r, k) (entries under ``mask == False`` ignored), with pair weights ``u_r v_index[r, s]``:
+    u (n_r,), v (n_s,).
+
+    Returns (E, gA, gB, gc, gu, gv[, beta (n_r, k)]): E summed in float64, the cotangents
+    gA = 1/2 sum_s W B, gB = 1/2 scattered W A, gc = 1/2 sum_s W, and gu, gv of the weights.
+    """
+    Bn = B[index]  # (n_r, k, D)
+    L = 0.5 * (np.einsum("nd,nkd->nk", A, Bn) + c[:, None])
+    vn = v[index]
+    energy, beta, W, Wm = weighted_row_weights(L, mask, u[:, None] * vn, kappa, aggregator)
+    gA = 0.5 * np.einsum("nk,nkd->nd", W, Bn)
+    gc = 0.5 * W.sum(axis=1)
+    gu = (Wm * vn).sum(axis=1)
+    rows = np.broadcast_to(np.arange(A.shape[0])[:, None], index.shape)
+    sel, r = index[mask], rows[mask]
+    # Sender sums as sparse (n_s, n_r) products (no duplicate senders in a row): deterministic, and
+    # about 10x faster than np.add.at at (rows, k, D) = (6e4, 15, 10).
+    WT = sparse.csr_matrix((W[mask], (sel, r)), shape=(B.shape[0], A.shape[0]))
+    gB = (0.5 * (WT @ A)).astype(B.dtype, copy=False)
+    gv = sparse.csr_matrix((Wm[mask] * u[r], (sel, r)), shape=(v.shape[0], A.shape[0])).sum(axis=1)
+    gv = np.asarray(gv, dtype=v.dtype).reshape(-1)
+    out = (float(energy.sum(dtype=np.float64)), gA, gB, gc, gu, gv)
+    return out + (beta,) if return_beta else out
