@@ -142,6 +142,12 @@ def _make_integrator(scn: Scenario, backend: str, state: xr.Dataset):
     from .integrators import make_integrator
 
     ig = scn.integrator
+    spec = scn.spec
+    if spec is not None:  # a family with its own steppers (vfesim.family.RunSpec)
+        try:
+            return spec.make_integrator(scn.model, ig, backend=backend, seed=scn.run["seed"])
+        except (TypeError, ValueError) as e:
+            raise ScenarioError("integrator", str(e)) from None
     if backend == "dask":
         from .backends import get
         from .backends.dask_backend import auto_chunk
@@ -246,7 +252,8 @@ def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None,
     run = scn.run
     n_frames = frame_steps(run["n_steps"], run["save_every"]).size
     fpc = max(1, run["checkpoint_every"] // run["save_every"])
-    trajectory = family_of(scn.model).trajectory
+    # The variables saved per frame: the stepper's own (a family's RunSpec stepper), else the family's.
+    trajectory = getattr(integ, "trajectory", None) or family_of(scn.model).trajectory
     chunking = _chunking(integ, state0)
     # A dask run buffers a time chunk of frames per agent chunk on the workers: size by its agent chunk.
     share = chunking["agent_chunk"] / state0.sizes["agent"] if chunking else 1.0
