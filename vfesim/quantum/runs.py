@@ -265,7 +265,11 @@ def validate(sections: dict, dtype: Any, pr) -> tuple[Any, Any, Any]:
     integ = _integrator(sections["integrator"], pr, pop["n_agents"])
     bad_nb = pr.BAD in (pop["n_agents"], pop["neighbours"], pop["half_width"], pop["window"])
     cfg = _config(sections[SECTION], pr, pr.BAD if bad_nb else neighbours(pop), dtype)
-    if integ["method"] == "fit" and integ.get("shared") is True and pop["hamiltonian"] not in ("shared", pr.BAD):
+    if (
+        integ["method"] == "fit"
+        and integ.get("shared") is True
+        and pop["hamiltonian"] not in ("shared", pr.BAD)
+    ):
         pr.add("integrator.shared", "fits one H for all agents: needs population.hamiltonian = 'shared'")
     if cfg is not pr.BAD and cfg.lambda_obs > 0 and integ["method"] == "fit":
         pr.add(f"{SECTION}.lambda_obs", "must be 0 with method = 'fit' (the rollout loss is the Born loss)")
