@@ -342,3 +342,12 @@ def test_hamiltonian_learning_error_falls(tmp_path):
     simulate(s, out=tmp_path / "h.zarr", steps=20, progress=False)
     err = open_run(tmp_path / "h.zarr")["system_energy_hamiltonian_error"].values
     assert err[0] == pytest.approx(0.6) and err[-1] < 0.3
+
+
+def test_simulate_takes_a_quantum_config(tmp_path):
+    from vfesim import QuantumConfig
+
+    sections = dict(population={"n_agents": 3}, integrator={"dt": 0.1}, run={"n_steps": 2})
+    run = simulate(QuantumConfig(d=3, dtype="complex64"), tmp_path / "q.zarr", progress=False, **sections)
+    assert run.step == 2 and run.state["rho"].dtype == np.complex64
+    assert open_run(run.path).attrs["agent_family"] == "quantum"

@@ -185,7 +185,7 @@ def _with_overrides(scn: Scenario, steps: int | None, backend: str | None, out) 
 
 
 def simulate(
-    scenario_or_config: Scenario | ModelConfig | str | Path | dict,
+    scenario_or_config: Scenario | ModelConfig | Any | str | Path | dict,
     out: str | Path | None = None,
     *,
     steps: int | None = None,
@@ -196,10 +196,10 @@ def simulate(
 ) -> Run:
     """Run a scenario to ``run.n_steps`` (or ``steps``), writing trajectory and checkpoints to ``out``.
 
-    scenario_or_config: a :class:`Scenario`, a TOML path, a nested dict, or a ModelConfig (then give
-    ``population={...}, integrator={...}, run={...}`` as keyword sections). Keyword sections also
-    override a scenario's. ``progress``: None -> a tqdm bar on a terminal or in Jupyter, else log
-    lines when logging shows INFO; False -> silent.
+    scenario_or_config: a :class:`Scenario`, a TOML path, a nested dict, or a ModelConfig or
+    QuantumConfig (then give ``population={...}, integrator={...}, run={...}`` as keyword sections).
+    Keyword sections also override a scenario's. ``progress``: None -> a tqdm bar on a terminal or in
+    Jupyter, else log lines when logging shows INFO; False -> silent.
     Returns a :class:`Run`; ``Run.open()`` is the lazy trajectory Dataset.
     """
     name, source = "scenario", None
@@ -210,6 +210,13 @@ def simulate(
         if not isinstance(model.pop("neighbours"), str):
             raise ScenarioError("model.neighbours", "sparse neighbours: use population.neighbours")
         d = {"model": {k: v for k, v in model.items() if v is not None}}
+    elif (spec := _run_spec(scenario_or_config)) is not None:  # e.g. a QuantumConfig
+        cfg = scenario_or_config
+        if cfg.dtype is not None:
+            sections.setdefault("run", {}).setdefault("dtype", cfg.dtype)
+        if not cfg.dense:
+            raise ScenarioError(f"{spec.section}.neighbours", "sparse neighbours: use population.neighbours")
+        d = {spec.section: spec.config_dict(cfg)}
     elif isinstance(scenario_or_config, Scenario):
         d, name = scenario_or_config.to_dict(), scenario_or_config.name
     elif isinstance(scenario_or_config, dict):
@@ -231,6 +238,14 @@ def simulate(
         RunStore.remove_stale_creating(path)
         RunStore.probe(path, overwrite)  # again: another run may have finished there meanwhile
         return _simulate(scn, Path(path), overwrite, progress, sig)
+
+
+def _run_spec(obj: Any):
+    """The RunSpec of a family config (None for anything else, Gaussian ModelConfigs included)."""
+    try:
+        return family_of(obj).runs
+    except TypeError:
+        return None
 
 
 def _check_time_chunk(chunk: int, frame: int) -> None:
