@@ -33,7 +33,7 @@ class RunSpec:
         ``get(key, check, *args)``, ``unknown(section, d, known)``, ``choice(key, value, choices)``;
         keys are ``section.key``); any of the three may be returned as ``problems.BAD``.
     config_dict(cfg) -> dict: the family's section as stored with a run (read back by ``validate``).
-    initial_state(cfg, population, dtype) -> Dataset; a ConfigError names the population key.
+    initial_state(cfg, population, integrator, dtype) -> Dataset (sections as ``validate`` returned them).
     make_integrator(cfg, integrator, *, backend, seed) -> an init/step/restore triple (an
         :class:`~vfesim.integrators.Integrator`-like named tuple; an optional ``trajectory`` field names
         the variables saved per frame instead of the family's ``trajectory``).

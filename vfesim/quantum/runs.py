@@ -239,7 +239,7 @@ def _integrator(d: dict, pr, n: Any) -> dict:
         if pr.get(f"integrator.{k}", _dynamics_key, k, v) is pr.BAD:
             p[k] = pr.BAD
         else:
-            p[k] = _plain(v) if k in (*PER_AGENT, "positions") else QuantumDynamics(**{k: v}).__dict__[k]
+            p[k] = _plain(v) if k in (*PER_AGENT, "positions") else getattr(QuantumDynamics(**{k: v}), k)
     if method == "fit":
         if p["horizon"] is None:
             p["horizon"] = pr.add("integrator.horizon", "is required with method = 'fit' (rollout steps)")
@@ -376,7 +376,7 @@ def _channels(cfg: QuantumConfig, integ: dict, ops, seed: int) -> QuantumIntegra
             if observe or dyn.mirror_steps:
                 _check(rho, k)  # sampling and mirror steps need a valid state
             if observe:
-                rng = np.random.default_rng()
+                rng = np.random.Generator(np.random.PCG64())  # the run's generator (default_rng's)
                 rng.bit_generator.state = rng_state
                 arrays["outcome"] = _born_sample(rng, rho)
                 rng_state = rng.bit_generator.state
