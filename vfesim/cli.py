@@ -137,6 +137,13 @@ def _chunking_lines(chunking: dict | None) -> list[str]:
     ]
 
 
+def _size_key(sc: dict) -> str:
+    """The model section's size key: "K = 3" (Gaussian [model]), "d = 2" (a family's own section)."""
+    shared = ("population", "integrator", "run", "output")
+    model = next((v for k, v in sc.items() if k not in shared), {})
+    return ", ".join(f"{k} = {model[k]}" for k in ("K", "d") if k in model) or "?"
+
+
 def _inspect(path: str, as_json: bool, scenario_only: bool) -> None:
     from .scenario import to_toml
     from .simulate import run_info
@@ -157,11 +164,11 @@ def _inspect(path: str, as_json: bool, scenario_only: bool) -> None:
         f"run          {info['path']}  ({info['name']})",
         f"status       {info['status']}{running}",
         f"family       {info.get('family') or 'gaussian'}, vfesim {info['vfesim_version']}",
-        f"agents       {info['n_agents']}  (K = {sc['model'].get('K')})",
+        f"agents       {info['n_agents']}  ({_size_key(sc)})",
         f"backend      {info['backend']}, {info['dtype']}",
         *_chunking_lines(info.get("chunking")),
-        f"integrator   {sc['integrator']['method']}, dt = {sc['integrator']['dt']}, "
-        f"friction = {sc['integrator']['friction']}",
+        f"integrator   {sc['integrator']['method']}, dt = {sc['integrator']['dt']}"
+        + (f", friction = {sc['integrator']['friction']}" if "friction" in sc["integrator"] else ""),
         f"steps        {done if done is not None else 'none'} saved of {info['n_steps']} "
         f"({info['frames_saved']} frames, every {sc['run']['save_every']})",
         f"checkpoints  at steps {', '.join(map(str, info['checkpoints'])) or 'none'}"

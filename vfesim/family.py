@@ -14,10 +14,40 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AgentFamily", "register", "family_of", "family_named", "families"]
+__all__ = ["AgentFamily", "RunSpec", "register", "family_of", "family_named", "families"]
 
 # Modules that define the built-in families (imported on first lookup; each calls register()).
 BUILTIN = ("vfesim.gaussian.family", "vfesim.quantum.family", "vfesim.fields.family")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """How a family runs from a scenario file (:mod:`vfesim.scenario`) in the run loop
+    (:mod:`vfesim.simulate`), for families whose runs are not the Gaussian ones.
+
+    section: the scenario section holding the family's config (its presence selects the family).
+    defaults: section -> {key: default} of the family's sections (``section``, population, integrator);
+        used for unknown-key hints.
+    validate(sections, dtype, problems) -> (cfg, population, integrator): the family's three sections
+        (``sections``: section -> raw dict), every problem recorded in ``problems`` (``add(key, msg)``,
+        ``get(key, check, *args)``, ``unknown(section, d, known)``, ``choice(key, value, choices)``;
+        keys are ``section.key``); any of the three may be returned as ``problems.BAD``.
+    config_dict(cfg) -> dict: the family's section as stored with a run (read back by ``validate``).
+    initial_state(cfg, population, integrator, dtype) -> Dataset (sections as ``validate`` returned them).
+    make_integrator(cfg, integrator, *, backend, seed) -> an init/step/restore triple (an
+        :class:`~vfesim.integrators.Integrator`-like named tuple; an optional ``trajectory`` field names
+        the variables saved per frame instead of the family's ``trajectory``).
+    dtypes: values of ``run.dtype`` (the first is the default). backends: values of ``run.backend``.
+    """
+
+    section: str
+    defaults: Mapping[str, Mapping[str, Any]]
+    validate: Callable[..., tuple[Any, Any, Any]]
+    config_dict: Callable[[Any], dict]
+    initial_state: Callable[..., Any]
+    make_integrator: Callable[..., Any]
+    dtypes: tuple[str, ...]
+    backends: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -39,6 +69,8 @@ class AgentFamily:
     dynamics(state, cfg, method, dt, n_steps, *, record_every, backend, friction, seed, **options) ->
         (final state, history): the family's own in-memory dynamics, for families whose motion is not a
         flow of the shared integrators (``geometry`` None); :func:`vfesim.run_dynamics` calls it.
+    runs: a :class:`RunSpec` (scenario sections and run-loop steppers of the family); None: the
+        Gaussian scenario sections and the shared integrators.
     """
 
     name: str
@@ -54,6 +86,7 @@ class AgentFamily:
     attention: Callable[..., Any]
     geometry: Any = field(default=None)
     dynamics: Callable[..., Any] | None = field(default=None)
+    runs: RunSpec | None = field(default=None)
 
 
 _REGISTRY: dict[type, AgentFamily] = {}

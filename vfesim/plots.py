@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -265,14 +266,22 @@ def plot_frames(ds, path: Path) -> Path:
     return path
 
 
+# Figures of the other families: family name -> module with ``figures(ds, outdir) -> [paths]``.
+FAMILY_FIGURES = {"quantum": "vfesim.plots_quantum"}
+
+
 def plot_run(store: str | Path, outdir: str | Path) -> list[Path]:
-    """Write energy.png, attention.png, beliefs.png and frames.png for a run; return the paths."""
+    """Write energy.png, attention.png, beliefs.png and frames.png for a run (other families: their
+    module in FAMILY_FIGURES); return the paths."""
     ds = open_run(store)
     if ds.sizes["time"] == 0:
         raise StoreError(f"{store}: no saved frames to plot")
-    cfg = ModelConfig.from_json(ds.attrs["model_config"])
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
+    family = ds.attrs.get("agent_family", "gaussian")
+    if family in FAMILY_FIGURES:
+        return importlib.import_module(FAMILY_FIGURES[family]).figures(ds, outdir)
+    cfg = ModelConfig.from_json(ds.attrs["model_config"])
     return [
         plot_energy(ds, outdir / "energy.png"),
         plot_attention(ds, cfg, outdir / "attention.png"),

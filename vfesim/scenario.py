@@ -13,6 +13,10 @@ Sections and keys (all optional except ``model.K`` or ``model.irreps`` and ``pop
     [output]       path (relative to the working directory), time_chunk (frames per Zarr chunk),
                    keep_checkpoints (>= 2: the newest and the one before are always kept)
 
+Agent families with their own run sections (a :class:`~vfesim.family.RunSpec`) replace ``[model]``
+by their section and validate ``[population]`` and ``[integrator]`` themselves: ``[quantum]`` selects
+density-matrix agents (keys in :mod:`vfesim.quantum.runs`).
+
 Every problem raises :class:`ScenarioError` naming the key as ``section.key``.
 """
 
@@ -33,6 +37,7 @@ import xarray as xr
 
 from .backends import names as backend_names
 from .config import ConfigError, ModelConfig, SparseNeighbours, _check_real
+from .family import RunSpec, families, family_of
 from .state import StateError, make_state, random_state
 
 __all__ = [
@@ -89,28 +94,40 @@ BAD = object()
 
 
 class _Problems:
-    """Collects the problems of a scenario, so that all of them are reported at once."""
+    """Collects the problems of a scenario, so that all of them are reported at once.
 
-    def __init__(self) -> None:
+    homes: section -> its keys (an unknown key found in another section is pointed there)."""
+
+    BAD = BAD
+
+    def __init__(self, homes: dict[str, set[str]] | None = None) -> None:
         self.errors: list[tuple[str, str]] = []
+        self.homes = homes
 
     def add(self, key: str, message: str) -> object:
         self.errors.append((key, message))
         return BAD
 
     def get(self, key: str, check, *args: Any, **kw: Any) -> Any:
-        """``check(key, *args, **kw)``, or BAD (the problem recorded) where it raises ScenarioError."""
+        """``check(key, *args, **kw)``, or BAD (the problem recorded) where it raises a ConfigError
+        (a ScenarioError, or a ConfigError whose key is the full ``section.key``)."""
         try:
             return check(key, *args, **kw)
         except ScenarioError as e:
             self.errors += e.errors
             return BAD
+        except ConfigError as e:
+            return self.add(e.key, str(e).removeprefix(f"{e.key}: "))
+
+    def choice(self, key: str, value: Any, choices: tuple[str, ...]) -> Any:
+        """``value`` if it is one of ``choices``, else BAD (recorded, with a did-you-mean)."""
+        return self.get(key, _str, value, choices)
 
     def unknown(self, section: str, d: dict, known: dict) -> dict:
         """Record each key of ``d`` not in ``known`` (with a suggestion); return the known ones."""
         for k in d:
             if k not in known:
-                self.add(f"{section}.{k}", _unknown_key(k, section, known))
+                self.add(f"{section}.{k}", _unknown_key(k, section, known, self.homes))
         return {k: v for k, v in d.items() if k in known}
 
 
@@ -154,11 +171,11 @@ def _did_you_mean(word: str, choices) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def _unknown_key(key: str, section: str, known) -> str:
+def _unknown_key(key: str, section: str, known, homes: dict | None = None) -> str:
     """The message for an unknown key: a close spelling in the section, or the section it belongs to."""
     hint = _did_you_mean(key, known)
     if not hint:
-        homes = [s for s, keys in _section_keys().items() if s != section and key in keys]
+        homes = [s for s, keys in (homes or _section_keys()).items() if s != section and key in keys]
         if homes:
             hint = f"; it belongs in [{homes[0]}] ({homes[0]}.{key})"
     return f"unknown key{hint} (known: {sorted(known)})"
@@ -266,8 +283,11 @@ def _integrator(d: dict, pr: _Problems) -> dict:
     return p
 
 
-def _run(d: dict, pr: _Problems) -> dict:
-    p = {**RUN, **pr.unknown("run", d, {**RUN, "chunks": None})}
+def _run(d: dict, pr: _Problems, spec: RunSpec | None = None) -> dict:
+    dtypes = ("float32", "float64") if spec is None else spec.dtypes
+    backends = BACKENDS if spec is None else spec.backends
+    default = {} if spec is None else {"dtype": spec.dtypes[0]}
+    p = {**RUN, **default, **pr.unknown("run", d, {**RUN, "chunks": None})}
     p["n_steps"] = _required(pr, p, "run", "n_steps", _int, 1)
     p["save_every"] = pr.get("run.save_every", _int, p["save_every"], 1)
     if p["checkpoint_every"] is None:
@@ -276,8 +296,8 @@ def _run(d: dict, pr: _Problems) -> dict:
             p["checkpoint_every"] = BAD
     else:
         p["checkpoint_every"] = pr.get("run.checkpoint_every", _int, p["checkpoint_every"], 1)
-    p["backend"] = pr.get("run.backend", _str, p["backend"], BACKENDS)
-    p["dtype"] = pr.get("run.dtype", _str, p["dtype"], ("float32", "float64"))
+    p["backend"] = pr.get("run.backend", _str, p["backend"], backends)
+    p["dtype"] = pr.get("run.dtype", _str, p["dtype"], dtypes)
     p["seed"] = pr.get("run.seed", _int, p["seed"], 0)
     if "chunks" in p:  # stored only when given: scenarios of earlier runs compare equal on resume
         p["chunks"] = pr.get("run.chunks", _int, p["chunks"], 1)
@@ -376,7 +396,7 @@ def _model(d: dict, pr: _Problems, pop: dict, dtype: Any) -> ModelConfig | objec
 class Scenario:
     """A validated run definition. ``to_dict()`` is the resolved config stored with every run."""
 
-    model: ModelConfig
+    model: Any  # a ModelConfig, or the config of a family with its own run sections (RunSpec)
     population: dict
     integrator: dict
     run: dict
@@ -390,14 +410,33 @@ class Scenario:
         src = None if source is None else str(source)
         if not isinstance(d, dict):
             raise ScenarioError("scenario", f"must be a table, got {type(d).__name__}", source=src)
-        pr = _Problems()
+        specs = [f.runs for f in families() if f.runs is not None and f.runs.section in d]
+        spec = specs[0] if specs else None
+        sections = SECTIONS if spec is None else (spec.section, *SECTIONS[1:])
+        homes = None
+        if spec is not None:
+            homes = {**{s: set(keys) for s, keys in spec.defaults.items()}, "run": set(RUN) | {"chunks"}}
+            homes["output"] = set(OUTPUT)
+        pr = _Problems(homes)
+        known = (*SECTIONS, *(f.runs.section for f in families() if f.runs is not None))
         for k in d:
-            if k not in SECTIONS:
-                pr.add(k, f"unknown section{_did_you_mean(k, SECTIONS)} (known: {list(SECTIONS)})")
+            if k not in sections:
+                if k in known:
+                    names = ", ".join(f"[{s}]" for s in ("model", *(x.section for x in specs)) if s in d)
+                    pr.add(k, f"a scenario has one model section; this one has {names}")
+                else:
+                    pr.add(k, f"unknown section{_did_you_mean(k, known)} (known: {list(known)})")
         sec = {}
-        for s in SECTIONS:
+        for s in sections:
             t = pr.get(s, _table, d.get(s, {}))
             sec[s] = {} if t is BAD else t
+        if spec is not None:
+            run = _run(sec["run"], pr, spec)
+            out = _output(sec["output"], pr)
+            model, pop, integ = spec.validate(sec, run["dtype"], pr)
+            if pr.errors:
+                raise ScenarioError.several(pr.errors, src)
+            return cls(model, pop, integ, run, out, name)
         pop = _population(sec["population"], pr)
         integ = _integrator(sec["integrator"], pr)
         run = _run(sec["run"], pr)
@@ -422,25 +461,38 @@ class Scenario:
         d = json.loads(s)
         return cls.from_dict(d["scenario"], name=d.get("name", "scenario"))
 
+    @property
+    def spec(self) -> RunSpec | None:
+        """The run sections of the model's family (None: the Gaussian ones of this module)."""
+        return family_of(self.model).runs
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved scenario as plain JSON-able data (defaults filled in)."""
+        spec = self.spec
+        if spec is not None:
+            model, section = spec.config_dict(self.model), spec.section
+        else:
+            model, section = self._gaussian_model_dict(), "model"
+
+        def plain(sec: dict) -> dict:
+            return {k: list(v) if isinstance(v, tuple) else v for k, v in sec.items() if v is not None}
+
+        return {
+            section: model,
+            "population": plain(self.population),
+            "integrator": plain(self.integrator),
+            "run": plain(self.run),
+            "output": plain(self.output),
+        }
+
+    def _gaussian_model_dict(self) -> dict[str, Any]:
         model = self.model.to_dict()
         for k in ("dtype", "neighbours"):
             model.pop(k)
         model = {k: v for k, v in model.items() if v is not None}
         if len(self.model.irreps) == 1:
             model.pop("irreps")
-
-        def plain(sec: dict) -> dict:
-            return {k: list(v) if isinstance(v, tuple) else v for k, v in sec.items() if v is not None}
-
-        return {
-            "model": model,
-            "population": plain(self.population),
-            "integrator": plain(self.integrator),
-            "run": plain(self.run),
-            "output": plain(self.output),
-        }
+        return model
 
     def to_json(self) -> str:
         return json.dumps({"name": self.name, "scenario": self.to_dict()}, sort_keys=True)
@@ -456,8 +508,15 @@ class Scenario:
         return Scenario.from_dict(d, name=self.name)
 
     def initial_state(self) -> xr.Dataset:
-        """The population's initial state (random_state, then prior camps if asked)."""
+        """The population's initial state (random_state, then prior camps if asked; a family with its
+        own run sections builds it)."""
         p = self.population
+        spec = self.spec
+        if spec is not None:
+            try:
+                return spec.initial_state(self.model, p, self.integrator, self.run["dtype"])
+            except (ConfigError, StateError) as e:
+                raise ScenarioError("population", str(e)) from None
         kw = {
             k: p[k]
             for k in ("mu_scale", "prior_mu_scale", "eig_range", "prior_eig_range", "phi_radius")
@@ -536,7 +595,8 @@ def to_toml(d: dict[str, dict[str, Any]]) -> str:
     """A scenario dict (sections of keys) as TOML text: one ``[section]`` per table, tables inside a
     section written inline."""
     blocks = []
-    order = [s for s in SECTIONS if s in d] + [s for s in d if s not in SECTIONS]
+    # A family's own model section (e.g. [quantum]) first, where [model] would be.
+    order = [s for s in d if s not in SECTIONS] + [s for s in SECTIONS if s in d]
     for section, keys in ((s, d[s]) for s in order):
         lines = [f"[{_toml_key(section)}]"]
         lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in keys.items()]

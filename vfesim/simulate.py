@@ -142,6 +142,12 @@ def _make_integrator(scn: Scenario, backend: str, state: xr.Dataset):
     from .integrators import make_integrator
 
     ig = scn.integrator
+    spec = scn.spec
+    if spec is not None:  # a family with its own steppers (vfesim.family.RunSpec)
+        try:
+            return spec.make_integrator(scn.model, ig, backend=backend, seed=scn.run["seed"])
+        except (TypeError, ValueError) as e:
+            raise ScenarioError("integrator", str(e)) from None
     if backend == "dask":
         from .backends import get
         from .backends.dask_backend import auto_chunk
@@ -179,7 +185,7 @@ def _with_overrides(scn: Scenario, steps: int | None, backend: str | None, out) 
 
 
 def simulate(
-    scenario_or_config: Scenario | ModelConfig | str | Path | dict,
+    scenario_or_config: Scenario | ModelConfig | Any | str | Path | dict,
     out: str | Path | None = None,
     *,
     steps: int | None = None,
@@ -190,10 +196,10 @@ def simulate(
 ) -> Run:
     """Run a scenario to ``run.n_steps`` (or ``steps``), writing trajectory and checkpoints to ``out``.
 
-    scenario_or_config: a :class:`Scenario`, a TOML path, a nested dict, or a ModelConfig (then give
-    ``population={...}, integrator={...}, run={...}`` as keyword sections). Keyword sections also
-    override a scenario's. ``progress``: None -> a tqdm bar on a terminal or in Jupyter, else log
-    lines when logging shows INFO; False -> silent.
+    scenario_or_config: a :class:`Scenario`, a TOML path, a nested dict, or a ModelConfig or
+    QuantumConfig (then give ``population={...}, integrator={...}, run={...}`` as keyword sections).
+    Keyword sections also override a scenario's. ``progress``: None -> a tqdm bar on a terminal or in
+    Jupyter, else log lines when logging shows INFO; False -> silent.
     Returns a :class:`Run`; ``Run.open()`` is the lazy trajectory Dataset.
     """
     name, source = "scenario", None
@@ -204,6 +210,13 @@ def simulate(
         if not isinstance(model.pop("neighbours"), str):
             raise ScenarioError("model.neighbours", "sparse neighbours: use population.neighbours")
         d = {"model": {k: v for k, v in model.items() if v is not None}}
+    elif (spec := _run_spec(scenario_or_config)) is not None:  # e.g. a QuantumConfig
+        cfg = scenario_or_config
+        if cfg.dtype is not None:
+            sections.setdefault("run", {}).setdefault("dtype", cfg.dtype)
+        if not cfg.dense:
+            raise ScenarioError(f"{spec.section}.neighbours", "sparse neighbours: use population.neighbours")
+        d = {spec.section: spec.config_dict(cfg)}
     elif isinstance(scenario_or_config, Scenario):
         d, name = scenario_or_config.to_dict(), scenario_or_config.name
     elif isinstance(scenario_or_config, dict):
@@ -227,6 +240,14 @@ def simulate(
         return _simulate(scn, Path(path), overwrite, progress, sig)
 
 
+def _run_spec(obj: Any):
+    """The RunSpec of a family config (None for anything else, Gaussian ModelConfigs included)."""
+    try:
+        return family_of(obj).runs
+    except TypeError:
+        return None
+
+
 def _check_time_chunk(chunk: int, frame: int) -> None:
     """A chunk of frames must fit in memory (the run buffers one) and in one zstd call."""
     if chunk * frame > MAX_CHUNK_BYTES:
@@ -246,7 +267,8 @@ def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None,
     run = scn.run
     n_frames = frame_steps(run["n_steps"], run["save_every"]).size
     fpc = max(1, run["checkpoint_every"] // run["save_every"])
-    trajectory = family_of(scn.model).trajectory
+    # The variables saved per frame: the stepper's own (a family's RunSpec stepper), else the family's.
+    trajectory = getattr(integ, "trajectory", None) or family_of(scn.model).trajectory
     chunking = _chunking(integ, state0)
     # A dask run buffers a time chunk of frames per agent chunk on the workers: size by its agent chunk.
     share = chunking["agent_chunk"] / state0.sizes["agent"] if chunking else 1.0

@@ -21,7 +21,11 @@ def open_run(path: str | Path, *, chunks: dict | str | None = "auto") -> xr.Data
     ``mu_q, sigma_q, mu_p, sigma_p, phi``, ``system_free_energy``, ``system_energy_<term>`` and
     ``saved``. attrs: the scenario and model config as JSON, ``vfesim_version``, ``dtype``,
     ``backend``, ``status``.
-    The same store opens with ``xr.open_zarr(path)``, showing NaN for frames not yet written.
+    Density-matrix runs: dims ``bra``, ``ket`` instead of the latent ones, ``rho`` a complex Zarr v3
+    array (complex128 or complex64, fill NaN), ``outcome`` (int, fill -1) when the run observes;
+    ``hamiltonian``, ``temperature``, ``phi`` written once (a ``fit`` run saves ``hamiltonian`` per frame).
+    The same store opens with ``xr.open_zarr(path, consolidated=False)``, showing the fill values for
+    frames not yet written.
     """
     path = Path(path)
     if not RunStore.is_run(path):

@@ -101,6 +101,11 @@ def _agent_chunked(shape: tuple, dims: tuple, agent_chunk: int | None) -> tuple:
     return (min(agent_chunk, shape[0]), *shape[1:])
 
 
+def _fill(dtype) -> float | int:
+    """Fill value of a trajectory array: NaN, or -1 for integers."""
+    return np.nan if np.issubdtype(dtype, np.inexact) else -1
+
+
 def _is_dask(a) -> bool:
     return type(a).__module__.startswith("dask.")
 
@@ -232,9 +237,10 @@ class RunStore:
         data = {k: (state[k].dims, state[k].values) for k in state.data_vars if k not in trajectory}
         meta = {"format": FORMAT, "status": "created", "trajectory_variables": json.dumps(list(trajectory))}
         base = xr.Dataset(data, coords=coords, attrs={**meta, **attrs})
-        # Time-indexed arrays: metadata only (no chunk is written until a frame is), fill NaN.
+        # Time-indexed arrays: metadata only (no chunk is written until a frame is), fill NaN (integer
+        # variables, e.g. Born outcomes: -1). Complex variables are Zarr v3 complex arrays.
         arrays = {
-            k: ((n_frames, *state[k].shape), ("time", *state[k].dims), state[k].dtype, np.nan)
+            k: ((n_frames, *state[k].shape), ("time", *state[k].dims), state[k].dtype, _fill(state[k].dtype))
             for k in trajectory
         }
         for t in terms:

@@ -4,8 +4,8 @@ steps and F-flows of :mod:`.evolve` (spec §3), reached through :func:`vfesim.ru
 
 from __future__ import annotations
 
-from ..family import AgentFamily, register
-from . import state
+from ..family import AgentFamily, RunSpec, register
+from . import runs, state
 from .config import QuantumConfig
 from .energy import NUMPY_OPS, TERMS, attention, energy_and_gradient
 from .evolve import QuantumDynamics, evolve
@@ -57,5 +57,15 @@ QUANTUM = register(
         attention=attention,
         geometry=None,
         dynamics=run_dynamics,
+        runs=RunSpec(
+            section=runs.SECTION,
+            defaults=runs.DEFAULTS,
+            validate=runs.validate,
+            config_dict=runs.config_dict,
+            initial_state=runs.initial_state,
+            make_integrator=runs.make_integrator,
+            dtypes=runs.RUN_DTYPES,
+            backends=runs.BACKENDS,
+        ),
     )
 )
