@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 )
 def test_cuda_simulator_suite():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "pytest", "tests/cudasim", "-q", "-p", "no:cacheprovider"]
+    # One process: the outer run already has a worker per core (pytest-xdist).
+    cmd = [sys.executable, "-m", "pytest", "tests/cudasim", "-q", "-p", "no:cacheprovider", "-n", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"simulator suite failed (exit {proc.returncode}):\n{out[-20000:]}"
