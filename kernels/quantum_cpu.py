@@ -28,6 +28,7 @@ _dk_log_agent = _m.dk_log_agent
 _dk_exp_agent = _m.dk_exp_agent
 _frames_vjp_agent = _m.frames_vjp_agent
 _channel_step_agent = _m.channel_step_agent
+_channel_step_vjp_agent = _m.channel_step_vjp_agent
 
 # Serial kernels over an agent range, run on a few Python threads (they release the GIL): parallel over
 # agents without Numba's parfors, whose compilation costs ~3 s per kernel and dtype (the kernels here
@@ -124,12 +125,28 @@ def _channel_step(
     out, gmin,
 ):  # fmt: skip
     d = rho.shape[1]
-    T = np.empty((5, d, d), rho.dtype)
+    T = np.empty((7, d, d), rho.dtype)
     w = np.empty(d, lam.dtype)
+    xs = np.empty((1, 1, 1, 1), rho.dtype)  # no tape
     for n in range(n0, n1):
         _channel_step_agent(
             rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, thr, width, dt, floor, tol2,
-            out, gmin, T[0], T[1], T[2], T[3], T[4], w,
+            out, gmin, T[0], T[1], T[2], T[3], T[4], w, T[5], T[6], xs,
+        )  # fmt: skip
+
+
+@_kernel
+def _channel_step_vjp(
+    n0, n1, rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, prm, ob, xs, mats, R_bar,
+    eps_c_bar, M_bar, scal, gmin, flag,
+):  # fmt: skip
+    d = rho.shape[1]
+    Tm = np.empty((9, d, d), rho.dtype)
+    w = np.empty(d, lam.dtype)
+    for n in range(n0, n1):
+        _channel_step_vjp_agent(
+            rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats, R_bar,
+            eps_c_bar, M_bar, scal, gmin, flag, Tm, w,
         )  # fmt: skip
 
 
@@ -143,6 +160,7 @@ KERNELS = {
     "dk_exp": _dk_exp,
     "frames_vjp": _frames_vjp,
     "channel_step": _channel_step,
+    "channel_step_vjp": _channel_step_vjp,
 }
 
 

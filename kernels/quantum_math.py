@@ -362,97 +362,119 @@ def _push_diag(W, Dg, out):
             out[r, c] = acc
 
 
-def channel_step_agent(
-    rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, gate_thr, gate_width, dt, floor,
-    tol2, out, gmin, X, S, T1, T2, W, w,
-):  # fmt: skip
-    """One step of the density-matrix channels for agent n (vfesim.quantum.evolve, forward only):
-    coupling over the window (C1 ``(1 - e) x + e tr(x) s`` or C2 ``x + e (pinch_W(x) - x)``, s the sender's
-    normalised state in the receiver's frame U_n U_j^dagger rho_j U_j U_n^dagger / tr rho_j, W its
-    eigenbasis) -> gate g -> unitary ``herm(U_t x U_t^dagger)``, U_t = V diag(exp(-i lam t)) V^dagger,
-    t = g dt (one Newton-Schulz step in complex64) -> dephasing (off-diagonals of the computational or
-    energy basis scaled by 1 - eps_d) -> thermalising ``(1 - eps_t) z + eps_t tr(z) sigma``.
-    modes = (coupling 0 none / 1 C1 / 2 C2, dephasing basis 0 computational / 1 energy, gate 0 none / 1
-    soft / 2 hard, Newton-Schulz 1 for complex64 else 0). The gate's D(x || sigma) uses the floored x;
-    gmin[n] receives its least eigenvalue (the caller refuses a step where it is <= 0, as the array code
-    does). Scratch X, S, T1, T2, W (d, d), w (d,)."""
+def _copy(X, out):
     d = X.shape[0]
-    coupling = modes[0]
     for r in range(d):
         for c in range(d):
-            X[r, c] = rho[n, r, c]
-    if coupling != 0:
-        for k in range(index.shape[1]):
-            if not mask[n, k]:
-                continue
-            j = index[n, k]
-            e = eps_c[n, k]
-            trj = 0.0
+            out[r, c] = X[r, c]
+
+
+def _trace_re(X):
+    acc = 0.0
+    for r in range(X.shape[0]):
+        acc += X[r, r].real
+    return acc
+
+
+def _tr_re(A, B):
+    """Re tr(A B)."""
+    d = A.shape[0]
+    acc = 0.0
+    for r in range(d):
+        for c in range(d):
+            z = A[r, c] * B[c, r]
+            acc += z.real
+    return acc
+
+
+def _sender_in_frame(rho, U, n, j, T1, T2, S):
+    """S = U_n U_j^dagger rho_j U_j U_n^dagger / tr rho_j (the sender's normalised state, receiver's frame);
+    returns tr rho_j."""
+    trj = 0.0
+    d = S.shape[0]
+    for r in range(d):
+        trj += rho[j, r, r].real
+    pull_back(U[j], rho[j], T1, T2)
+    push_forward(U[n], T2, T1, S)
+    for r in range(d):
+        for c in range(d):
+            S[r, c] = S[r, c] / trj
+    return trj
+
+
+def _coupling(rho, index, mask, U, eps_c, n, coupling, tol2, X, S, T1, T2, W, w, xs, keep):
+    """The coupling channels of agent n applied to X in window order; with ``keep`` the state before
+    channel k is stored in xs[n, k]."""
+    d = X.shape[0]
+    for k in range(index.shape[1]):
+        if not mask[n, k]:
+            continue
+        if keep:
             for r in range(d):
-                trj += rho[j, r, r].real
-            pull_back(U[j], rho[j], T1, T2)
-            push_forward(U[n], T2, T1, S)
-            if coupling == 1:
-                trx = 0.0
-                for r in range(d):
-                    trx += X[r, r].real
-                cx = 1.0 - e
-                cs = e * trx / trj
-                for r in range(d):
-                    for c in range(d):
-                        X[r, c] = cx * X[r, c] + cs * S[r, c]
-            else:
-                jacobi_eigh(S, w, W, tol2)
-                pull_back(W, X, T1, T2)
-                _push_diag(W, T2, T1)
-                for r in range(d):
-                    for c in range(d):
-                        X[r, c] = X[r, c] + e * (T1[r, c] - X[r, c])
-    g = 1.0
-    if modes[2] != 0:  # D(x_f || sigma), x_f = (1 - floor) herm(x) + floor I / d
-        for r in range(d):
-            for c in range(d):
-                T1[r, c] = (1.0 - floor) * 0.5 * (X[r, c] + X[c, r].conjugate())
-            T1[r, r] += floor / d
-        pull_back(V[n], T1, T2, S)  # S = V^dagger x_f V: tr(x_f log sigma) = sum_k l_k S_kk
-        dv = 0.0
-        for k in range(d):
-            dv -= l[n, k] * S[k, k].real
-        jacobi_eigh(T1, w, W, tol2)
-        least = w[0]
-        for k in range(d):
-            least = min(least, w[k])
-            if w[k] > 0.0:
-                dv += w[k] * math.log(w[k])
-        gmin[n] = least
-        if modes[2] == 1:
-            g = 0.5 * (1.0 + math.tanh(0.5 * (dv - gate_thr) / gate_width))
-        else:
-            g = 1.0 if dv > gate_thr else 0.0
-    t = g * dt
-    for r in range(d):  # T1 = U_t
+                for c in range(d):
+                    xs[n, k, r, c] = X[r, c]
+        e = eps_c[n, k]
+        _sender_in_frame(rho, U, n, index[n, k], T1, T2, S)
+        if coupling == 1:  # C1: (1 - e) x + e tr(x) s
+            cs = e * _trace_re(X)
+            for r in range(d):
+                for c in range(d):
+                    X[r, c] = (1.0 - e) * X[r, c] + cs * S[r, c]
+        else:  # C2: x + e (pinch_W(x) - x), W the eigenbasis of s
+            jacobi_eigh(S, w, W, tol2)
+            pull_back(W, X, T1, T2)
+            _push_diag(W, T2, T1)
+            for r in range(d):
+                for c in range(d):
+                    X[r, c] = X[r, c] + e * (T1[r, c] - X[r, c])
+
+
+def _gate_divergence(X, V, l, n, floor, tol2, Xf, T1, S, W, w):
+    """D(x_f || sigma) for the floored x_f = (1 - floor) herm(X) + floor I / d (left in Xf), with the
+    eigen-decomposition x_f = W diag(w) W^dagger; returns (D, least eigenvalue)."""
+    d = X.shape[0]
+    for r in range(d):
+        for c in range(d):
+            Xf[r, c] = (1.0 - floor) * 0.5 * (X[r, c] + X[c, r].conjugate())
+        Xf[r, r] += floor / d
+    pull_back(V[n], Xf, T1, S)  # tr(x_f log sigma) = sum_k l_k (V^dagger x_f V)_kk
+    dv = 0.0
+    for k in range(d):
+        dv -= l[n, k] * S[k, k].real
+    _copy(Xf, T1)
+    jacobi_eigh(T1, w, W, tol2)
+    least = w[0]
+    for k in range(d):
+        least = min(least, w[k])
+        if w[k] > 0.0:
+            dv += w[k] * math.log(w[k])
+    return dv, least
+
+
+def _propagator(lam, V, n, t, newton, Ut, T1, T2):
+    """Ut = V diag(exp(-i lam t)) V^dagger, with one Newton-Schulz step when ``newton`` (complex64)."""
+    d = Ut.shape[0]
+    for r in range(d):
         for c in range(d):
             acc = 0.0 * V[n, 0, 0]
             for k in range(d):
                 ph = -lam[n, k] * t
                 acc += V[n, r, k] * complex(math.cos(ph), math.sin(ph)) * V[n, c, k].conjugate()
-            T1[r, c] = acc
-    if modes[3] != 0:  # complex64: U <- U (3 I - U^dagger U) / 2 (Newton-Schulz)
-        mm_dl(T1, T1, T2)
+            Ut[r, c] = acc
+    if newton != 0:  # U <- U (3 I - U^dagger U) / 2
+        mm_dl(Ut, Ut, T1)
         for r in range(d):
             for c in range(d):
-                T2[r, c] = -0.5 * T2[r, c]
-            T2[r, r] += 1.5
-        mm(T1, T2, S)
-        for r in range(d):
-            for c in range(d):
-                T1[r, c] = S[r, c]
-    push_forward(T1, X, T2, S)  # S = U x U^dagger, then herm
-    for r in range(d):
-        for c in range(d):
-            X[r, c] = 0.5 * (S[r, c] + S[c, r].conjugate())
-    ed = eps_d[n]
-    if modes[1] == 0:
+                T1[r, c] = -0.5 * T1[r, c]
+            T1[r, r] += 1.5
+        mm(Ut, T1, T2)
+        _copy(T2, Ut)
+
+
+def _dephase(X, V, n, ed, energy, T1, T2):
+    """X <- (1 - ed) X + ed Delta(X), Delta the pinching of the computational or (energy) V basis."""
+    d = X.shape[0]
+    if energy == 0:
         for r in range(d):
             for c in range(d):
                 if r != c:
@@ -463,13 +485,284 @@ def channel_step_agent(
         for r in range(d):
             for c in range(d):
                 X[r, c] = X[r, c] + ed * (T1[r, c] - X[r, c])
-    et = eps_t[n]
-    trz = 0.0
-    for r in range(d):
-        trz += X[r, r].real
+
+
+def _forward(
+    rho, index, mask, U, eps_c, lam, V, l, n, modes, gate_thr, gate_width, dt, floor, tol2, ed, gmin,
+    X, S, T1, T2, W, w, Ut, Y, xs, keep,
+):  # fmt: skip
+    """The step of agent n up to the dephasing (:func:`channel_step_agent`): X <- the state after the
+    unitary, Y <- it dephased, Ut the unitary; with ``keep`` xs[n, k] the state before coupling channel k
+    and xs[n, w] the state before the unitary. Returns (g, D) of the gate (D = 0 without a gate)."""
+    d = X.shape[0]
     for r in range(d):
         for c in range(d):
-            out[n, r, c] = (1.0 - et) * X[r, c] + et * trz * sigma[n, r, c]
+            X[r, c] = rho[n, r, c]
+    if modes[0] != 0:
+        _coupling(rho, index, mask, U, eps_c, n, modes[0], tol2, X, S, T1, T2, W, w, xs, keep)
+    g = 1.0
+    dv = 0.0
+    if modes[2] != 0:
+        dv, least = _gate_divergence(X, V, l, n, floor, tol2, Y, T1, S, W, w)
+        gmin[n] = least
+        if modes[2] == 1:
+            g = 0.5 * (1.0 + math.tanh(0.5 * (dv - gate_thr) / gate_width))
+        else:
+            g = 1.0 if dv > gate_thr else 0.0
+    if keep:  # the state before the unitary, after the coupling (slot w of the tape)
+        for r in range(d):
+            for c in range(d):
+                xs[n, index.shape[1], r, c] = X[r, c]
+    _propagator(lam, V, n, g * dt, modes[3], Ut, T1, T2)
+    push_forward(Ut, X, T2, S)  # herm(U x U^dagger)
+    for r in range(d):
+        for c in range(d):
+            X[r, c] = 0.5 * (S[r, c] + S[c, r].conjugate())
+    _copy(X, Y)
+    _dephase(Y, V, n, ed, modes[1], T1, T2)
+    return g, dv
+
+
+def channel_step_agent(
+    rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, gate_thr, gate_width, dt, floor,
+    tol2, out, gmin, X, S, T1, T2, W, w, Ut, Y, xs,
+):  # fmt: skip
+    """One step of the density-matrix channels for agent n (vfesim.quantum.evolve, forward only):
+    coupling over the window (C1 ``(1 - e) x + e tr(x) s`` or C2 ``x + e (pinch_W(x) - x)``, s the sender's
+    normalised state in the receiver's frame U_n U_j^dagger rho_j U_j U_n^dagger / tr rho_j, W its
+    eigenbasis) -> gate g -> unitary ``herm(U_t x U_t^dagger)``, U_t = V diag(exp(-i lam t)) V^dagger,
+    t = g dt (one Newton-Schulz step in complex64) -> dephasing (off-diagonals of the computational or
+    energy basis scaled by 1 - eps_d) -> thermalising ``(1 - eps_t) z + eps_t tr(z) sigma``.
+    modes = (coupling 0 none / 1 C1 / 2 C2, dephasing basis 0 computational / 1 energy, gate 0 none / 1
+    soft / 2 hard, Newton-Schulz 1 for complex64 else 0). The gate's D(x || sigma) uses the floored x;
+    gmin[n] receives its least eigenvalue (the caller refuses a step where it is <= 0, as the array code
+    does). Scratch X, S, T1, T2, W, Ut, Y (d, d), w (d,); xs any 4-D array (unused: no tape)."""
+    d = X.shape[0]
+    _forward(
+        rho, index, mask, U, eps_c, lam, V, l, n, modes, gate_thr, gate_width, dt, floor, tol2, eps_d[n],
+        gmin, X, S, T1, T2, W, w, Ut, Y, xs, False,
+    )  # fmt: skip
+    et = eps_t[n]
+    trz = _trace_re(Y)
+    for r in range(d):
+        for c in range(d):
+            out[n, r, c] = (1.0 - et) * Y[r, c] + et * trz * sigma[n, r, c]
+
+
+def channel_step_vjp_agent(
+    rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats, R_bar,
+    eps_c_bar, M_bar, scal, gmin, flag, Tm, w,
+):  # fmt: skip
+    """Adjoint of :func:`channel_step_agent` for agent n (rules R1, R3, R4 and the gate; the array code's
+    ``vfesim.quantum.rollout._update_vjp``), recomputing the forward step (states before each coupling
+    channel and before the unitary kept in xs[n] (w + 1, d, d)). From the cotangent ob[n] of the new
+    state: mats[:, n] = (x_bar (the state's own), H_bar (through the unitary and the energy-basis
+    dephasing), sigma_bar, logsig_bar (through the gate)), R_bar[n, k] (sender k's state, for the caller to
+    add to that sender), eps_c_bar[n, k], M_bar[n, k] (transport U_n U_j^dagger), and scal[n] =
+    (eps_d_bar, eps_t_bar, t_bar g, D_bar, D); gmin[n] as in the forward step. flag[n]: 1 when the
+    energy-basis dephasing meets a degenerate spectrum (gap below gap_tol, max(1, |lam|) relative), 2 when
+    the gate's floored state is not positive. prm = (gate_threshold, gate_width, dt, floor, tol2, gap_tol)
+    (float64); scratch Tm (9, d, d), w (d,). (Few arguments: CPython passes a call with more than 30 as
+    *args, which numba.cuda cannot inline.)"""
+    X, S, T1, T2, W, Ut, Y, B, C = Tm[0], Tm[1], Tm[2], Tm[3], Tm[4], Tm[5], Tm[6], Tm[7], Tm[8]
+    x_bar, H_bar, sigma_bar, logsig_bar = mats[0], mats[1], mats[2], mats[3]
+    gate_thr, gate_width, dt, floor, tol2, gap_tol = prm[0], prm[1], prm[2], prm[3], prm[4], prm[5]
+    d = X.shape[0]
+    wn = index.shape[1]
+    ed = eps_d[n]
+    et = eps_t[n]
+    g, dv = _forward(
+        rho, index, mask, U, eps_c, lam, V, l, n, modes, gate_thr, gate_width, dt, floor, tol2, ed, gmin,
+        X, S, T1, T2, W, w, Ut, Y, xs, True,
+    )  # fmt: skip
+    # X = y (after the unitary), Y = z (dephased), Ut the unitary, xs[n, wn] the state before it.
+    # Thermalising: out = (1 - et) z + et tr(z) sigma.
+    for r in range(d):
+        for c in range(d):
+            B[r, c] = ob[n, r, c]
+    trz = _trace_re(Y)
+    ts = _tr_re(B, sigma[n])
+    et_bar = 0.0
+    for r in range(d):
+        for c in range(d):
+            sigma_bar[n, r, c] = et * trz * B[r, c]
+            z = B[r, c] * (trz * sigma[n, c, r] - Y[c, r])
+            et_bar += z.real
+    for r in range(d):
+        for c in range(d):
+            B[r, c] = (1.0 - et) * B[r, c]
+        B[r, r] += et * ts
+    # B = z_bar. Dephasing (self-adjoint): y_bar = D(z_bar); eps_d_bar = Re tr(z_bar (Delta(y) - y)).
+    _copy(X, C)
+    _dephase(C, V, n, 1.0, modes[1], T1, T2)  # C = Delta(y)
+    ed_bar = 0.0
+    for r in range(d):
+        for c in range(d):
+            z = B[r, c] * (C[c, r] - X[c, r])
+            ed_bar += z.real
+    for r in range(d):
+        for c in range(d):
+            H_bar[n, r, c] = 0.0
+    # H through the energy basis: Q = [D, Pb] + [diag Pb, r], Hh_lk = Q_lk / (lam_l - lam_k)
+    if modes[1] == 1:
+        pull_back(V[n], X, T1, C)  # C = r = V^dagger y V
+        for r in range(d):
+            for c in range(d):
+                T2[r, c] = ed * B[r, c]
+        pull_back(V[n], T2, T1, S)  # S = Pb
+        scale = 1.0
+        for k in range(d):
+            scale = max(scale, abs(lam[n, k]))
+        for r in range(d):
+            for c in range(d):
+                if r == c:
+                    T1[r, c] = 0.0
+                    continue
+                gap = lam[n, r] - lam[n, c]
+                if abs(gap) < gap_tol * scale:
+                    flag[n] = 1
+                    gap = 1.0
+                q = (C[r, r] * S[r, c] - S[r, c] * C[c, c]) + (S[r, r] * C[r, c] - C[r, c] * S[c, c])
+                T1[r, c] = q / gap
+        push_forward(V[n], T1, T2, S)
+        for r in range(d):
+            for c in range(d):
+                H_bar[n, r, c] = 0.5 * (S[r, c] + S[c, r].conjugate())
+    _dephase(B, V, n, ed, modes[1], T1, T2)  # B = y_bar
+    # Unitary (R1): x_bar = herm(U^dagger y_bar U); Y^ = V^dagger (x U^dagger y_bar) V;
+    # H_bar += herm(V (2 Y^ o f1^T) V^dagger), f1 = t dd_expi(lam t); t_bar = Re tr(H i [y_bar, y]).
+    t = g * dt
+    for r in range(d):
+        for c in range(d):
+            C[r, c] = xs[n, wn, r, c]  # x before the unitary
+    mm_dr(C, Ut, T1)  # x U^dagger
+    mm(T1, B, T2)  # x U^dagger y_bar
+    pull_back(V[n], T2, T1, S)  # S = Y^
+    for r in range(d):
+        for c in range(d):
+            f = dd_expi_conj(lam[n, c] * t, lam[n, r] * t).conjugate()
+            S[r, c] = 2.0 * t * S[r, c] * f
+    push_forward(V[n], S, T1, T2)
+    for r in range(d):
+        for c in range(d):
+            H_bar[n, r, c] += 0.5 * (T2[r, c] + T2[c, r].conjugate())
+    mm(B, X, T1)  # y_bar y
+    mm(X, B, T2)  # y y_bar
+    t_bar = 0.0
+    for r in range(d):  # Re tr(H i C), C = y_bar y - y y_bar, H = V diag(lam) V^dagger
+        for c in range(d):
+            hrc = 0.0 * V[n, 0, 0]
+            for k in range(d):
+                hrc += V[n, r, k] * lam[n, k] * V[n, c, k].conjugate()
+            z = hrc * (T1[c, r] - T2[c, r])
+            t_bar -= z.imag
+    pull_back(Ut, B, T1, T2)
+    for r in range(d):
+        for c in range(d):
+            B[r, c] = 0.5 * (T2[r, c] + T2[c, r].conjugate())  # B = x_bar (before the unitary)
+    D_bar = 0.0
+    for r in range(d):
+        for c in range(d):
+            logsig_bar[n, r, c] = 0.0
+    if modes[2] == 1:  # soft gate: D_bar = t_bar dt g (1 - g) / tau
+        D_bar = t_bar * dt * g * (1.0 - g) / gate_width
+        _, least = _gate_divergence(C, V, l, n, floor, tol2, Y, T1, S, W, w)  # Y = x_f, W diag(w) W^dagger
+        if least <= 0.0:
+            flag[n] = 2
+        for k in range(d):
+            w[k] = math.log(w[k]) if w[k] > 0.0 else 0.0
+        from_eig(W, w, T1)  # log x_f
+        for k in range(d):
+            w[k] = l[n, k]
+        from_eig(V[n], w, T2)  # log sigma
+        for r in range(d):
+            for c in range(d):
+                v = T1[r, c] - T2[r, c]
+                if r == c:
+                    v += 1.0
+                B[r, c] += (1.0 - floor) * D_bar * v
+                logsig_bar[n, r, c] = -D_bar * Y[r, c]
+    # Coupling channels in reverse.
+    for k in range(wn):
+        eps_c_bar[n, k] = 0.0
+        for r in range(d):
+            for c in range(d):
+                R_bar[n, k, r, c] = 0.0
+                M_bar[n, k, r, c] = 0.0
+    if modes[0] != 0:
+        for kk in range(wn):
+            k = wn - 1 - kk
+            if not mask[n, k]:
+                continue
+            j = index[n, k]
+            e = eps_c[n, k]
+            trj = _sender_in_frame(rho, U, n, j, T1, T2, S)  # S = s_k
+            for r in range(d):
+                for c in range(d):
+                    C[r, c] = xs[n, k, r, c]  # the state before channel k
+            if modes[0] == 1:
+                trx = _trace_re(C)
+                ts = _tr_re(B, S)
+                eb = 0.0
+                for r in range(d):
+                    for c in range(d):
+                        z = B[r, c] * (trx * S[c, r] - C[c, r])
+                        eb += z.real
+                eps_c_bar[n, k] = eb
+                for r in range(d):  # T2 = s_bar = e tr(x) x_bar
+                    for c in range(d):
+                        T2[r, c] = e * trx * B[r, c]
+                for r in range(d):
+                    for c in range(d):
+                        B[r, c] = (1.0 - e) * B[r, c]
+                    B[r, r] += e * ts
+                # Rn_bar = M^dagger s_bar M, M = U_n U_j^dagger: U_j U_n^dagger s_bar U_n U_j^dagger
+                pull_back(U[n], T2, T1, Y)
+                push_forward(U[j], Y, T1, C)  # C = Rn_bar
+                cn = 0.0
+                for r in range(d):
+                    for c in range(d):
+                        z = C[r, c] * rho[j, c, r]
+                        cn += z.real
+                cn = cn / trj  # Re tr(Rn_bar Rn)
+                for r in range(d):
+                    for c in range(d):
+                        v = C[r, c]
+                        if r == c:
+                            v -= cn
+                        R_bar[n, k, r, c] = v / trj
+                # M_bar = 2 s_bar M Rn
+                mm_dr(U[n], U[j], Y)  # M
+                mm(T2, Y, T1)  # s_bar M
+                for r in range(d):
+                    for c in range(d):
+                        acc = 0.0 * T1[0, 0]
+                        for q in range(d):
+                            acc += T1[r, q] * rho[j, q, c]
+                        M_bar[n, k, r, c] = 2.0 * acc / trj
+            else:  # C2, W stop-gradient: x_bar <- pinch_mix(x_bar); eps_bar = Re tr(x_bar (pinch(x) - x))
+                jacobi_eigh(S, w, W, tol2)
+                pull_back(W, C, T1, T2)
+                _push_diag(W, T2, T1)  # T1 = pinch(x)
+                eb = 0.0
+                for r in range(d):
+                    for c in range(d):
+                        z = B[r, c] * (T1[c, r] - C[c, r])
+                        eb += z.real
+                eps_c_bar[n, k] = eb
+                pull_back(W, B, T1, T2)
+                _push_diag(W, T2, T1)
+                for r in range(d):
+                    for c in range(d):
+                        B[r, c] = B[r, c] + e * (T1[r, c] - B[r, c])
+    for r in range(d):
+        for c in range(d):
+            x_bar[n, r, c] = B[r, c]
+    scal[n, 0] = ed_bar
+    scal[n, 1] = et_bar
+    scal[n, 2] = t_bar * g
+    scal[n, 3] = D_bar
+    scal[n, 4] = dv
 
 
 # In dependency order (callees first): :func:`link` compiles them in this order.
@@ -497,7 +790,17 @@ FUNCTIONS = (
     "dk_exp_agent",
     "frames_vjp_agent",
     "_push_diag",
+    "_copy",
+    "_trace_re",
+    "_tr_re",
+    "_sender_in_frame",
+    "_coupling",
+    "_gate_divergence",
+    "_propagator",
+    "_dephase",
+    "_forward",
     "channel_step_agent",
+    "channel_step_vjp_agent",
 )
 
 

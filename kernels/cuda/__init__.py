@@ -100,6 +100,7 @@ def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
     c = "complex64" if np.dtype(dtype) == np.complex64 else "complex128"
     f = "float32" if c == "complex64" else "float64"
     c3 = f"{c}[:, :, ::1]"
+    c4 = f"{c}[:, :, :, ::1]"
     r1, r2 = f"{f}[::1]", f"{f}[:, ::1]"
     return {
         "eig_log": f"void({c3}, float64, {r2}, {c3}, {c3}, {r1})",
@@ -113,6 +114,10 @@ def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
         "channel_step": (
             f"void({c3}, int64[:, ::1], boolean[:, ::1], {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {r1}, {r1}, "
             f"int64[::1], float64, float64, float64, float64, float64, {c3}, {r1})"
+        ),
+        "channel_step_vjp": (
+            f"void({c3}, int64[:, ::1], boolean[:, ::1], {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {r1}, {r1}, "
+            f"int64[::1], float64[::1], {c3}, {c4}, {c4}, {c4}, {r2}, {c4}, {r2}, {r1}, int64[::1])"
         ),
     }
 

@@ -27,6 +27,7 @@ _dk_log_agent = _m.dk_log_agent
 _dk_exp_agent = _m.dk_exp_agent
 _frames_vjp_agent = _m.frames_vjp_agent
 _channel_step_agent = _m.channel_step_agent
+_channel_step_vjp_agent = _m.channel_step_vjp_agent
 
 _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex128}
 
@@ -106,10 +107,26 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
             T1 = cuda.local.array((d, d), cdt)
             T2 = cuda.local.array((d, d), cdt)
             W = cuda.local.array((d, d), cdt)
+            Ut = cuda.local.array((d, d), cdt)
+            Y = cuda.local.array((d, d), cdt)
             w = cuda.local.array(d, rdt)
+            xs = cuda.local.array((1, 1, 1, 1), cdt)  # no tape
             _channel_step_agent(
                 rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, thr, width, dt, floor,
-                tol2, out, gmin, X, S, T1, T2, W, w,
+                tol2, out, gmin, X, S, T1, T2, W, w, Ut, Y, xs,
+            )  # fmt: skip
+
+    def channel_step_vjp(
+        rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, prm, ob, xs, mats, R_bar,
+        eps_c_bar, M_bar, scal, gmin, flag,
+    ):  # fmt: skip
+        n = cuda.grid(1)
+        if n < rho.shape[0]:
+            Tm = cuda.local.array((9, d, d), cdt)
+            w = cuda.local.array(d, rdt)
+            _channel_step_vjp_agent(
+                rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats,
+                R_bar, eps_c_bar, M_bar, scal, gmin, flag, Tm, w,
             )  # fmt: skip
 
     pyfuncs = {
@@ -122,5 +139,6 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
         "dk_exp": dk_exp,
         "frames_vjp": frames_vjp,
         "channel_step": channel_step,
+        "channel_step_vjp": channel_step_vjp,
     }
     return compile_kernels(pyfuncs)

@@ -66,3 +66,23 @@ def test_cuda_channel_step_matches_the_array_code(coupling, basis, gate, dtype, 
     got = QUANTUM_OPS.channel_step(P, rho, 0.3, dyn)
     assert got.dtype == want.dtype
     np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+
+
+def test_cuda_channel_step_vjp_matches_the_cpu_kernel():
+    """The adjoint kernel of one channel step under the simulator against the same maths on the CPU (itself
+    checked against the array code in tests/test_quantum_kernels.py)."""
+    from vfesim_kernels import quantum_cpu
+
+    from vfesim.backends.cuda_backend import _quantum_launch
+    from vfesim.quantum.kernel_ops import kernel_step_vjp
+
+    P, rho, dyn = channel_case(3, "complex128", "C1", "energy", "soft", N=6)
+    rng = np.random.default_rng(2)
+    ob = rng.normal(size=rho.shape) + 1j * rng.normal(size=rho.shape)
+    ob = ob + ob.conj().swapaxes(1, 2)
+    want = kernel_step_vjp(lambda: np, quantum_cpu.launch)(P, rho, ob, 0.3, dyn)
+    got = kernel_step_vjp(lambda: np, _quantum_launch)(P, rho, ob, 0.3, dyn)
+    for k, b in want.items():
+        np.testing.assert_allclose(
+            got[k], b, rtol=0, atol=1e-12 * max(1.0, float(np.abs(b).max())), err_msg=k
+        )

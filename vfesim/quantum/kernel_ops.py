@@ -16,7 +16,7 @@ import numpy as np
 
 from .energy import QuantumOps, floor_eps
 
-__all__ = ["kernel_ops", "sized_ops", "jacobi_tol2"]
+__all__ = ["kernel_ops", "kernel_step_vjp", "sized_ops", "jacobi_tol2"]
 
 # Which argument of each stage carries the matrix size d (its last axis).
 _SIZE_ARG = {
@@ -124,32 +124,103 @@ def kernel_ops(array_module: Callable, launch: Callable) -> QuantumOps:
     def channel_step(P, rho, dt, dyn):
         xp = array_module()
         rho = c(rho)
-        N = rho.shape[0]
-        eps_d = -xp.expm1(-P.gamma * dt)  # vfesim.quantum.channels.dephasing_strength
-        eps_t = -xp.expm1(-P.gamma_th * dt)
-        newton = int(rho.dtype == np.complex64)
-        modes = xp.asarray([_COUPLING[dyn.coupling], _BASIS[dyn.dephasing_basis], _GATE[dyn.gate], newton])
+        args, gmin = _step_args(xp, c, P, rho, dt, dyn)
         out = xp.empty_like(rho)
-        gmin = xp.full(N, np.inf, _real(rho.dtype))
-        index, mask = xp.asarray(P.index, np.int64), xp.asarray(P.mask)
-        floor = float(floor_eps(rho.dtype))
-        run(
-            "channel_step", rho, rho, c(index), c(mask), c(P.U), c(P.eps_c), c(P.lam), c(P.V), c(P.sigma),
-            c(P.l), c(eps_d), c(eps_t), modes, float(dyn.gate_threshold), float(dyn.gate_width), float(dt),
-            floor, jacobi_tol2(rho.dtype), out, gmin,
-        )  # fmt: skip
+        run("channel_step", rho, rho, *args, out, gmin)
         if dyn.gate != "none":
-            bad = gmin <= 0
-            if bool(bad.any()):
-                i = int(xp.argmax(bad))
-                raise ValueError(
-                    f"rho[agent={i}]: not positive semidefinite (floored eigenvalue {float(gmin[i]):.3g})"
-                )
+            _refuse_non_positive(xp, gmin <= 0, gmin)
         return out
 
     return QuantumOps(
         eig_log, gibbs, frames, pull_features, pull_vjp, dk_log, dk_exp, frames_vjp, channel_step
     )
+
+
+def _step_args(xp, c, P, rho, dt, dyn):
+    """The channel step kernels' leading arguments (after rho) for Prepared caches P, and a gmin array."""
+    eps_d = -xp.expm1(-P.gamma * dt)  # vfesim.quantum.channels.dephasing_strength
+    eps_t = -xp.expm1(-P.gamma_th * dt)
+    newton = int(rho.dtype == np.complex64)
+    modes = xp.asarray([_COUPLING[dyn.coupling], _BASIS[dyn.dephasing_basis], _GATE[dyn.gate], newton])
+    index, mask = xp.asarray(P.index, np.int64), xp.asarray(P.mask)
+    floor = float(floor_eps(rho.dtype))
+    args = (
+        c(index),
+        c(mask),
+        c(P.U),
+        c(P.eps_c),
+        c(P.lam),
+        c(P.V),
+        c(P.sigma),
+        c(P.l),
+        c(eps_d),
+        c(eps_t),
+        modes,
+        float(dyn.gate_threshold),
+        float(dyn.gate_width),
+        float(dt),
+        floor,
+        jacobi_tol2(rho.dtype),
+    )
+    return args, xp.full(rho.shape[0], np.inf, _real(rho.dtype))
+
+
+def _refuse_non_positive(xp, bad, gmin) -> None:
+    if bool(bad.any()):
+        i = int(xp.argmax(bad))
+        raise ValueError(
+            f"rho[agent={i}]: not positive semidefinite (floored eigenvalue {float(gmin[i]):.3g})"
+        )
+
+
+def kernel_step_vjp(array_module: Callable, launch: Callable) -> Callable:
+    """The adjoint of one Jacobi channel step by the kernels (``channel_step_vjp``, forward recomputed per
+    agent): ``vjp(P, rho, out_bar, dt, dynamics, gap_tol=1e-9) -> dict`` of per-agent cotangents, the
+    terms of ``vfesim.quantum.rollout._update_vjp``: ``x_bar`` (N, d, d) (senders' parts not added),
+    ``R_bar`` (N, w, d, d) (sender slot k of agent n), ``eps_c_bar`` (N, w), ``M_bar`` (N, w, d, d),
+    ``H_bar``, ``sigma_bar``, ``logsig_bar`` (N, d, d), ``eps_d_bar``, ``eps_t_bar``, ``tg`` (t_bar g),
+    ``D_bar``, ``D`` (N,)."""
+
+    def vjp(P, rho, out_bar, dt, dyn, gap_tol=1e-9):
+        xp = array_module()
+
+        def c(a):
+            a = xp.ascontiguousarray(a)
+            return a.copy() if isinstance(a, np.ndarray) and not a.flags.writeable else a
+
+        rho = c(rho)
+        N, d = rho.shape[:2]
+        w = P.index.shape[1]
+        rdt = _real(rho.dtype)
+        args, gmin = _step_args(xp, c, P, rho, dt, dyn)
+        xs = xp.empty((N, w + 1, d, d), rho.dtype)
+        mats = xp.empty((4, N, d, d), rho.dtype)  # x_bar, H_bar, sigma_bar, logsig_bar
+        out = dict(
+            R_bar=xp.empty((N, w, d, d), rho.dtype), eps_c_bar=xp.empty((N, w), rdt),
+            M_bar=xp.empty((N, w, d, d), rho.dtype),
+        )  # fmt: skip
+        scal = xp.empty((N, 5), rdt)
+        flag = xp.zeros(N, np.int64)
+        idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, *scalars = args
+        prm = xp.asarray([*scalars, float(gap_tol)], np.float64)  # thr, width, dt, floor, tol2, gap_tol
+        launch(
+            "channel_step_vjp", N, d, rho.dtype, rho, idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t,
+            modes, prm, c(out_bar.astype(rho.dtype)), xs, mats, out["R_bar"], out["eps_c_bar"], out["M_bar"],
+            scal, gmin, flag,
+        )  # fmt: skip
+        out.update(x_bar=mats[0], H_bar=mats[1], sigma_bar=mats[2], logsig_bar=mats[3])
+        if bool((flag == 1).any()):
+            i = int(xp.argmax(flag == 1))
+            raise ValueError(
+                f"hamiltonian[agent={i}]: energy-basis dephasing is not differentiable at a degenerate "
+                f"spectrum (eigenvalue gap below {gap_tol:g} relative)"
+            )
+        _refuse_non_positive(xp, flag == 2, gmin)
+        for k, col in zip(("eps_d_bar", "eps_t_bar", "tg", "D_bar", "D"), range(5), strict=True):
+            out[k] = scal[:, col]
+        return out
+
+    return vjp
 
 
 def sized_ops(small: QuantumOps, large: QuantumOps, max_d: int) -> QuantumOps:
