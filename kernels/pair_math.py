@@ -32,6 +32,19 @@ Stable API (names and signatures; all arguments positional):
                                                     caller (e.g. a vectorised exp over a tile row)
     accumulate_row(out, i, w, X, j) -> None         out[i, d] += w * X[j, d] for all d, d ascending
 
+Pair weights outside the softmax (``vfesim.pairwise.weighted``: ``m_ij = u_i v_j``, the softmax unchanged).
+Row statistics (m, s, t, b) with ``t_i = sum_j e_ij v_j KL_ij`` and ``b_i = sum_j e_ij v_j``; then
+``abar_i = t_i / s_i = sum_j beta_ij v_j KL_ij``, ``bbar_i = b_i / s_i = sum_j beta_ij v_j`` and
+``F_i = -kappa (m_i + log s_i)``. The row energy is ``E_i = u_i e_i`` with the unit energy ``e_i``
+("expected": abar_i; "softmin": bbar_i F_i), so ``dE_i/du_i = e_i``:
+
+    lse_push_w(m, s, t, b, x, kl, v) -> (m, s, t, b)   add sender j (logit x, KL kl, weight v = v_j)
+    row_unit_energy_w(m, s, t, b, kappa, agg)          e_i; 0 when s == 0
+    row_means_w(m, s, t, b, kappa) -> (abar, bbar, F)  zeros when s == 0
+    pair_weight_w(kl, v, u, m, inv_s, abar, bbar, F, kappa, agg) -> (W, Wv)
+        W = dE_i/dKL_ij (expected: u beta (v - (v kl - abar) / kappa); softmin: u beta (bbar - F (v -
+        bbar) / kappa)) and Wv = dE_i/dv_j (expected: u beta kl; softmin: u beta F)
+
 Masked (absent) pairs are never pushed: no infinite logit enters the statistics, so drivers may use
 fastmath flags other than ``nnan``/``ninf`` on the sums. ``-inf`` appears only as the empty-row max.
 No function calls another one, so each compiles on its own (a compiled function cannot call the plain
@@ -56,6 +69,10 @@ __all__ = [
     "pair_weight",
     "pair_weight_e",
     "accumulate_row",
+    "lse_push_w",
+    "row_unit_energy_w",
+    "row_means_w",
+    "pair_weight_w",
 ]
 
 AGG_EXPECTED = 0
@@ -158,3 +175,40 @@ def lse_push_e(m, s, t, x, kl, e, one):
     if x > m:
         return x, s * e + one, t * e + kl
     return m, s + e, t + e * kl
+
+
+def lse_push_w(m, s, t, b, x, kl, v):
+    """Online log-sum-exp with a sender weight v: add logit x (KL kl) to (max m, sum s, sum of
+    e v kl t, sum of e v b); start from (-inf, 0, 0, 0)."""
+    if x > m:
+        r = math.exp(m - x)  # 0 for the first element (m = -inf)
+        return x, s * r + math.exp(x - x), t * r + v * kl, b * r + v
+    e = math.exp(x - m)
+    return m, s + e, t + e * v * kl, b + e * v
+
+
+def row_unit_energy_w(m, s, t, b, kappa, agg):
+    """The row energy per unit receiver weight: expected t / s, softmin (b / s) (-kappa (m + log s));
+    0 when s == 0."""
+    if s == 0.0:
+        return s
+    if agg == AGG_SOFTMIN:
+        return (b / s) * (-kappa * (m + math.log(s)))
+    return t / s
+
+
+def row_means_w(m, s, t, b, kappa):
+    """(abar, bbar, F) = (t / s, b / s, -kappa (m + log s)) of a weighted row; zeros when s == 0."""
+    if s == 0.0:
+        return s, s, s
+    return t / s, b / s, -kappa * (m + math.log(s))
+
+
+def pair_weight_w(kl, v, u, m, inv_s, abar, bbar, F, kappa, agg):
+    """(W, Wv): dE_i/dKL_ij and dE_i/dv_j of pair (i, j) with weights u = u_i, v = v_j, from the row's
+    (m, 1/s, abar, bbar, F)."""
+    beta = math.exp(-kl / kappa - m) * inv_s
+    ub = u * beta
+    if agg == AGG_SOFTMIN:
+        return ub * (bbar - F * (v - bbar) / kappa), ub * F
+    return ub * (v - (v * kl - abar) / kappa), ub * kl

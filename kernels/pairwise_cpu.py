@@ -22,7 +22,8 @@ Every sum runs in a fixed order within fixed-size tiles and chunks (functions of
 shares an output row and there are no atomics, so results are bitwise identical run to run and do not
 depend on Numba's or OpenBLAS's thread count. Sparse: per receiver over its (N, k) list; senders
 through a CSC reverse index built by a stable counting sort, parallel over senders, each summing its
-receivers in ascending order.
+receivers in ascending order. Weighted pairs batched over grid points (:func:`pairwise_points`, field
+agents): parallel over points, each point's receivers and senders owned by one thread.
 
 The scalar per-pair math (online LSE, weights) is :mod:`vfesim_kernels.pair_math`, compiled here with
 ``numba.njit(inline="always")``; only the tile loops are CPU-specific.
@@ -44,6 +45,7 @@ __all__ = [
     "pairwise_sparse",
     "pairwise_dense_rows",
     "pairwise_sparse_rows",
+    "pairwise_points",
     "SENDER_TILE",
     "RECEIVER_TILE",
 ]
@@ -73,6 +75,10 @@ _pair_weight_e = _inline(_pm.pair_weight_e)
 _pair_kl = _inline(_pm.pair_kl)
 _pair_logit = _inline(_pm.pair_logit)
 _accumulate_row = _inline(_pm.accumulate_row)
+_lse_push_w = _inline(_pm.lse_push_w)
+_row_unit_energy_w = _inline(_pm.row_unit_energy_w)
+_row_means_w = _inline(_pm.row_means_w)
+_pair_weight_w = _inline(_pm.pair_weight_w)
 
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 _kernel = numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
@@ -789,3 +795,124 @@ def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: s
     """
     erow, gA, gB, gc = _sparse(A_r, B_s, c_r, index, mask, kappa, aggregator, True)
     return erow.astype(np.float64), gA, gc, gB.astype(np.float64)
+
+
+@_kernel
+def _points(
+    Ah, B, ch, u, v, offsets, lists, rowmap, index, mask, kappa, one, ninf, agg, erow, gA, gB, gc, gu, gv
+):
+    """Per grid point p (parallel; every row of p, receiver or sender, is written by p's thread only):
+    per receiver r, the weighted statistics over its senders at p (KLs kept in a k-row scratch), its
+    energy, gu, then the weights: gA_r, gc_r and the senders' gB, gv in ascending r. Unhalved gA, gc."""
+    P = offsets.shape[0] - 1
+    k = index.shape[1]
+    for p in numba.prange(P):
+        zero = one - one
+        kls = np.empty(k, Ah.dtype)
+        snd = np.empty(k, np.int64)
+        for r in range(offsets[p], offsets[p + 1]):
+            li = lists[r]
+            mi, si, ti, bi = ninf, zero, zero, zero
+            n = 0
+            for q in range(k):
+                if mask[li, q]:
+                    sr = rowmap[p, index[li, q]]
+                    if sr >= 0:
+                        kl = _pair_kl(Ah, r, B, sr, ch)
+                        kls[n] = kl
+                        snd[n] = sr
+                        n += 1
+                        mi, si, ti, bi = _lse_push_w(mi, si, ti, bi, _pair_logit(kl, kappa), kl, v[sr])
+            ur = u[r]
+            e1 = _row_unit_energy_w(mi, si, ti, bi, kappa, agg)
+            erow[r] = ur * e1
+            gu[r] = e1
+            if si == zero:
+                continue
+            ab, bb, F = _row_means_w(mi, si, ti, bi, kappa)
+            isi = one / si
+            ws = zero
+            for q in range(n):
+                sr = snd[q]
+                w, wv = _pair_weight_w(kls[q], v[sr], ur, mi, isi, ab, bb, F, kappa, agg)
+                ws += w
+                _accumulate_row(gA, r, w, B, sr)
+                _accumulate_row(gB, sr, w, Ah, r)
+                gv[sr] += wv
+            gc[r] = ws
+
+
+_points_serial = _serial_copy(_points)
+
+
+def check_points(n_receivers: int, n_senders: int, offsets, lists, rowmap, index, mask) -> None:
+    """ValueError naming the argument where a batched-pairs layout (see :func:`pairwise_points`) is
+    inconsistent: shapes, ranges, and every sender row at one point only (host NumPy arrays)."""
+    P = offsets.shape[0] - 1
+    if (
+        offsets.ndim != 1
+        or P < 0
+        or offsets[0] != 0
+        or offsets[-1] != n_receivers
+        or (np.diff(offsets) < 0).any()
+    ):
+        raise ValueError(f"offsets: must rise from 0 to the {n_receivers} receiver rows, (P + 1,)")
+    if lists.shape != (n_receivers,) or (
+        n_receivers and not (0 <= lists.min() and lists.max() < index.shape[0])
+    ):
+        raise ValueError(f"lists: must be ({n_receivers},) rows of index ({index.shape[0]} rows)")
+    if index.ndim != 2 or mask.shape != index.shape:
+        raise ValueError(f"index/mask must both be (n_lists, k), got {index.shape} and {mask.shape}")
+    if rowmap.ndim != 2 or rowmap.shape[0] != P:
+        raise ValueError(f"rowmap: must be (P={P}, n_agents), got {rowmap.shape}")
+    listed = index[mask]
+    if listed.size and not (0 <= listed.min() and listed.max() < rowmap.shape[1]):
+        raise ValueError(f"index: listed agents must be columns 0 .. {rowmap.shape[1] - 1} of rowmap")
+    rows = rowmap[rowmap >= 0]
+    if rows.size and (rows.max() >= n_senders or np.bincount(rows, minlength=n_senders).max() > 1):
+        raise ValueError(f"rowmap: each of the {n_senders} sender rows must appear at most once")
+
+
+def pairwise_points(
+    A, B, c, u, v, offsets, lists, rowmap, index, mask, kappa: float, aggregator: str, serial=None
+):
+    """Weighted pairs batched over grid points (the contract of
+    :func:`vfesim.pairwise.weighted.pairwise_points_weighted`): receivers A (M_r, D), c, u (M_r,)
+    point-major by ``offsets`` (P + 1,) with list rows ``lists`` (M_r,); senders B (M_s, D), v (M_s,)
+    found through ``rowmap`` (P, n); neighbour agents index/mask (n_l, k).
+
+    Returns (E, gA, gB, gc, gu, gv) in the input dtype (E a float). Parallel over points (serial builds
+    when ``serial``, default: below SERIAL_WORK pair-feature products); each point's sums run in a fixed
+    order on one thread, so results are bitwise reproducible and independent of the thread count.
+    Memory: O((M_r + M_s) D + threads k).
+    """
+    agg = _pm.aggregator_code(aggregator)
+    dt, Ah, B, ch, kappa = _prepare(A, B, c, kappa)
+    u = np.ascontiguousarray(u, dt)
+    v = np.ascontiguousarray(v, dt)
+    offsets = np.ascontiguousarray(offsets, np.int64)
+    lists = np.ascontiguousarray(lists, np.int64)
+    rowmap = np.ascontiguousarray(rowmap, np.int64)
+    index = np.ascontiguousarray(index, np.int64)
+    mask = np.ascontiguousarray(mask, np.bool_)
+    MR, D = Ah.shape
+    MS = B.shape[0]
+    if ch.shape != (MR,) or u.shape != (MR,) or v.shape != (MS,) or B.shape[1:] != (D,):
+        raise ValueError(
+            f"features: A (M_r, D), c and u (M_r,), B (M_s, D), v (M_s,); got A {Ah.shape}, c {ch.shape}, "
+            f"u {u.shape}, B {B.shape}, v {v.shape}"
+        )
+    check_points(MR, MS, offsets, lists, rowmap, index, mask)
+    erow = np.zeros(MR, dt)
+    gA, gc, gu = np.zeros((MR, D), dt), np.zeros(MR, dt), np.zeros(MR, dt)
+    gB, gv = np.zeros((MS, D), dt), np.zeros(MS, dt)
+    if serial is None:
+        serial = MR * index.shape[1] * D < SERIAL_WORK
+    kernel = _points_serial if serial else _points
+    one, ninf = dt.type(1), dt.type(-np.inf)
+    kernel(
+        Ah, B, ch, u, v, offsets, lists, rowmap, index, mask, kappa, one, ninf, agg, erow, gA, gB, gc, gu, gv
+    )
+    gA *= dt.type(0.5)
+    gc *= dt.type(0.5)
+    return float(erow.sum(dtype=np.float64)), gA, gB, gc, gu, gv

@@ -14,6 +14,11 @@ that identity). With all weights 1 both are the plain aggregators of :mod:`.refe
     "softmin":  dE_i/dKL_ij = beta_ij (s_i - F_i (m_ij - s_i) / kappa),     dE_i/dm_ij = beta_ij F_i
 
 Rows without a valid pair give energy 0 and zero derivatives. NumPy arrays; sums in a fixed order.
+
+Pairs batched over grid points (:func:`pairwise_points_weighted`, field agents): receiver and sender rows
+grouped by point, neighbour lists per agent, pairs only between rows of one point. Its contract is the
+backends' ``pairwise_points`` (the kernels: :func:`vfesim_kernels.pairwise_cpu.pairwise_points`, the
+cuda backend's); memory O(rows D + block), never agents x agents x points.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from scipy import sparse
 
 from .reference import aggregator_check, row_weights
 
-__all__ = ["weighted_row_weights", "pairwise_sparse_weighted"]
+__all__ = ["weighted_row_weights", "pairwise_sparse_weighted", "pairwise_points_weighted", "point_blocks"]
+
+# Gathered sender features (rows, k, D) of one block of grid points: 4M elements (32 MB in float64).
+BLOCK_ELEMENTS = 1 << 22
 
 
 def weighted_row_weights(L, valid, m, kappa: float, aggregator: str):
@@ -69,4 +77,62 @@ def pairwise_sparse_weighted(A, B, c, index, mask, u, v, kappa: float, aggregato
     gv = sparse.csr_matrix((Wm[mask] * u[r], (sel, r)), shape=(v.shape[0], A.shape[0])).sum(axis=1)
     gv = np.asarray(gv, dtype=v.dtype).reshape(-1)
     out = (float(energy.sum(dtype=np.float64)), gA, gB, gc, gu, gv)
+    return out + (beta,) if return_beta else out
+
+
+def point_blocks(offsets, width: int, D: int):
+    """Blocks of whole grid points (p0, p1) of about BLOCK_ELEMENTS gathered elements (rows x width x D)
+    each; offsets (P + 1,): the rows of point p are offsets[p]:offsets[p+1]."""
+    P = offsets.size - 1
+    target = max(1, BLOCK_ELEMENTS // max(1, width * D))
+    p0 = 0
+    while p0 < P:
+        p1 = int(np.searchsorted(offsets, offsets[p0] + target, side="right")) - 1
+        p1 = min(P, max(p0 + 1, p1))
+        yield p0, p1
+        p0 = p1
+
+
+def pairwise_points_weighted(
+    A, B, c, u, v, offsets, lists, rowmap, index, mask, kappa: float, aggregator: str, *, return_beta=False
+):
+    """Weighted pairs batched over grid points, pairs only between rows of one point.
+
+    Receivers: rows A (M_r, D), c (M_r,), u (M_r,), point-major: the receivers at point p are rows
+    offsets[p]:offsets[p+1] (offsets (P + 1,)); lists (M_r,): the row of index/mask (n_l, k) listing
+    receiver r's neighbour agents. Senders: rows B (M_s, D), v (M_s,); rowmap (P, n): the sender row of
+    agent j at point p, -1 where it has none. Receiver r at point p pairs with s = rowmap[p, index[
+    lists[r], q]] for every q with mask and s >= 0, pair weight u_r v_s (outside the softmax).
+
+    Returns (E, gA, gB, gc, gu, gv[, beta (M_r, k)]) as :func:`pairwise_sparse_weighted`, computed per
+    block of points (:func:`point_blocks`).
+    """
+    offsets = np.asarray(offsets)
+    gA, gB, gc = np.zeros_like(A), np.zeros_like(B), np.zeros_like(c)
+    gu, gv = np.zeros_like(u), np.zeros_like(v)
+    beta = np.zeros((A.shape[0], index.shape[1]), A.dtype) if return_beta else None
+    E = 0.0
+    for p0, p1 in point_blocks(offsets, index.shape[1], A.shape[1]):
+        s, e = int(offsets[p0]), int(offsets[p1])
+        if e == s:
+            continue
+        pt = np.repeat(np.arange(p0, p1), np.diff(offsets[p0 : p1 + 1]))
+        lst = lists[s:e]
+        senders = rowmap[pt[:, None], index[lst]]  # (rows, k): sender rows, -1 where absent
+        valid = mask[lst] & (senders >= 0)
+        if not valid.any():
+            continue
+        lo, hi = int(senders[valid].min()), int(senders[valid].max()) + 1
+        local = np.where(valid, senders - lo, 0)
+        out = pairwise_sparse_weighted(
+            A[s:e], B[lo:hi], c[s:e], local, valid, u[s:e], v[lo:hi], kappa, aggregator,
+            return_beta=return_beta,
+        )  # fmt: skip
+        E += out[0]
+        gA[s:e], gc[s:e], gu[s:e] = out[1], out[3], out[4]
+        gB[lo:hi] += out[2]
+        gv[lo:hi] += out[5]
+        if return_beta:
+            beta[s:e] = out[6]
+    out = (E, gA, gB, gc, gu, gv)
     return out + (beta,) if return_beta else out
