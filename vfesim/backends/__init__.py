@@ -55,6 +55,9 @@ class Backend:
     to_device(arrays) / to_host(arrays): dicts of arrays onto the backend's device and back to NumPy.
     pairwise_dense(A, B, c, kappa, aggregator) -> (E, gA, gB, gc); pairwise_sparse(A, B, c, index, mask,
         kappa, aggregator) -> the same (the contract of :mod:`vfesim.pairwise.reference`).
+    pairwise_points(A, B, c, u, v, offsets, lists, rowmap, index, mask, kappa, aggregator) -> (E, gA, gB,
+        gc, gu, gv): weighted pairs batched over grid points (field agents; the contract of
+        :func:`vfesim.pairwise.weighted.pairwise_points_weighted`), None where the backend has none.
     agent_ops: family name -> that family's per-agent stages in this backend's kernels, for the family's
         one assembly (Gaussian: an :class:`~vfesim.gaussian.energy.AgentOps`, or a factory of fused
         stages); a family uses its array-generic stages where none is given.
@@ -75,6 +78,7 @@ class Backend:
     agent_ops: Mapping[str, Any] = field(default_factory=dict)
     on_device: bool = False
     dataset_energy_and_gradient: Callable | None = None
+    pairwise_points: Callable | None = None
 
     def energy_and_gradient(self, arrays: dict[str, Any], cfg) -> tuple[dict[str, float], dict[str, Any]]:
         """Terms and exact gradient of ``cfg``'s family for raw arrays on this backend's device (no

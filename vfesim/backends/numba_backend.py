@@ -4,14 +4,14 @@ Arrays stay NumPy arrays on the host. The per-agent stages (frames, features, th
 run in :mod:`vfesim_kernels.agent_cpu` through :class:`~vfesim.gaussian.energy.AgentOps` (density-matrix
 agents: :mod:`vfesim_kernels.quantum_cpu` through :class:`~vfesim.quantum.energy.QuantumOps`); the pairwise
 part in :mod:`vfesim_kernels.pairwise_cpu` (parallel over receiver / sender blocks, deterministic, no
-N x N array). Thread count: Numba's (``NUMBA_NUM_THREADS`` or ``numba.set_num_threads``).
+N x N array; field agents' weighted pairs parallel over grid points). Thread count: Numba's (``NUMBA_NUM_THREADS`` or ``numba.set_num_threads``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from vfesim_kernels import agent_cpu, quantum_cpu
-from vfesim_kernels.pairwise_cpu import pairwise_dense, pairwise_sparse
+from vfesim_kernels.pairwise_cpu import pairwise_dense, pairwise_points, pairwise_sparse
 
 from ..gaussian.energy import AgentOps
 from ..gaussian.features import agent_features
@@ -136,6 +136,7 @@ BACKEND = Backend(
     pairwise_sparse=pairwise_sparse,
     updates=NumbaUpdates,
     agent_ops={"gaussian": AGENT_OPS, "quantum": QUANTUM_OPS},
+    pairwise_points=pairwise_points,
 )
 
 

@@ -27,6 +27,7 @@ BACKEND = Backend(
     pairwise_dense=pairwise.pairwise_dense,
     pairwise_sparse=pairwise.pairwise_sparse,
     updates=NumpyUpdates,
+    pairwise_points=pairwise.weighted.pairwise_points_weighted,
 )
 
 

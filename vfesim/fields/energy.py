@@ -23,27 +23,31 @@ gradient with the covered sets held fixed.
 
 Stages: the covered (point, agent) pairs form one batch of point agents (point-major rows), run through
 the Gaussian per-agent stages (:class:`~vfesim.gaussian.energy.AgentOps`: a backend's kernels, or the
-array-generic NumPy ones); the pairs run block of points by block of points through the sparse weighted
-pairwise layer. Memory O(N P D + block), never N x N x P.
+array-generic NumPy/CuPy ones); the pairs run through the backend's weighted pairs batched over points
+(``pairwise_points``, the contract of :func:`vfesim.pairwise.weighted.pairwise_points_weighted`: NumPy
+block of points by block of points, Numba CPU and CUDA kernels). Memory O(N P D + block), never N x N x P.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..arrays import array_module as _xp
 from ..gaussian.energy import NUMPY_AGENT_OPS, AgentOps, _with_jitter
 from ..gaussian.terms import observation, observation_vjp
 from ..groups import generators
-from ..pairwise.weighted import pairwise_sparse_weighted
+from ..pairwise.weighted import pairwise_points_weighted
 from .config import FieldConfig
 from .supports import neighbour_lists
 
 __all__ = [
     "TERMS",
     "BACKENDS",
+    "Layout",
+    "layout",
     "energy_and_gradient",
     "energy_and_gradient_arrays",
     "attention",
@@ -51,143 +55,105 @@ __all__ = [
 ]
 
 TERMS = ("self", "belief_align", "prior_align", "observation", "gauge_smoothness")
-BACKENDS = ("numpy", "numba")
-
-# Elements of the gathered sender features (rows, k, D) of one block of grid points: 4M float64 = 32 MB.
-BLOCK_ELEMENTS = 1 << 22
+BACKENDS = ("numpy", "numba", "cuda", "dask")
 
 
 class Layout(NamedTuple):
-    """The covered (point, agent) pairs as a batch of point agents, point-major.
+    """The covered (point, agent) pairs as a batch of point agents, point-major (host NumPy arrays).
 
-    rows: flat indices into (P, N) of covered pairs; point, agent: (M,) of each row; rowmap (P, N): the
-    row of a pair, -1 where not covered; offsets (P + 1,): rows of point p are offsets[p]:offsets[p+1].
+    point, agent: (M,) of each row; rowmap (P, N): the row of a pair, -1 where not covered; offsets
+    (P + 1,): rows of point p are offsets[p]:offsets[p+1].
     """
 
-    rows: np.ndarray
     point: np.ndarray
     agent: np.ndarray
     rowmap: np.ndarray
     offsets: np.ndarray
 
 
-def _layout(chi: np.ndarray) -> Layout:
-    """chi (N, P) -> the Layout of its covered pairs."""
-    N, P = chi.shape
-    cov = (chi > 0).T  # (P, N)
+def layout(chi) -> Layout:
+    """chi (N, P) (host or device) -> the Layout of its covered pairs (chi > 0)."""
+    cov = np.asarray(_host(chi) > 0).T  # (P, N)
+    P, N = cov.shape
     rows = np.flatnonzero(cov.ravel())
     rowmap = np.full(P * N, -1, np.int64)
     rowmap[rows] = np.arange(rows.size)
-    offsets = np.concatenate([[0], np.cumsum(cov.sum(axis=1))])
-    return Layout(rows, rows // N, rows % N, rowmap.reshape(P, N), offsets)
+    offsets = np.concatenate([[0], np.cumsum(cov.sum(axis=1))]).astype(np.int64)
+    return Layout(rows // N, rows % N, rowmap.reshape(P, N), offsets)
 
 
-def _to_rows(a, lay: Layout, N: int, P: int, gnd: int):
-    """(N, *grid, *tail) -> covered rows (M, *tail), point-major."""
-    tail = a.shape[1 + gnd :]
-    return np.ascontiguousarray(np.swapaxes(a.reshape(N, P, *tail), 0, 1).reshape(P * N, *tail)[lay.rows])
+def _host(a):
+    return a if isinstance(a, np.ndarray) else a.get()
 
 
-def _from_rows(g, lay: Layout, N: int, grid: tuple[int, ...]):
+def _to_rows(a, idx, N: int, P: int, gnd: int):
+    """(N, *grid, *tail) -> covered rows (M, *tail); idx = (agent, point) of the rows on a's device."""
+    return a.reshape(N, P, *a.shape[1 + gnd :])[idx]
+
+
+def _from_rows(g, idx, N: int, grid: tuple[int, ...]):
     """Covered rows (M, *tail) -> (N, *grid, *tail), zero where not covered."""
     P = int(np.prod(grid))
-    tail = g.shape[1:]
-    full = np.zeros((P * N, *tail), g.dtype)
-    full[lay.rows] = g
-    return np.ascontiguousarray(np.swapaxes(full.reshape(P, N, *tail), 0, 1)).reshape(N, *grid, *tail)
-
-
-def _blocks(lay: Layout, width: int, D: int) -> Iterator[tuple[int, int]]:
-    """Blocks of whole grid points (p0, p1) of about BLOCK_ELEMENTS gathered elements each."""
-    P = lay.offsets.size - 1
-    target = max(1, BLOCK_ELEMENTS // max(1, width * D))
-    p0 = 0
-    while p0 < P:
-        p1 = int(np.searchsorted(lay.offsets, lay.offsets[p0] + target, side="right")) - 1
-        p1 = min(P, max(p0 + 1, p1))
-        yield p0, p1
-        p0 = p1
-
-
-def _pairs(A, B, c, chi_r, lay: Layout, index, mask, kappa: float, aggregator: str, want_beta: bool = False):
-    """The weighted pairwise term over every grid point: (E, gA, gB, gc, g_chi (M,)[, beta (M, k)])."""
-    gA, gB, gc = np.zeros_like(A), np.zeros_like(B), np.zeros_like(c)
-    g_chi = np.zeros_like(chi_r)
-    beta = np.zeros((A.shape[0], index.shape[1]), A.dtype) if want_beta else None
-    E = 0.0
-    for p0, p1 in _blocks(lay, index.shape[1], A.shape[1]):
-        s, e = int(lay.offsets[p0]), int(lay.offsets[p1])
-        if e == s:
-            continue
-        pt, ag = lay.point[s:e], lay.agent[s:e]
-        senders = lay.rowmap[pt[:, None], index[ag]]  # (rows, k) global rows, -1 if not covered
-        valid = mask[ag] & (senders >= 0)
-        local = np.where(valid, senders - s, 0)
-        out = pairwise_sparse_weighted(
-            A[s:e],
-            B[s:e],
-            c[s:e],
-            local,
-            valid,
-            chi_r[s:e],
-            chi_r[s:e],
-            kappa,
-            aggregator,
-            return_beta=want_beta,
-        )
-        E += out[0]
-        gA[s:e], gB[s:e], gc[s:e] = out[1], out[2], out[3]
-        g_chi[s:e] = out[4] + out[5]
-        if want_beta:
-            beta[s:e] = out[6]
-    return (E, gA, gB, gc, g_chi) + ((beta,) if want_beta else ())
+    full = _xp(g).zeros((N, P, *g.shape[1:]), g.dtype)
+    full[idx] = g
+    return full.reshape(N, *grid, *g.shape[1:])
 
 
 def gauge_smoothness(phi, chi, cfg: FieldConfig):
     """sum_i sum_c w chi_i sum_d |phi_i(c + e_d) - phi_i(c)|^2 / h^2 over edges with both ends covered:
-    phi (N, *grid, 3), chi (N, *grid) -> (E, g_phi, g_chi)."""
+    phi (N, *grid, 3), chi (N, *grid) -> (E, g_phi, g_chi). NumPy or CuPy arrays."""
+    xp = _xp(phi)
     h, w = cfg.spacing, cfg.weight
     cov = chi > 0
-    g_phi = np.zeros_like(phi)
-    g_chi = np.zeros_like(chi)
+    g_phi = xp.zeros_like(phi)
+    g_chi = xp.zeros_like(chi)
     E = 0.0
     for d in range(cfg.ndim):
         ax = 1 + d
-        diff = (np.roll(phi, -1, axis=ax) - phi) / h
-        edge = cov & np.roll(cov, -1, axis=ax)
+        diff = (xp.roll(phi, -1, axis=ax) - phi) / h
+        edge = cov & xp.roll(cov, -1, axis=ax)
         if cfg.boundary == "bounded":
             last = [slice(None)] * chi.ndim
             last[ax] = -1
             edge[tuple(last)] = False
-        sq = np.where(edge, (diff * diff).sum(axis=-1), 0.0)
+        sq = xp.where(edge, (diff * diff).sum(axis=-1), 0.0)
         E += float((w * chi * sq).sum(dtype=np.float64))
         g_chi += w * sq
-        gd = np.where(edge, 2.0 * w * chi, 0.0)[..., None] * diff / h  # dE/d(phi(c + e_d)), = -dE/d(phi(c))
-        g_phi += np.roll(gd, 1, axis=ax) - gd
+        gd = xp.where(edge, 2.0 * w * chi, 0.0)[..., None] * diff / h  # dE/d(phi(c + e_d)), = -dE/d(phi(c))
+        g_phi += xp.roll(gd, 1, axis=ax) - gd
     return E, g_phi, g_chi
 
 
 def energy_and_gradient_arrays(
-    arrays: dict[str, Any], cfg: FieldConfig, *, agent_ops: AgentOps = NUMPY_AGENT_OPS, neighbours=None
+    arrays: dict[str, Any],
+    cfg: FieldConfig,
+    *,
+    agent_ops: AgentOps = NUMPY_AGENT_OPS,
+    neighbours=None,
+    pairwise_points: Callable = pairwise_points_weighted,
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Energy terms and the gradient of ``terms["total"]`` for raw NumPy arrays (no validation).
+    """Energy terms and the gradient of ``terms["total"]`` for raw arrays (no validation).
 
-    arrays: the field state's variables (agent, *grid, ...). neighbours: (index, mask) (default: from
-    the support and ``cfg``, :func:`~vfesim.fields.supports.neighbour_lists`). agent_ops: the per-agent
-    stages of point agents, run on the covered (point, agent) batch.
+    arrays: the field state's variables (agent, *grid, ...), NumPy or CuPy. neighbours: (index, mask)
+    host arrays (default: from the support and ``cfg``, :func:`~vfesim.fields.supports.neighbour_lists`).
+    agent_ops: the per-agent stages of point agents, run on the covered (point, agent) batch.
+    pairwise_points: the weighted pairs batched over points (the contract of
+    :func:`vfesim.pairwise.weighted.pairwise_points_weighted`: a backend's kernels, or NumPy).
     """
     ops = agent_ops
     mu_q = arrays["mu_q"]
+    xp = _xp(mu_q)
     N, grid, gnd = mu_q.shape[0], tuple(mu_q.shape[1:-1]), mu_q.ndim - 2
     P = int(np.prod(grid))
     chi = arrays["support"]
-    lay = _layout(chi.reshape(N, P))
-    rows = lambda k: _to_rows(arrays[k], lay, N, P, gnd)
+    lay = layout(chi.reshape(N, P))
+    idx = (xp.asarray(lay.agent), xp.asarray(lay.point))
+    rows = lambda k: _to_rows(arrays[k], idx, N, P, gnd)
     a = {k: rows(k) for k in arrays if k != "support"}
     chi_r = rows("support")
     S = {k: _with_jitter(a[k], cfg.jitter) for k in ("sigma_q", "sigma_p")}
-    g = {k: np.zeros_like(v) for k, v in a.items()}
-    g_chi = np.zeros_like(chi_r)
+    g = {k: xp.zeros_like(v) for k, v in a.items()}
+    g_chi = xp.zeros_like(chi_r)
     w = cfg.weight
     terms = dict.fromkeys(TERMS, 0.0)
 
@@ -202,7 +168,7 @@ def energy_and_gradient_arrays(
     if cfg.lambda_obs > 0:
         dt = mu_q.dtype
         e, cache = observation(
-            a["mu_q"], S["sigma_q"], a["obs"], np.asarray(cfg.W, dt), np.asarray(cfg.R, dt)
+            a["mu_q"], S["sigma_q"], a["obs"], xp.asarray(cfg.W, dt), xp.asarray(cfg.R, dt)
         )
         wt = (cfg.lambda_obs * w) * chi_r
         terms["observation"] = float((wt * e).sum(dtype=np.float64))
@@ -221,23 +187,25 @@ def energy_and_gradient_arrays(
         if lam > 0
     ]
     if active:
-        index, mask = neighbour_lists(chi, cfg) if neighbours is None else neighbours
+        index, mask = neighbour_lists(_host(chi), cfg) if neighbours is None else neighbours
         R = ops.frames(a["phi"], cfg.irreps)
-        g_R = np.zeros_like(R)
+        g_R = xp.zeros_like(R)
         for name, lam, kappa, kmu, ksig in active:
             A, B, c, cache = ops.features(a[kmu], S[ksig], R, ksig)
-            E, gA, gB, gc, gx = _pairs(A, B, c, chi_r, lay, index, mask, kappa, cfg.aggregator)
+            E, gA, gB, gc, gu, gv = pairwise_points(
+                A, B, c, chi_r, chi_r, lay.offsets, lay.agent, lay.rowmap, index, mask, kappa, cfg.aggregator
+            )
             s = lam * w
             terms[name] = s * E
             g_mu, g_sigma, g_Rk = ops.features_vjp(s * gA, s * gB, s * gc, cache)
             g[kmu] += g_mu
             g[ksig] += g_sigma
             g_R += g_Rk
-            g_chi += s * gx
+            g_chi += s * (gu + gv)
         g["phi"] += ops.phi_grad(g_R, R, a["phi"], generators(cfg.irreps))
 
-    grads = {k: _from_rows(v, lay, N, grid) for k, v in g.items()}
-    grads["support"] = _from_rows(g_chi, lay, N, grid)
+    grads = {k: _from_rows(v, idx, N, grid) for k, v in g.items()}
+    grads["support"] = _from_rows(g_chi, idx, N, grid)
     if cfg.lambda_phi > 0:
         E, g_phi, gx = gauge_smoothness(arrays["phi"], chi, cfg)
         terms["gauge_smoothness"] = cfg.lambda_phi * E
@@ -248,21 +216,24 @@ def energy_and_gradient_arrays(
 
 
 def _agent_ops(backend) -> AgentOps:
-    if backend.name not in BACKENDS:
-        raise ValueError(
-            f"backend: field agents run on {list(BACKENDS)} only, got {backend.name!r} (cuda and dask "
-            "are not built for them yet)"
-        )
+    """The backend's point-agent stages where it has them as an AgentOps (numba's kernels), else the
+    array-generic ones (NumPy or CuPy arrays)."""
     ops = backend.agent_ops.get("gaussian", NUMPY_AGENT_OPS)
-    if not isinstance(ops, AgentOps):
-        raise ValueError(f"backend: {backend.name!r} has no staged point-agent operations for field agents")
-    return ops
+    return ops if isinstance(ops, AgentOps) else NUMPY_AGENT_OPS
 
 
 def energy_and_gradient(arrays: dict[str, Any], cfg: FieldConfig, backend) -> tuple[dict[str, float], dict]:
-    """Terms and the gradient of ``terms["total"]`` with ``backend``'s point-agent stages ("numpy":
-    array-generic NumPy, "numba": its CPU kernels); the weighted pairs run in NumPy on both."""
-    return energy_and_gradient_arrays(arrays, cfg, agent_ops=_agent_ops(backend))
+    """Terms and the gradient of ``terms["total"]`` with ``backend``'s point-agent stages ("numba": its
+    CPU kernels; "numpy", "cuda": the array-generic ones on NumPy / CuPy arrays) and its weighted pairs
+    batched over points (``backend.pairwise_points``)."""
+    if backend.pairwise_points is None:
+        raise ValueError(
+            f"backend: {backend.name!r} has no pairs batched over grid points (pairwise_points) for field "
+            f"agents; field agents run on {list(BACKENDS)}"
+        )
+    return energy_and_gradient_arrays(
+        arrays, cfg, agent_ops=_agent_ops(backend), pairwise_points=backend.pairwise_points
+    )
 
 
 def attention(arrays: dict[str, Any], cfg: FieldConfig, which: str = "belief") -> np.ndarray:
@@ -277,10 +248,26 @@ def attention(arrays: dict[str, Any], cfg: FieldConfig, which: str = "belief") -
     N, grid, gnd = mu.shape[0], tuple(mu.shape[1:-1]), mu.ndim - 2
     P = int(np.prod(grid))
     chi = arrays["support"]
-    lay = _layout(chi.reshape(N, P))
+    lay = layout(chi.reshape(N, P))
+    idx = (lay.agent, lay.point)
     index, mask = neighbour_lists(chi, cfg)
-    rows = lambda k: _to_rows(arrays[k], lay, N, P, gnd)
+    rows = lambda k: _to_rows(arrays[k], idx, N, P, gnd)
     R = NUMPY_AGENT_OPS.frames(rows("phi"), cfg.irreps)
     A, B, c, _ = NUMPY_AGENT_OPS.features(rows(kmu), _with_jitter(rows(ksig), cfg.jitter), R, ksig)
-    beta = _pairs(A, B, c, rows("support"), lay, index, mask, kappa, cfg.aggregator, want_beta=True)[-1]
-    return _from_rows(beta, lay, N, grid)
+    u = rows("support")
+    out = pairwise_points_weighted(
+        A,
+        B,
+        c,
+        u,
+        u,
+        lay.offsets,
+        lay.agent,
+        lay.rowmap,
+        index,
+        mask,
+        kappa,
+        cfg.aggregator,
+        return_beta=True,
+    )
+    return _from_rows(out[-1], idx, N, grid)
