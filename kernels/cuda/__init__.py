@@ -38,7 +38,14 @@ from .gaussian import (
     make_agent_kernels,
     make_block_kernels,
 )
-from .pairwise import ROW_THREADS, dense_splits, make_dense_kernels, make_gemm_row_kernel, make_sparse_kernels
+from .pairwise import (
+    ROW_THREADS,
+    dense_splits,
+    make_dense_kernels,
+    make_gemm_row_kernel,
+    make_points_kernels,
+    make_sparse_kernels,
+)
 from .quantum import make_quantum_kernels
 
 __all__ = [
@@ -59,8 +66,10 @@ __all__ = [
     "block_threads",
     "block_kernel_signatures",
     "make_gemm_row_kernel",
+    "make_points_kernels",
     "make_quantum_kernels",
     "kernel_signatures",
+    "points_kernel_signatures",
     "quantum_kernel_signatures",
     "BLOCK",
     "BLOCK_SHARED_BYTES",
@@ -92,6 +101,20 @@ def kernel_signatures(K: int, dtype: str) -> dict[str, str]:
         "rows": f"void({a3}, {a3}, {a2}, {i}[:, ::1], boolean[:, ::1], {a1}, {i}, {a3}, {a2}, {a4})",
         "senders": f"void({a3}, {a3}, {i}[::1], {i}[::1], {i}[::1], {i}, {a4})",
         "spd": f"void({a3}, {f}, int32[::1], float64[::1])",
+    }
+
+
+def points_kernel_signatures(dtype: str) -> dict[str, str]:
+    """Signature strings of the weighted pairs batched over points (:func:`make_points_kernels`)."""
+    f = "float32" if np.dtype(dtype) == np.float32 else "float64"
+    r1, r2 = f"{f}[::1]", f"{f}[:, ::1]"
+    i1, i2 = "int64[::1]", "int64[:, ::1]"
+    return {
+        "rows": (
+            f"void({r2}, {r2}, {r1}, {r1}, {r1}, {i1}, {i1}, {i2}, {i2}, boolean[:, ::1], {f}, {r2}, {r1}, "
+            f"{r2}, {r1}, {r1})"
+        ),
+        "senders": f"void({r2}, {r2}, {r1}, {r1}, {r1}, {i1}, {i1}, {i2}, {i1}, {i1}, {f}, {r2}, {r2}, {r1})",
     }
 
 

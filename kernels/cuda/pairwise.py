@@ -13,6 +13,8 @@ Dense pairs (flash-attention pattern, no N x N array, no float atomics):
   3. ``grads``: grid axis y < S: receiver role, sum_j W_ij B_j (and sum_j W_ij) per slice;
      y >= S: sender role, sum_i W_ij A_i per slice. Slices are summed, in order, by the caller's adjoint.
 Sparse pairs: fixed-width neighbour lists, receivers and (through a CSC reverse index) senders.
+Weighted pairs batched over grid points (field agents, :func:`make_points_kernels`): one thread per
+receiver row, then one per sender row through the reverse index of the neighbour lists.
 Long features (the GEMM path): :func:`make_gemm_row_kernel`, one block per receiver row of a logit slab.
 Every sum runs in a fixed order, so results are bitwise reproducible on one device.
 """
@@ -39,18 +41,23 @@ from .core import (
     device,
     lse_merge,
     lse_push,
+    lse_push_w,
     pair_kl,
     pair_logit,
     pair_weight,
     pair_weight_e,
+    pair_weight_w,
     row_abar,
     row_energy,
+    row_means_w,
+    row_unit_energy_w,
 )
 
 __all__ = [
     "make_dense_kernels",
     "make_sparse_kernels",
     "make_gemm_row_kernel",
+    "make_points_kernels",
     "dense_splits",
     "ROW_THREADS",
 ]
@@ -482,3 +489,105 @@ def make_sparse_kernels(D: int, dtype: str, aggregator: str):
 
     pyfuncs = {"rows": rows, "senders": senders}
     return compile_kernels(pyfuncs)
+
+
+@functools.cache
+def make_points_kernels(D: int, dtype: str, aggregator: str):
+    """Weighted pairs batched over grid points (the contract of ``vfesim.pairwise.weighted.
+    pairwise_points_weighted``) for one (feature width D, dtype, aggregator): pair weights u_r v_s
+    outside the softmax, pairs only between rows of one point. Receiver features pre-halved (Ah, ch).
+
+    rows[ceil(M_r / BLOCK), BLOCK](Ah, B, ch, u, v, point, lists, rowmap, index, mask, kappa, stats, erow,
+        gA, gc, gu)
+        receiver r at point[r]: senders s = rowmap[point[r], index[lists[r], q]] >= 0 under mask; the
+        weighted statistics, stats (5, M_r) = (m, 1/s, abar, bbar, F), erow = u e, gu = e,
+        gA = sum_s W B_s (unhalved), gc = sum_s W (unhalved); the KLs are recomputed, not stored
+    senders[ceil(M_s / BLOCK), BLOCK](Ah, B, ch, u, v, s_point, s_agent, r_rowmap, ptr, src_list, kappa,
+        stats, gB, gv)
+        sender s (agent s_agent[s] at s_point[s]; s_agent < 0: no point, zeros): over the incoming edges
+        e in ptr[j] .. ptr[j + 1] of agent j (list row src_list[e], ascending), the receiver
+        r = r_rowmap[point, src_list[e]] >= 0: gB_s = sum_r W Ah_r, gv_s = sum_r dE_r/dv_s
+    Memory O((M_r + M_s) D); every sum in a fixed order.
+    """
+    dt = _NB[np.dtype(dtype)]
+    one = np.dtype(dtype).type(1.0)
+    zero = np.dtype(dtype).type(0.0)
+    ninf = np.dtype(dtype).type(-np.inf)
+    agg = AGG_CODES[aggregator]
+
+    def rows(Ah, B, ch, u, v, point, lists, rowmap, index, mask, kappa, stats, erow, gA, gc, gu):
+        r = cuda.grid(1)
+        if r >= Ah.shape[0]:
+            return
+        p = point[r]
+        li = lists[r]
+        m, s, t, b = ninf, zero, zero, zero
+        for q in range(index.shape[1]):
+            if mask[li, q]:
+                sr = rowmap[p, index[li, q]]
+                if sr >= 0:
+                    kl = pair_kl(Ah, r, B, sr, ch)
+                    m, s, t, b = lse_push_w(m, s, t, b, pair_logit(kl, kappa), kl, v[sr])
+        ur = u[r]
+        e1 = row_unit_energy_w(m, s, t, b, kappa, agg)
+        erow[r] = ur * e1
+        gu[r] = e1
+        ab, bb, F = row_means_w(m, s, t, b, kappa)
+        inv = one / s if s > zero else zero
+        stats[0, r] = m
+        stats[1, r] = inv
+        stats[2, r] = ab
+        stats[3, r] = bb
+        stats[4, r] = F
+        acc = cuda.local.array((1, D), dt)
+        for d in range(D):
+            acc[0, d] = zero
+        ws = zero
+        if s > zero:
+            for q in range(index.shape[1]):
+                if mask[li, q]:
+                    sr = rowmap[p, index[li, q]]
+                    if sr >= 0:
+                        kl = pair_kl(Ah, r, B, sr, ch)
+                        w, wv = pair_weight_w(kl, v[sr], ur, m, inv, ab, bb, F, kappa, agg)
+                        accumulate_row(acc, 0, w, B, sr)
+                        ws += w
+        for d in range(D):
+            gA[r, d] = acc[0, d]
+        gc[r] = ws
+
+    def senders(Ah, B, ch, u, v, s_point, s_agent, r_rowmap, ptr, src_list, kappa, stats, gB, gv):
+        sr = cuda.grid(1)
+        if sr >= B.shape[0]:
+            return
+        j = s_agent[sr]
+        acc = cuda.local.array((1, D), dt)
+        for d in range(D):
+            acc[0, d] = zero
+        av = zero
+        if j >= 0:
+            p = s_point[sr]
+            vs = v[sr]
+            for e in range(ptr[j], ptr[j + 1]):
+                r = r_rowmap[p, src_list[e]]
+                if r >= 0:
+                    kl = pair_kl(Ah, r, B, sr, ch)
+                    w, wv = pair_weight_w(
+                        kl,
+                        vs,
+                        u[r],
+                        stats[0, r],
+                        stats[1, r],
+                        stats[2, r],
+                        stats[3, r],
+                        stats[4, r],
+                        kappa,
+                        agg,
+                    )
+                    accumulate_row(acc, 0, w, Ah, r)
+                    av += wv
+        for d in range(D):
+            gB[sr, d] = acc[0, d]
+        gv[sr] = av
+
+    return compile_kernels({"rows": rows, "senders": senders})

@@ -15,6 +15,10 @@ transfer) and its pair kernels. Where the block kernels' matrices do not fit in 
 array-generic stages run on CuPy arrays with the device GEMM and sparse pair kernels. The observation
 term (rare, cheap) is array-generic code in the assembly. Kernels: :mod:`vfesim_kernels.cuda`.
 
+Field agents: the array-generic Gaussian per-agent stages on CuPy arrays over the covered (point,
+agent) rows, and the weighted pairs batched over grid points in the kernels of
+:func:`vfesim_kernels.cuda.make_points_kernels` (:func:`_pairwise_points`).
+
 Density-matrix agents run the one assembly of :mod:`vfesim.quantum.energy` with the per-agent kernels
 of :func:`vfesim_kernels.cuda.make_quantum_kernels` (Jacobi eigensolver, Daleckii–Krein adjoints; one
 thread per agent) and this backend's family-free pair functions: dense pairs of short feature rows
@@ -235,6 +239,7 @@ def clear_cache() -> None:
     """Drop the cached device buffers."""
     _workspaces.clear()
     _neighbours.clear()
+    _points_layouts.clear()
 
 
 def _lru(cache: OrderedDict, key, make, limit: int = MAX_WORKSPACES):
@@ -539,6 +544,86 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
 QUANTUM_KERNEL_MAX_D = 8
 QUANTUM_OPS = sized_ops(kernel_ops(array_module, _quantum_launch), NUMPY_OPS, QUANTUM_KERNEL_MAX_D)
 
+
+class _PointsLayout:
+    """A batched-pairs layout (see :func:`_pairwise_points`) on the device, with the maps the kernels read:
+    each receiver's point, (point, list row) -> receiver row, each sender's point and agent, and the
+    reverse index of the neighbour lists (incoming edges per agent, by list row then slot)."""
+
+    def __init__(self, n_r: int, n_s: int, offsets, lists, rowmap, index, mask):
+        from vfesim_kernels.pairwise_cpu import check_points
+
+        xp = array_module()
+        offsets, lists, rowmap = (np.asarray(_host(a), np.int64) for a in (offsets, lists, rowmap))
+        index, mask = np.asarray(_host(index), np.int64), np.asarray(_host(mask), bool)
+        check_points(n_r, n_s, offsets, lists, rowmap, index, mask)
+        P, n = rowmap.shape
+        point = np.repeat(np.arange(P, dtype=np.int64), np.diff(offsets))
+        r_rowmap = np.full((P, index.shape[0]), -1, np.int64)
+        r_rowmap[point, lists] = np.arange(n_r)
+        if (r_rowmap >= 0).sum() != n_r:
+            raise ValueError("lists: two receivers of one point share a list row")
+        flat = np.flatnonzero(rowmap.ravel() >= 0)
+        rows = rowmap.ravel()[flat]
+        s_point, s_agent = np.zeros(n_s, np.int64), np.full(n_s, -1, np.int64)
+        s_point[rows], s_agent[rows] = flat // n, flat % n
+        inc = _incoming(index, mask, n)
+        host = dict(point=point, lists=lists, rowmap=rowmap, index=index, mask=mask, r_rowmap=r_rowmap,
+                    s_point=s_point, s_agent=s_agent, ptr=inc["ptr"], src_list=inc["row"])  # fmt: skip
+        self.buf = {k: xp.asarray(np.ascontiguousarray(v)) for k, v in host.items()}
+        self.dev = {k: kc.as_device_view(v) for k, v in self.buf.items()}
+
+
+_points_layouts: OrderedDict = OrderedDict()
+
+
+def _host(a):
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _pairwise_points(A, B, c, u, v, offsets, lists, rowmap, index, mask, kappa: float, aggregator: str):
+    """Weighted pairs batched over grid points (the contract of
+    :func:`vfesim.pairwise.weighted.pairwise_points_weighted`) in the kernels of
+    :func:`vfesim_kernels.cuda.make_points_kernels`: features and weights on the device, the layout
+    (offsets, lists, rowmap, index, mask) host or device arrays, prepared once per set of arrays (the
+    two alignment terms of an evaluation share it). Returns (E, gA, gB, gc, gu, gv)."""
+    xp = array_module()
+    MR, D = A.shape
+    MS = B.shape[0]
+    dt = np.dtype(A.dtype)
+    if dt not in (np.float32, np.float64):
+        raise TypeError(f"features must be float32 or float64, got {dt}")
+    key = tuple(id(a) for a in (offsets, lists, rowmap, index, mask)) + (MR, MS)
+    make = lambda: (
+        (offsets, lists, rowmap, index, mask),
+        _PointsLayout(MR, MS, offsets, lists, rowmap, index, mask),
+    )
+    lay = _lru(_points_layouts, key, make)[1].dev
+    k = kc.make_points_kernels(D, dt.name, aggregator)
+    half = dt.type(0.5)
+    v_ = kc.as_device_view
+    cont = lambda a: xp.ascontiguousarray(a, dtype=dt)
+    Ah, Bc, ch, uc, vc = cont(A * half), cont(B), cont(c * half), cont(u), cont(v)
+    stats = xp.empty((5, MR), dt)
+    erow, gc, gu = xp.zeros(MR, dt), xp.zeros(MR, dt), xp.zeros(MR, dt)
+    gA, gB, gv = xp.zeros((MR, D), dt), xp.zeros((MS, D), dt), xp.zeros(MS, dt)
+    dAh, dB, dch, du, dv, dstats = (v_(a) for a in (Ah, Bc, ch, uc, vc, stats))
+    kap = dt.type(kappa)
+    if MR:
+        k["rows"][_cdiv(MR, kc.BLOCK), kc.BLOCK](
+            dAh, dB, dch, du, dv, lay["point"], lay["lists"], lay["rowmap"], lay["index"], lay["mask"], kap,
+            dstats, v_(erow), v_(gA), v_(gc), v_(gu),
+        )  # fmt: skip
+    if MS and MR:
+        k["senders"][_cdiv(MS, kc.BLOCK), kc.BLOCK](
+            dAh, dB, dch, du, dv, lay["s_point"], lay["s_agent"], lay["r_rowmap"], lay["ptr"],
+            lay["src_list"], kap, dstats, v_(gB), v_(gv),
+        )  # fmt: skip
+    gA *= half
+    gc *= half
+    return float(erow.sum(dtype=np.float64)), gA, gB, gc, gu, gv
+
+
 BACKEND = Backend(
     name="cuda",
     array_module=array_module,
@@ -549,6 +634,7 @@ BACKEND = Backend(
     updates=_device_updates,
     agent_ops={"gaussian": _stages, "quantum": QUANTUM_OPS},
     on_device=True,
+    pairwise_points=_pairwise_points,
 )
 
 

@@ -4,7 +4,8 @@ Arrays stay NumPy arrays on the host. The per-agent stages (frames, features, th
 run in :mod:`vfesim_kernels.agent_cpu` through :class:`~vfesim.gaussian.energy.AgentOps` (density-matrix
 agents: :mod:`vfesim_kernels.quantum_cpu` through :class:`~vfesim.quantum.energy.QuantumOps`); the pairwise
 part in :mod:`vfesim_kernels.pairwise_cpu` (parallel over receiver / sender blocks, deterministic, no
-N x N array; field agents' weighted pairs parallel over grid points). Thread count: Numba's (``NUMBA_NUM_THREADS`` or ``numba.set_num_threads``).
+N x N array; field agents' weighted pairs parallel over grid points). Thread count: Numba's
+(``NUMBA_NUM_THREADS`` or ``numba.set_num_threads``).
 """
 
 from __future__ import annotations

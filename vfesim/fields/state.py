@@ -190,7 +190,8 @@ def validate_state(
             "agent",
             f"config has sparse neighbours for {cfg.neighbours.n_agents} agents but the state has {n}",
         )
-    chi = np.asarray(get("support")).reshape(n, -1)
+    chi = get("support")
+    chi = np.asarray(chi if isinstance(chi, np.ndarray) else chi.get()).reshape(n, -1)  # CuPy: to host
     bad = ~((chi >= 0) & (chi <= 1)).all(axis=1)  # NaN compares False
     if bad.any():
         i = int(np.argmax(bad))
