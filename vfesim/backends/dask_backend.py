@@ -29,8 +29,10 @@ launched from the scheduler's threads.
 Chunks: as the state Dataset is chunked along ``agent`` (``state.chunk(agent=n)``; the gradient Dataset
 comes back chunked the same way, persisted), or ``chunks=`` (agents per chunk, or a tuple of chunk sizes)
 for an in-memory state, by default :func:`default_chunk` (about TASK_WORK pair-feature products per
-task, >= 100 ms on one core). Scheduler: Dask's current one: the ``dask.distributed`` client when one is
-the default (``Client(...)``, ``LocalCluster``), else ``dask.config``'s scheduler, else threads.
+task, >= 100 ms on one core). Field agents (each chunk with its whole grid) run their own graph of the
+same steps, :mod:`vfesim.backends.dask_fields`. Scheduler: Dask's current one: the ``dask.distributed``
+client when one is the default (``Client(...)``, ``LocalCluster``), else ``dask.config``'s scheduler,
+else threads.
 """
 
 from __future__ import annotations
@@ -396,6 +398,8 @@ class Plan:
 
 def plan(cfg, bounds: tuple[int, ...], inner: str = "numba") -> Plan:
     """The :class:`Plan` of ``cfg`` chunked at ``bounds`` with the kernels ``inner`` (not persisted)."""
+    if _is_field(cfg):  # the lists follow the support: computed in the graph (vfesim.backends.dask_fields)
+        return Plan(tuple(bounds), dask.delayed(_identity, pure=False)(cfg), None, inner)
     chunk_cfg = cfg if cfg.dense else cfg.replace(neighbours="dense")
     cfg_d = dask.delayed(_identity, pure=False)(chunk_cfg)  # one copy in the graph
     sparse = None
@@ -412,6 +416,10 @@ def _graph(
     (persisted) :class:`Plan` of ``cfg`` and ``bounds``, else one is made."""
     delayed = lambda f: dask.delayed(f, pure=False)  # noqa: E731
     pl = plan(cfg, bounds) if pl is None else pl
+    if _is_field(cfg):
+        from .dask_fields import field_graph
+
+        return field_graph(chunk_arrays, cfg, bounds, validate, pl.inner)
     cfg_d = pl.cfg
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
     population = None
@@ -454,6 +462,10 @@ def _graph(
 
 def _identity(x):
     return x
+
+
+def _is_field(cfg) -> bool:
+    return family_of(cfg).name == "field"
 
 
 def _zero_rows(feats):
@@ -530,6 +542,10 @@ def auto_chunk(cfg, n_agents: int, arrays: dict) -> int:
     """The default agents per chunk of a population: :func:`default_chunk` with the feature length D of
     the family (read off a one-agent evaluation) and dense or sparse pair counts."""
     family = family_of(cfg)
+    if _is_field(cfg):
+        from .dask_fields import field_chunk
+
+        return field_chunk(cfg, n_agents, arrays, TASK_WORK, AGENT_WORK)
     probe = {k: np.asarray(v[:1]) for k, v in arrays.items()}
     rec = _Record()
     with np.errstate(all="ignore"), warnings.catch_warnings():
