@@ -165,3 +165,30 @@ def test_quantum_kernel_compiles_for_sm90(dtype, name):
     ptx = kc.cuda.compile_ptx(ks["_py"][name], kc.quantum_kernel_signatures(dtype)[name], cc=(9, 0))[0]
     assert ".target sm_90" in ptx
     assert re.search(r"\.entry\s", ptx), "no kernel entry point"
+
+
+# ------------------------------------------------------------------------------------------------
+# Weighted pairs batched over grid points (make_points_kernels, field agents): K = 3 (D = 10) in both
+# dtypes and aggregators, K = 21 (D = 253) in float32.
+# ------------------------------------------------------------------------------------------------
+
+POINTS_CASES = [
+    (D, dtype, agg, name)
+    for D, dtype, aggs in ((10, "float64", ("expected", "softmin")), (10, "float32", ("expected", "softmin")),
+                           (253, "float32", ("expected",)))
+    for agg in aggs
+    for name in ("rows", "senders")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "D, dtype, agg, name", POINTS_CASES, ids=["-".join(map(str, c)) for c in POINTS_CASES]
+)
+def test_points_kernel_compiles_for_sm90(D, dtype, agg, name):
+    ks = kc.make_points_kernels(D, dtype, agg)
+    assert set(ks["_py"]) == set(kc.points_kernel_signatures(dtype))
+    ptx = kc.cuda.compile_ptx(ks["_py"][name], kc.points_kernel_signatures(dtype)[name], cc=(9, 0))[0]
+    assert ".target sm_90" in ptx
+    assert re.search(r"\.entry\s", ptx), "no kernel entry point"
+    if dtype == "float32":
+        assert not re.search(r"\.f64\b", ptx), "float64 arithmetic in a float32 kernel"

@@ -570,7 +570,8 @@ class _PointsLayout:
         inc = _incoming(index, mask, n)
         host = dict(point=point, lists=lists, rowmap=rowmap, index=index, mask=mask, r_rowmap=r_rowmap,
                     s_point=s_point, s_agent=s_agent, ptr=inc["ptr"], src_list=inc["row"])  # fmt: skip
-        self.buf = {k: xp.asarray(np.ascontiguousarray(v)) for k, v in host.items()}
+        # Writable copies: the config holds read-only lists (the simulator writes kernel arguments back).
+        self.buf = {k: xp.asarray(np.array(v, order="C")) for k, v in host.items()}
         self.dev = {k: kc.as_device_view(v) for k, v in self.buf.items()}
 
 
