@@ -87,14 +87,14 @@ def _host(a):
 
 
 def _to_rows(a, idx, N: int, P: int, gnd: int):
-    """(N, *grid, *tail) -> covered rows (M, *tail); idx = (agent, point) of the rows on a's device."""
-    return a.reshape(N, P, *a.shape[1 + gnd :])[idx]
+    """(N, *grid, *tail) -> covered rows (M, *tail); idx: agent * P + point of the rows, on a's device."""
+    return a.reshape(N * P, *a.shape[1 + gnd :])[idx]
 
 
 def _from_rows(g, idx, N: int, grid: tuple[int, ...]):
     """Covered rows (M, *tail) -> (N, *grid, *tail), zero where not covered."""
     P = int(np.prod(grid))
-    full = _xp(g).zeros((N, P, *g.shape[1:]), g.dtype)
+    full = _xp(g).zeros((N * P, *g.shape[1:]), g.dtype)
     full[idx] = g
     return full.reshape(N, *grid, *g.shape[1:])
 
@@ -147,7 +147,7 @@ def energy_and_gradient_arrays(
     P = int(np.prod(grid))
     chi = arrays["support"]
     lay = layout(chi.reshape(N, P))
-    idx = (xp.asarray(lay.agent), xp.asarray(lay.point))
+    idx = xp.asarray(lay.agent * P + lay.point)
     rows = lambda k: _to_rows(arrays[k], idx, N, P, gnd)
     a = {k: rows(k) for k in arrays if k != "support"}
     chi_r = rows("support")
@@ -249,7 +249,7 @@ def attention(arrays: dict[str, Any], cfg: FieldConfig, which: str = "belief") -
     P = int(np.prod(grid))
     chi = arrays["support"]
     lay = layout(chi.reshape(N, P))
-    idx = (lay.agent, lay.point)
+    idx = lay.agent * P + lay.point
     index, mask = neighbour_lists(chi, cfg)
     rows = lambda k: _to_rows(arrays[k], idx, N, P, gnd)
     R = NUMPY_AGENT_OPS.frames(rows("phi"), cfg.irreps)
