@@ -187,7 +187,7 @@ def energy_and_gradient_arrays(
         if lam > 0
     ]
     if active:
-        index, mask = neighbour_lists(_host(chi), cfg) if neighbours is None else neighbours
+        index, mask = neighbour_lists(chi, cfg) if neighbours is None else neighbours
         R = ops.frames(a["phi"], cfg.irreps)
         g_R = xp.zeros_like(R)
         for name, lam, kappa, kmu, ksig in active:

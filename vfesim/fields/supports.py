@@ -2,7 +2,7 @@
 
 Distances are measured in coordinate units (``spacing`` per grid step); on a periodic grid they are
 minimum-image distances on the ring or torus of length ``n * spacing`` per dim. Arrays are NumPy,
-shaped (agent, *grid).
+shaped (agent, *grid) (the neighbour lists also take CuPy supports).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from ..arrays import array_module
 from .config import FieldConfig
 
 __all__ = [
@@ -103,12 +104,16 @@ def lattice_centres(cfg: FieldConfig, n_agents: int) -> np.ndarray:
 
 
 def overlap_neighbours(support, threshold: float) -> list[list[int]]:
-    """N(i) = [j != i with max_c chi_i(c) chi_j(c) >= threshold], ascending: support (n, *grid)."""
-    chi = np.asarray(support, dtype=np.float64).reshape(support.shape[0], -1)
+    """N(i) = [j != i with max_c chi_i(c) chi_j(c) >= threshold], ascending: support (n, *grid), NumPy
+    or CuPy (the peaks are computed where the support lives, one (n, n) transfer)."""
+    xp = array_module(support)
+    chi = xp.asarray(support, dtype=np.float64).reshape(support.shape[0], -1)
     n = chi.shape[0]
+    peaks = xp.stack([(chi[i][None, :] * chi).max(axis=1) for i in range(n)])  # O(n P) at a time
+    peaks = peaks if isinstance(peaks, np.ndarray) else peaks.get()
     out = []
     for i in range(n):
-        peak = (chi[i][None, :] * chi).max(axis=1)  # O(n P) memory, never n x n x P
+        peak = peaks[i].copy()
         peak[i] = -np.inf
         out.append([int(j) for j in np.flatnonzero(peak >= threshold)])
     return out
