@@ -7,6 +7,7 @@ from .config import ConfigError, ModelConfig, SparseNeighbours
 from .dynamics import run_dynamics
 from .family import family_of
 from .io import open_run
+from .observables import Observable, attention
 from .quantum import QuantumConfig
 from .simulate import Run, simulate
 from .state import ConditioningWarning, NonFiniteError, StateError, make_state, random_state, validate_state
@@ -17,10 +18,12 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "NonFiniteError",
+    "Observable",
     "QuantumConfig",
     "Run",
     "SparseNeighbours",
     "StateError",
+    "attention",
     "energy_and_gradient",
     "family_of",
     "make_state",
