@@ -638,7 +638,7 @@ def _resumed_observables(store: RunStore, scn: Scenario, state: xr.Dataset, pyth
     if missing:
         raise RunError(
             f"{store.path}: the run records Python observables {missing}: resume it from Python with "
-            "vfesim.simulate.resume(path, observables={...}), giving the same functions"
+            "`from vfesim.simulate import resume; resume(path, observables={...})`, giving the same functions"
         )
     obs = _observables(scn, state, python)
     if obs.names != recorded["names"]:

@@ -34,6 +34,8 @@ def open_run(path: str | Path, *, chunks: dict | str | None = "auto") -> xr.Data
     if chunks == "auto" and importlib.util.find_spec("dask") is None:
         chunks = None  # still lazy (xarray's lazy indexing), just not Dask
     ds = xr.open_zarr(path, consolidated=False, zarr_format=3, chunks=chunks)
+    # Small coordinates (step, population labels) in memory: groupby("camp") needs its labels.
+    ds = ds.assign_coords({k: ds[k].load() for k in ds.coords if k not in ds.indexes})
     if ds.attrs.get("format") == "vfesim-run/1":
         ds = _from_format_1(ds)
     saved = np.asarray(ds["saved"].values, bool)
