@@ -201,8 +201,10 @@ def test_attention_of_density_matrix_agents():
     assert np.all(np.diag(beta.values) == 0)
 
 
-def test_runs_save_attention_per_frame(tmp_path):
-    scn = scenario()
+@pytest.mark.parametrize("neighbours", ["dense", "ring"])
+def test_runs_save_attention_per_frame(tmp_path, neighbours):
+    ring = {"neighbours": "ring", "half_width": 1} if neighbours == "ring" else {}
+    scn = scenario(population=ring)
     ds = simulate(scn, out=tmp_path / "r.zarr", progress=False).open().load()
     assert ds.attention_entropy.dims == ("time", "agent") and ds.attention.dims == (
         "time",
@@ -210,15 +212,15 @@ def test_runs_save_attention_per_frame(tmp_path):
         "agent_j",
     )
     assert ds.attention_entropy.attrs["units"] == "nats"
+    required = vfesim.family_of(scn.model).required
     for f in (0, ds.sizes["time"] - 1):
-        frame = vfesim.make_state(
-            scn.model, **{k: ds[k].isel(time=f).values for k in vfesim.family_of(scn.model).required}
-        )
-        want = reference_attention(frame, scn.model)
+        frame = vfesim.make_state(scn.model, **{k: ds[k].isel(time=f).values for k in required})
+        want = reference_attention(frame, scn.model)  # 0 off the neighbour lists
         np.testing.assert_allclose(ds.attention.isel(time=f).values, want, rtol=1e-10, atol=1e-14)
         H = -np.sum(np.where(want > 0, want * np.log(np.where(want > 0, want, 1)), 0), axis=1)
         np.testing.assert_allclose(ds.attention_entropy.isel(time=f).values, H, rtol=1e-10)
-    assert (ds.attention_entropy.values <= np.log(5) + 1e-12).all()
+    n_neighbours = 2 if neighbours == "ring" else 5
+    assert (ds.attention_entropy.values <= np.log(n_neighbours) + 1e-12).all()
 
 
 def test_attention_defaults_follow_the_population_size():

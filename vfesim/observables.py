@@ -76,7 +76,9 @@ def attention_entropy(beta: np.ndarray) -> np.ndarray:
 
 
 def _beta(arrays: Mapping[str, np.ndarray], cfg, which: str = "belief") -> np.ndarray:
-    return np.asarray(family_of(cfg).attention(dict(arrays), cfg, which), np.float64)
+    """Attention (N, N), or (N, k) for sparse neighbours with 0 in unused slots."""
+    beta = np.asarray(family_of(cfg).attention(dict(arrays), cfg, which), np.float64)
+    return beta if cfg.dense else np.where(cfg.neighbours.mask, beta, 0.0)
 
 
 def _dense(beta: np.ndarray, cfg) -> np.ndarray:

@@ -459,7 +459,8 @@ class RunStore:
         """Frames ``start .. stop-1`` back from disk (to refill a partial chunk on resume).
 
         agent_chunks: chunk sizes along ``agent``: the trajectory variables come back as Dask arrays
-        read by the scheduler's workers (energy terms as floats), else as NumPy arrays."""
+        read by the scheduler's workers (energy terms as floats, observables as NumPy arrays, as the
+        run loop makes them), else as NumPy arrays."""
         if stop <= start:
             return []
         ds = xr.open_zarr(self.path, chunks=None, **_zkw()).isel(time=slice(start, stop))
@@ -475,10 +476,12 @@ class RunStore:
         for i in range(stop - start):
             f = {}
             for k in keys:
-                if "agent" in ds[k].dims:
+                if k in self.trajectory():
                     f[k] = lazy[k].data[i].rechunk((agent_chunks, *lazy[k].shape[2:]))
-                else:
+                elif ds[k].ndim == 1:
                     f[k] = float(ds[k].values[i])
+                else:
+                    f[k] = ds[k].values[i]
             out.append(f)
         return out
 
