@@ -51,6 +51,9 @@ def test_run_resume_inspect_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "status       complete" in text and "8 saved of 8" in text
     assert "energy_total" in text and "checkpoints  at steps 4, 8" in text
+    assert "observables  attention_entropy, attention  (per frame" in text
+    energies = text.split("energies     at step 8\n", 1)[1].split("\n\n")[0].split()[::2]
+    assert energies[0] == "energy_total" and all(k.startswith("energy_") for k in energies)
     assert "family       gaussian" in text and "backend      numpy, float64" in text
     summary, scenario = text.split("\n\n", 1)
     assert max(map(len, text.splitlines())) < len(str(out)) + 40  # no one-line JSON dump

@@ -654,7 +654,11 @@ def run_info(path: str | Path) -> dict:
     steps = store.checkpoint_steps()
     ds = open_run(path)
     last = (
-        {k: float(ds[k].values[-1]) for k in ds.data_vars if k.startswith(ENERGY_PREFIX)}
+        {
+            k: float(ds[k].values[-1])
+            for k in sorted(ds.data_vars, key=lambda k: (k != term_var("total"), k))
+            if k.startswith(ENERGY_PREFIX)
+        }
         if (ds.sizes["time"])
         else {}
     )
@@ -674,4 +678,6 @@ def run_info(path: str | Path) -> dict:
         "last_saved_step": int(ds["step"].values[-1]) if ds.sizes["time"] else None,
         "checkpoints": steps,
         "last_energies": last,
+        "observables": json.loads(attrs["observables"])["names"] if attrs.get("observables") else [],
+        "format": attrs.get("format"),
     }
