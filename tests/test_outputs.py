@@ -348,6 +348,16 @@ def test_simulate_saves_observables_and_resume_needs_python_ones(tmp_path):
         np.testing.assert_array_equal(resumed[k].values, full[k].values, err_msg=k)
     with pytest.raises(ScenarioError, match="also given as observables"):
         simulate(scn, out=tmp_path / "x.zarr", progress=False, observables={"belief_spread": spread})
+    with pytest.raises(ValueError, match="observables.phi: the name is taken"):
+        simulate(scn, out=tmp_path / "x.zarr", progress=False, observables={"phi": spread})
+    with pytest.raises(TypeError, match="observables: expected a mapping"):
+        simulate(scn, out=tmp_path / "x.zarr", progress=False, observables="sd")
+    assert not (tmp_path / "x.zarr").exists()
+    # A built-in asked for from Python is a Python observable of the run: resume asks for it again.
+    simulate(scenario(), out=tmp_path / "b.zarr", steps=4, progress=False, observables={"s": "belief_spread"})
+    with pytest.raises(RunError, match=r"Python observables \['s'\]"):
+        resume(tmp_path / "b.zarr", steps=8, progress=False)
+    assert resume(tmp_path / "b.zarr", steps=8, progress=False, observables={"s": "belief_spread"}).step == 8
 
 
 # --- chunks, reading without Dask, old formats -----------------------------------------------

@@ -220,7 +220,6 @@ class _Entry:
     fn: Callable[[_Frame], Any]
     dims: tuple[str, ...] | None  # None: from the first value
     attrs: dict[str, str]
-    builtin: bool
 
 
 class Observables:
@@ -263,7 +262,7 @@ class Observables:
                     f"observables.{name}: the full attention of {self.n_agents} agents is N^2 values per "
                     f"frame; at most {ATTENTION_FULL_MAX} agents (attention_entropy summarises it for any N)"
                 )
-            return _Entry(b.fn, b.dims, dict(OUTPUTS[what]), True)
+            return _Entry(b.fn, b.dims, dict(OUTPUTS[what]))
         if isinstance(what, Observable):
             fn, attrs = what.fn, {"long_name": what.long_name or name, "units": what.units}
         else:
@@ -273,17 +272,11 @@ class Observables:
                 f"observables.{name}: expected a function of the state Dataset, a built-in name or a "
                 f"vfesim.Observable, got {type(fn).__name__}"
             )
-        return _Entry(lambda f, fn=fn: fn(f.state), None, attrs, False)
+        return _Entry(lambda f, fn=fn: fn(f.state), None, attrs)
 
     @property
     def names(self) -> list[str]:
         return list(self.entries)
-
-    @property
-    def python(self) -> list[str]:
-        """Names of the observables that are Python functions (not built-ins: a run store keeps only
-        their names, so a resume must be given them again)."""
-        return [k for k, e in self.entries.items() if not e.builtin]
 
     @property
     def var_attrs(self) -> dict[str, dict[str, str]]:

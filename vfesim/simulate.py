@@ -16,6 +16,7 @@ import json
 import shutil
 import signal
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -134,20 +135,26 @@ def _frame(carry, names, obs: Observables) -> dict[str, Any]:
     return f
 
 
-def _observables(scn: Scenario, state: xr.Dataset, python) -> Observables:
+def _observables(scn: Scenario, state: xr.Dataset, python) -> tuple[Observables, list[str]]:
     """The observables of a run: the scenario's built-ins (:meth:`Scenario.observables`) and the Python
-    ones given to simulate/resume (a name in both is an error)."""
+    ones given to simulate/resume (a name in both is an error); and the names of the Python ones."""
+    if python is None:
+        python = {}
+    elif isinstance(python, Mapping):
+        python = dict(python)
+    elif isinstance(python, (list, tuple)):
+        python = {k: k for k in python}
+    else:
+        raise TypeError(
+            "observables: expected a mapping name -> function (or built-in name) or a list of built-in "
+            f"names, got {type(python).__name__}"
+        )
     builtin = scn.observables()
-    if python is not None and not isinstance(python, dict):
-        python = dict(python) if not isinstance(python, (list, tuple)) else {k: k for k in python}
-    both = sorted(set(builtin) & set(python or {}))
+    both = sorted(set(builtin) & set(python))
     if both:
         raise ScenarioError("output.observables", f"{both} also given as observables= (name them once)")
-    try:
-        spec = {**{k: k for k in builtin}, **(python or {})}
-        return Observables(spec, scn.model, state.sizes["agent"], list(state.data_vars))
-    except (TypeError, ValueError) as e:
-        raise ScenarioError("output.observables", str(e).removeprefix("observables.")) from None
+    spec = {**{k: k for k in builtin}, **python}
+    return Observables(spec, scn.model, state.sizes["agent"], list(state.data_vars)), sorted(python)
 
 
 def frame_bytes(state: xr.Dataset, names) -> int:
@@ -266,7 +273,7 @@ def _simulate(
 ) -> Run:
     backend_name = _resolve_backend(scn.run["backend"])
     state0 = scn.initial_state()
-    obs = _observables(scn, state0, python_obs)
+    obs, python_names = _observables(scn, state0, python_obs)
     first = obs.evaluate(state0)
     integ = _make_integrator(scn, backend_name, state0)
     carry = integ.init(state0)  # a DynamicsError here propagates: nothing was written yet
@@ -290,7 +297,8 @@ def _simulate(
         "dtype": run["dtype"],
         "backend": backend_name,
         "integrator": carry_name(integ),
-        "observables": json.dumps({"names": obs.names, "python": obs.python}),
+        # Observables given to simulate() (not by the scenario): a resume must be given them again.
+        "observables": json.dumps({"names": obs.names, "python": python_names}),
     }
     if chunking:
         attrs["chunking"] = json.dumps(chunking)
@@ -640,7 +648,7 @@ def _resumed_observables(store: RunStore, scn: Scenario, state: xr.Dataset, pyth
             f"{store.path}: the run records Python observables {missing}: resume it from Python with "
             "`from vfesim.simulate import resume; resume(path, observables={...})`, giving the same functions"
         )
-    obs = _observables(scn, state, python)
+    obs, _ = _observables(scn, state, python)
     if obs.names != recorded["names"]:
         raise RunError(f"{store.path}: the run records observables {recorded['names']}, not {obs.names}")
     return obs
