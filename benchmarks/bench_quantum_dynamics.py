@@ -2,8 +2,10 @@
 
     python benchmarks/bench_quantum_dynamics.py                       # CPU: N = 1024, d = 2 4 8, c128/c64
     python benchmarks/bench_quantum_dynamics.py --qutip               # + vfesim Lindblad vs QuTiP mesolve
+    python benchmarks/bench_quantum_dynamics.py --backend numba --no-rollout  # CPU: the per-agent kernels
     python benchmarks/bench_quantum_dynamics.py --backend cupy --sizes 4096 65536 262144 \\
         --dtypes complex128 complex64 --torch                         # GPU, + the PyTorch autograd baseline
+    python benchmarks/bench_quantum_dynamics.py --backend cuda --no-rollout --sizes 4096 65536 262144
 
 Problem (the issue's target): Jacobi steps of N agents with C1 coupling over a causal window of w = 8
 senders (eps0 = 0.3, ell = 1.618), the unitary step from one eigh of H_i per rollout, computational-basis
@@ -23,6 +25,11 @@ QuTiP 5 ``mesolve`` (adams, atol 1e-10, rtol 1e-8) on ``--qutip-agents`` agents,
 :func:`vfesim.quantum.lindblad_evolve` ("exact" Liouvillian propagator, "strang") on the same agents and
 on N: time per agent and max |rho - rho_qutip|.
 
+Backends: "numpy" / "cupy" run the array code; "numba" / "cuda" the per-agent kernels of the channel step
+and of its adjoint (vfesim_kernels.quantum_math ``channel_step_agent``, ``channel_step_vjp_agent``; d up to
+the backend's kernel size, array code above). "step_vjp": one adjoint step (array code: the taped step
+and ``rollout._update_vjp``; kernels: forward recomputed per agent, then the adjoint).
+
 ``--torch``: benchmarks/torch_quantum_rollout.py (PyTorch autograd, the same rollout; imported only then).
 """
 
@@ -32,7 +39,6 @@ import argparse
 import json
 import math
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -41,7 +47,9 @@ import numpy as np
 import vfesim
 from vfesim.quantum import QuantumDynamics, Schedule, rollout
 from vfesim.quantum.channels import causal_window
-from vfesim.quantum.evolve import prepare, step
+from vfesim.quantum.energy import NUMPY_OPS
+from vfesim.quantum.evolve import agent_update, prepare, step
+from vfesim.quantum.kernel_ops import kernel_step_vjp
 from vfesim.quantum.lindblad import lindblad_evolve
 from vfesim.quantum.state import make_state
 
@@ -50,11 +58,26 @@ DT, T_STEPS, WINDOW, EPS0, ELL, GAMMA = 0.09, 100, 8, 0.3, 1.618, 0.2
 
 
 def array_module(name: str):
-    if name == "numpy":
+    if name in ("numpy", "numba"):
         return np
     import cupy
 
     return cupy
+
+
+def backend_ops(name: str):
+    """(QuantumOps, kernel adjoint of the channel step or None) of a backend name."""
+    if name == "numba":
+        from vfesim_kernels import quantum_cpu
+
+        from vfesim.backends.numba_backend import QUANTUM_JACOBI_MAX_D, QUANTUM_OPS
+
+        return QUANTUM_OPS, kernel_step_vjp(lambda: np, quantum_cpu.launch), QUANTUM_JACOBI_MAX_D
+    if name == "cuda":
+        from vfesim.backends import cuda_backend as cb
+
+        return cb.QUANTUM_OPS, kernel_step_vjp(cb.array_module, cb._quantum_launch), cb.QUANTUM_KERNEL_MAX_D
+    return NUMPY_OPS, None, 0
 
 
 def sync(xp) -> None:
@@ -97,14 +120,29 @@ def traffic(N: int, d: int, dtype: str) -> tuple[float, float]:
     return fwd, T_STEPS * (2 * fwd + adj)
 
 
-def bench(N: int, d: int, dtype: str, xp, rollout_too: bool) -> dict:
+def bench(N: int, d: int, dtype: str, xp, rollout_too: bool, backend: str = "numpy") -> dict:
+    from vfesim.quantum.rollout import _update_vjp, _zeros_acc
+
     cfg, st, dyn, sched = problem(N, d, dtype, xp)
     arrays = {k: st[k].data for k in st.data_vars}
     P = prepare(arrays, cfg, dyn)
     rho = arrays["rho"]
-    t_step, n_step = timeit(lambda: step(P, rho, DT, dyn), xp)
+    ops, vjp, max_d = backend_ops(backend)
+    t_step, n_step = timeit(lambda: step(P, rho, DT, dyn, ops=ops), xp)
     b_step, b_roll = traffic(N, d, dtype)
     row = dict(N=N, d=d, dtype=dtype, step_s=t_step, step_GBps=b_step / t_step / 1e9, step_reps=n_step)
+    ob = rho + 0.5  # a cotangent
+    if vjp is not None and d <= max_d:
+        t_adj, _ = timeit(lambda: vjp(P, rho, ob, DT, dyn), xp)
+    else:
+
+        def taped():
+            R = rho[xp.asarray(P.index)]
+            _, tape = agent_update(P, slice(None), rho, R, DT, dyn, keep=True)
+            _update_vjp(P, slice(None), R, tape, ob, DT, dyn, _zeros_acc(P, xp, rho.dtype))
+
+        t_adj, _ = timeit(taped, xp)
+    row["step_vjp_s"] = t_adj
     if rollout_too:
         t_roll, n_roll = timeit(lambda: rollout(st, cfg, sched, "born"), xp, min_reps=1, max_reps=5)
         row.update(rollout_s=t_roll, rollout_GBps=b_roll / t_roll / 1e9, rollout_reps=n_roll)
@@ -166,7 +204,7 @@ def table(rows: list[dict], keys: list[str]) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
+    ap.add_argument("--backend", choices=["numpy", "numba", "cupy", "cuda"], default="numpy")
     ap.add_argument("--sizes", type=int, nargs="*", default=None, help="N (default 1024 CPU, 3 sizes GPU)")
     ap.add_argument("--ds", type=int, nargs="*", default=[2, 4, 8])
     ap.add_argument("--dtypes", nargs="*", default=["complex128", "complex64"])
@@ -187,14 +225,19 @@ def main(argv=None) -> None:
     for N in sizes:
         for d in args.ds:
             for dtype in args.dtypes:
-                rows.append(bench(N, d, dtype, xp, not args.no_rollout))
+                rows.append(bench(N, d, dtype, xp, not args.no_rollout, args.backend))
                 print(table(rows[-1:], list(rows[-1])), flush=True)
-    keys = ["N", "d", "dtype", "step_s", "step_GBps"] + (
+    keys = ["N", "d", "dtype", "step_s", "step_GBps", "step_vjp_s"] + (
         [] if args.no_rollout else ["rollout_s", "rollout_GBps"]
     )
     if args.torch:
-        sys.path.insert(0, str(HERE))
-        import torch_quantum_rollout
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "torch_quantum_rollout", HERE / "torch_quantum_rollout.py"
+        )
+        torch_quantum_rollout = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(torch_quantum_rollout)
 
         for r in rows:
             r.update(torch_quantum_rollout.bench(r["N"], r["d"], r["dtype"], T_STEPS, WINDOW))

@@ -2,7 +2,8 @@
 
 Run from the repository root: ``python -m data.make_golden``. Each file ``golden_<name>.npz`` holds
 ``step`` (T,), the state variables ``mu_q, sigma_q, mu_p, sigma_p, phi`` (T, N, ...), every energy
-term ``system_*`` (T,), and ``scenario`` (the resolved scenario JSON, a 0-d string array).
+term ``energy_*`` (T,), the observables a run saves by default (``attention_entropy``,
+``attention``), and ``scenario`` (the resolved scenario JSON, a 0-d string array).
 """
 
 from __future__ import annotations

@@ -73,3 +73,11 @@ def small_config() -> vfesim.ModelConfig:
 def small_state(small_config):
     """Six random agents for ``small_config``, float64."""
     return vfesim.random_state(small_config, n_agents=6, seed=1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The simulator subprocesses (tests/test_cudasim_suite.py, the longest tests) first, so that
+    pytest-xdist's workers do not meet them last."""
+    items.sort(
+        key=lambda item: not item.nodeid.startswith("tests/test_cudasim_suite.py::test_cuda_simulator")
+    )

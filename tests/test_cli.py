@@ -51,7 +51,10 @@ def test_run_resume_inspect_plot(tmp_path, capsys):
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     assert "status       complete" in text and "8 saved of 8" in text
-    assert "system_free_energy" in text and "checkpoints  at steps 4, 8" in text
+    assert "energy_total" in text and "checkpoints  at steps 4, 8" in text
+    assert "observables  attention_entropy, attention  (per frame" in text
+    energies = text.split("energies     at step 8\n", 1)[1].split("\n\n")[0].split()[::2]
+    assert energies[0] == "energy_total" and all(k.startswith("energy_") for k in energies)
     assert "family       gaussian" in text and "backend      numpy, float64" in text
     summary, scenario = text.split("\n\n", 1)
     assert max(map(len, text.splitlines())) < len(str(out)) + 40  # no one-line JSON dump
@@ -97,7 +100,7 @@ def test_last_step_off_the_save_grid_is_saved_and_resumed(tmp_path):
         assert main(["resume", str(out), "--steps", str(steps), "-q"]) == 0
         ds = open_run(out)
         assert ds["step"].values.tolist() == want
-        for k in ("mu_q", "sigma_q", "phi", "system_free_energy", "time"):
+        for k in ("mu_q", "sigma_q", "phi", "energy_total", "time"):
             np.testing.assert_array_equal(ds[k].values, ref[k].sel(step=want).values, err_msg=k)
     assert main(["verify", str(out), "-q"]) == 0  # every chunk intact after the relabelling
 

@@ -33,16 +33,16 @@ def test_history_layout_every_method(method, backend):
         state, cfg, method, 0.01, 7, record_every=3, backend=backend, seed=1, **_backend_options(backend, cfg)
     )
     np.testing.assert_array_equal(hist.step.values, [0, 3, 6, 7])  # the last step is always kept
-    names = {"system_free_energy", *(f"system_{t}" for t in TERMS)}
+    names = {"energy_total", *(f"energy_{t}" for t in TERMS)}
     if is_hamiltonian(method):
-        names |= {"system_kinetic", "system_hamiltonian"}
+        names |= {"energy_kinetic", "energy_hamiltonian"}
         np.testing.assert_allclose(
-            hist.system_hamiltonian, hist.system_free_energy + hist.system_kinetic, rtol=1e-14
+            hist.energy_hamiltonian, hist.energy_total + hist.energy_kinetic, rtol=1e-14
         )
     assert set(hist.data_vars) == names
-    np.testing.assert_allclose(sum(hist[f"system_{t}"] for t in TERMS), hist.system_free_energy, rtol=1e-12)
+    np.testing.assert_allclose(sum(hist[f"energy_{t}"] for t in TERMS), hist.energy_total, rtol=1e-12)
     terms0, _ = vfesim.energy_and_gradient(state, cfg)
-    assert hist.system_free_energy.values[0] == pytest.approx(terms0["total"], rel=1e-12)
+    assert hist.energy_total.values[0] == pytest.approx(terms0["total"], rel=1e-12)
     terms, _ = vfesim.energy_and_gradient(final, cfg)
     assert set(final.data_vars) == set(state.data_vars) and final.attrs == state.attrs
     assert not np.array_equal(final.mu_q.values, state.mu_q.values)
@@ -54,10 +54,10 @@ def test_zero_steps_and_float32():
     cfg = make_config(K=3)
     state = vfesim.random_state(cfg, n_agents=4, seed=2, dtype="float32")
     final, hist = run_dynamics(state, cfg, "verlet", 0.01, 0)
-    assert hist.sizes["step"] == 1 and final.mu_q.dtype == np.float32
+    assert hist.sizes["time"] == 1 and final.mu_q.dtype == np.float32
     final, hist = run_dynamics(state, cfg, "gradient_flow", 0.01, 5)
     assert final.mu_q.dtype == np.float32 and final.sigma_q.dtype == np.float32
-    assert hist.system_free_energy.values[-1] < hist.system_free_energy.values[0]
+    assert hist.energy_total.values[-1] < hist.energy_total.values[0]
 
 
 def test_bad_arguments():

@@ -208,7 +208,7 @@ def test_two_agent_consensus_closed_form(rng):
     d = np.linalg.solve(np.eye(3) + 4 * lam * S @ np.linalg.inv(Sigma), m1 - m2)
     want = np.array([(m1 + m2 + d) / 2, (m1 + m2 - d) / 2])
     np.testing.assert_allclose(final.mu_q.values, want, atol=1e-9)
-    assert np.all(np.diff(hist.system_free_energy.values) <= 1e-12)
+    assert np.all(np.diff(hist.energy_total.values) <= 1e-12)
 
     cfg0 = cfg.replace(lambda_self=0.0)
     final, hist = run_dynamics(
@@ -219,7 +219,7 @@ def test_two_agent_consensus_closed_form(rng):
     np.testing.assert_allclose(final.mu_q.values, np.array([mid, mid]), atol=1e-8)
     np.testing.assert_allclose(final.sigma_q.values[0], final.sigma_q.values[1], atol=1e-10)
     np.testing.assert_array_equal(final.phi.values, 0.0)
-    assert hist.system_free_energy.values[-1] < 1e-14
+    assert hist.energy_total.values[-1] < 1e-14
 
 
 # --- Hamiltonian dynamics ------------------------------------------------------------------------

@@ -37,10 +37,10 @@ def test_plain_xarray_reads_the_store(run):
         assert k in ds.attrs
     assert ds.attrs["dtype"] == "float64" and ds["mu_q"].dtype == np.float64
     assert {
-        "system_free_energy",
-        "system_energy_self",
-        "system_energy_kinetic",
-        "system_energy_hamiltonian",
+        "energy_total",
+        "energy_self",
+        "energy_kinetic",
+        "energy_hamiltonian",
     } <= set(ds.data_vars)
     assert bool(ds["saved"].all())
 

@@ -74,11 +74,11 @@ def test_evolve_history_and_invariants():
     )
     final, hist = evolve(st, cfg, dyn, 0.2, 6, record_every=4)
     assert hist.step.values.tolist() == [0, 4, 6]
-    assert hist.agent_purity.dims == ("step", "agent")
+    assert hist.agent_purity.dims == ("time", "agent")
     assert (hist.system_trace_residual <= 1e-13).all() and (hist.system_hermiticity_residual <= 1e-14).all()
     assert (hist.system_min_eigenvalue > 0).all() and np.isfinite(hist.system_mirror_eta[1:]).all()
     F = vfesim.quantum.energy.energy_and_gradient_arrays({k: final[k].data for k in final.data_vars}, cfg)[0]
-    assert hist.system_free_energy.values[-1] == pytest.approx(F["total"], rel=1e-12)
+    assert hist.energy_total.values[-1] == pytest.approx(F["total"], rel=1e-12)
     s = np.linalg.eigvalsh(final.rho.values)
     assert hist.agent_entropy.values[-1] == pytest.approx(-(s * np.log(s)).sum(axis=1), rel=1e-12)
     vfesim.validate_state(final, cfg)

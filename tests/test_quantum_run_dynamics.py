@@ -20,7 +20,7 @@ def test_run_dynamics_is_evolve(system):
     final, hist = vfesim.run_dynamics(qs, cfg, "channels", dt=0.1, n_steps=3, **opts)
     ref_final, ref_hist = evolve(qs, cfg, QuantumDynamics(**opts), 0.1, 3)
     np.testing.assert_array_equal(final.rho.values, ref_final.rho.values)
-    np.testing.assert_array_equal(hist.system_free_energy.values, ref_hist.system_free_energy.values)
+    np.testing.assert_array_equal(hist.energy_total.values, ref_hist.energy_total.values)
     assert not np.allclose(final.rho.values, qs.rho.values)  # the state moved
 
 
@@ -28,8 +28,8 @@ def test_numba_stages_agree(system):
     cfg, qs = system
     a = vfesim.run_dynamics(qs, cfg, "mirror_descent", dt=0.1, n_steps=2, backend="numpy")[1]
     b = vfesim.run_dynamics(qs, cfg, "mirror_descent", dt=0.1, n_steps=2, backend="numba")[1]
-    np.testing.assert_allclose(b.system_free_energy.values, a.system_free_energy.values, rtol=1e-10)
-    assert a.system_free_energy.values[-1] < a.system_free_energy.values[0]  # mirror descent lowers F
+    np.testing.assert_allclose(b.energy_total.values, a.energy_total.values, rtol=1e-10)
+    assert a.energy_total.values[-1] < a.energy_total.values[0]  # mirror descent lowers F
 
 
 @pytest.mark.parametrize(

@@ -297,7 +297,7 @@ def test_decoherence_matches_its_closed_form(tmp_path):
     diag = np.sum(np.abs(np.diagonal(R0, axis1=1, axis2=2)) ** 2, axis=1)
     coh = np.sum(np.abs(R0 * off) ** 2, axis=(1, 2))
     np.testing.assert_allclose(purity, diag + coh * np.exp(-2 * gamma * t), atol=1e-12)
-    F = ds["system_free_energy"].values
+    F = ds["energy_total"].values
     assert np.all(np.diff(F) <= 1e-12) and F[-1] < F[0]  # Gibbs-preserving channel: D(rho||sigma) falls
 
 
@@ -312,7 +312,7 @@ def test_quantum_consensus_agrees_up_to_frames(tmp_path):
     raw = np.abs(rho - rho.mean(axis=1, keepdims=True)).max(axis=(1, 2, 3))
     assert spread[-1] < 0.01 * spread[0]  # agreement in the pulled-back coordinates
     assert raw[-1] > 0.1 * raw[0]  # ... not of the raw states: the frames differ
-    F = ds["system_free_energy"].values
+    F = ds["energy_total"].values
     assert F[-1] < F[0] - 15
 
 
@@ -333,14 +333,14 @@ def test_fit_run_is_fits_adam_and_resumes_bitwise(tmp_path):
     res = fit(start_state, s.model, sched, "hamiltonian", "adam", shared="hamiltonian", n_iter=6, lr=0.05)
     np.testing.assert_allclose(full.state["hamiltonian"].values, res.state["hamiltonian"].values, atol=1e-13)
     assert full.terms["born_loss"] == pytest.approx(res.loss, rel=1e-12)
-    errs = open_run(tmp_path / "full.zarr")["system_energy_hamiltonian_error"].values
+    errs = open_run(tmp_path / "full.zarr")["energy_hamiltonian_error"].values
     assert errs[0] == pytest.approx(0.4)  # the start: perturbation 0.4 (the default) away
 
 
 def test_hamiltonian_learning_error_falls(tmp_path):
     s = load_scenario("hamiltonian_learning")
     simulate(s, out=tmp_path / "h.zarr", steps=20, progress=False)
-    err = open_run(tmp_path / "h.zarr")["system_energy_hamiltonian_error"].values
+    err = open_run(tmp_path / "h.zarr")["energy_hamiltonian_error"].values
     assert err[0] == pytest.approx(0.6) and err[-1] < 0.3
 
 

@@ -34,10 +34,10 @@ def test_run_writes_every_frame_and_checkpoints(tmp_path):
     ds = run.open()
     assert ds.sizes["time"] == 7
     np.testing.assert_array_equal(ds["step"].values, np.arange(0, 13, 2))
-    for k in ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi", "system_free_energy"):
+    for k in ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi", "energy_total"):
         assert k in ds and np.isfinite(ds[k].values).all()
     np.testing.assert_array_equal(ds["mu_q"].values[-1], run.state["mu_q"].values)
-    assert ds["system_free_energy"].values[-1] == run.terms["total"]
+    assert ds["energy_total"].values[-1] == run.terms["total"]
     assert ds.attrs["status"] == "complete"
     assert RunStore(out).checkpoint_steps() == [8, 12]  # newest two kept
     plain = xr.open_zarr(out, consolidated=False)

@@ -151,8 +151,8 @@ def test_damaged_trajectory_chunk_refuses_resume(run, capsys):
 
 
 def test_deleted_trajectory_chunk_is_damage_not_nan(run, capsys):
-    (run / "system_free_energy" / "c" / "0").unlink()
-    with pytest.raises(RunError, match=r"system_free_energy c/0: missing"):
+    (run / "energy_total" / "c" / "0").unlink()
+    with pytest.raises(RunError, match=r"energy_total c/0: missing"):
         resume(run, steps=16, progress=False)
     assert verify_cli(run, capsys)[0] == 5
 

@@ -8,6 +8,7 @@ from .dynamics import run_dynamics
 from .family import family_of
 from .fields import FieldConfig
 from .io import open_run
+from .observables import Observable, attention
 from .quantum import QuantumConfig
 from .simulate import Run, simulate
 from .state import ConditioningWarning, NonFiniteError, StateError, make_state, random_state, validate_state
@@ -19,10 +20,12 @@ __all__ = [
     "FieldConfig",
     "ModelConfig",
     "NonFiniteError",
+    "Observable",
     "QuantumConfig",
     "Run",
     "SparseNeighbours",
     "StateError",
+    "attention",
     "energy_and_gradient",
     "family_of",
     "make_state",

@@ -173,6 +173,7 @@ def _inspect(path: str, as_json: bool, scenario_only: bool) -> None:
         f"({info['frames_saved']} frames, every {sc['run']['save_every']})",
         f"checkpoints  at steps {', '.join(map(str, info['checkpoints'])) or 'none'}"
         f" (every {sc['run']['checkpoint_every']}, {sc['output']['keep_checkpoints']} kept)",
+        f"observables  {', '.join(info['observables']) or 'none'}  (per frame; docs/outputs.md)",
     ]
     if info["last_energies"]:
         lines.append(f"energies     at step {done}")

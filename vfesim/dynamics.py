@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import xarray as xr
@@ -10,6 +12,8 @@ import xarray as xr
 from .config import ModelConfig
 from .family import family_of
 from .integrators import is_hamiltonian, make_integrator
+from .observables import Observables
+from .schema import history, term_var
 from .state import require_dataset
 
 __all__ = ["run_dynamics"]
@@ -27,14 +31,20 @@ def run_dynamics(
     record_every: int = 1,
     backend: str = "numpy",
     seed: int = 0,
+    observables: Mapping[str, Any] | Sequence[str] | None = None,
     **options,
 ) -> tuple[xr.Dataset, xr.Dataset]:
     """Integrate ``n_steps`` steps of ``method`` and record energies every ``record_every`` steps.
 
-    history: Dataset over dim ``step`` (coordinate: step numbers 0, r, 2r, ..., and the last step) with
-    ``system_free_energy``, ``system_<term>`` per energy term and, for Hamiltonian methods,
-    ``system_kinetic`` and ``system_hamiltonian``. Raises DynamicsError (naming step, agent, variable) if
-    a step leaves the state non-finite or a covariance non-SPD.
+    history: Dataset over dim ``time`` (coordinates ``step`` = 0, r, 2r, ..., and the last step, and
+    ``time`` = step * dt) with ``energy_total`` (F), ``energy_<term>`` per energy term and, for
+    Hamiltonian methods, ``energy_kinetic`` and ``energy_hamiltonian`` (names and units:
+    docs/outputs.md). Raises DynamicsError (naming step, agent, variable) if a step leaves the state
+    non-finite or a covariance non-SPD.
+
+    observables: name -> function of the state Dataset returning a scalar or one value per agent (N,)
+    (or a built-in name, or a :class:`vfesim.Observable`), or a list of built-in names
+    (:data:`vfesim.observables.BUILTINS`); each is recorded as the history variable ``name``.
 
     backend "cuda": the state lives on the device for the whole run; the final state is returned on the
     host when ``state`` was given there (NumPy), else as device (CuPy) arrays.
@@ -49,20 +59,22 @@ def run_dynamics(
             raise ValueError(f"{key} must be an integer >= {0 if key == 'n_steps' else 1}, got {v!r}")
     require_dataset(state)
     family = family_of(cfg)
+    obs = Observables(observables, cfg, state.sizes.get("agent", 0), reserved=list(state.data_vars))
     if family.geometry is None and family.dynamics is not None:  # the family's own dynamics
         return family.dynamics(
             state, cfg, method, dt, n_steps, record_every=record_every, backend=backend, friction=friction,
-            seed=seed, **options,
+            seed=seed, observables=obs, **options,
         )  # fmt: skip
     integ = make_integrator(method, cfg, dt, backend=backend, friction=friction, seed=seed, **options)
-    names = ["total", *family_of(cfg).terms] + (["kinetic", "hamiltonian"] if is_hamiltonian(method) else [])
+    names = ["total", *family.terms] + (["kinetic", "hamiltonian"] if is_hamiltonian(method) else [])
     on_host = all(isinstance(state[k].data, np.ndarray) for k in state.data_vars)
     carry = integ.init(state)
-    steps, rows = [], []
+    steps, rows, values = [], [], []
 
     def record(c):
         steps.append(c.step)
         rows.append([c.terms.get(k, np.nan) for k in names])
+        values.append(obs.evaluate(c.state))
 
     record(carry)
     for i in range(n_steps):
@@ -71,13 +83,9 @@ def run_dynamics(
             record(carry)
             log.debug("step %d F=%.10g", carry.step, carry.terms["total"])
     table = np.asarray(rows, np.float64).reshape(len(rows), len(names))
-    out = {
-        ("system_free_energy" if k == "total" else f"system_{k}"): ("step", table[:, j])
-        for j, k in enumerate(names)
-    }
-    hist = xr.Dataset(
-        out, coords={"step": np.asarray(steps, np.int64)}, attrs={"method": method, "dt": float(dt)}
-    )
+    data = {term_var(k): ((), table[:, j]) for j, k in enumerate(names)}
+    data.update(obs.stack(values))
+    hist = history(steps, dt, data, {"method": method, "dt": float(dt)}, obs.var_attrs)
     final = carry.state
     if on_host and not all(isinstance(final[k].data, np.ndarray) for k in final.data_vars):
         final = final.as_numpy()

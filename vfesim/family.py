@@ -57,6 +57,8 @@ class AgentFamily:
     name: short identifier stored with states and runs ("gaussian").
     config_type: the frozen config class whose instances select this family.
     variables: the state schema, variable -> dims (optional variables included).
+    attributes: variable -> CF attributes (``long_name``, ``units``) of the state variables, carried by
+        states, run stores and gradients (docs/outputs.md lists them).
     required: variables every state has.
     terms: energy term names in order; ``terms["total"]`` is their sum.
     trajectory: variables that change during a run (saved per frame; the rest are saved once).
@@ -66,7 +68,8 @@ class AgentFamily:
         energy over raw arrays, executed with the capabilities of ``backend`` (a :class:`Backend`).
     attention(arrays, cfg, which) -> weights (NumPy).
     geometry: integrator coordinates of the family (fields grouped as the integrators move them).
-    dynamics(state, cfg, method, dt, n_steps, *, record_every, backend, friction, seed, **options) ->
+    dynamics(state, cfg, method, dt, n_steps, *, record_every, backend, friction, seed, observables,
+        **options) ->
         (final state, history): the family's own in-memory dynamics, for families whose motion is not a
         flow of the shared integrators (``geometry`` None); :func:`vfesim.run_dynamics` calls it.
     runs: a :class:`RunSpec` (scenario sections and run-loop steppers of the family); None: the
@@ -84,6 +87,7 @@ class AgentFamily:
     validate_state: Callable[..., None]
     energy_and_gradient: Callable[..., tuple[dict[str, float], dict[str, Any]]]
     attention: Callable[..., Any]
+    attributes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     geometry: Any = field(default=None)
     dynamics: Callable[..., Any] | None = field(default=None)
     runs: RunSpec | None = field(default=None)

@@ -11,6 +11,9 @@ from .config import ModelConfig
 from .family import family_of
 from .io.reader import open_run
 from .io.store import StoreError
+from .observables import attention_entropy as _row_entropy
+from .observables import rotation_angle
+from .schema import term_var, var_term
 
 __all__ = [
     "plot_run",
@@ -38,9 +41,9 @@ def _plt():
 
 
 TOP = (
-    ("system_free_energy", "F (free energy)"),
-    ("system_energy_hamiltonian", "H = F + kinetic"),
-    ("system_energy_kinetic", "kinetic"),
+    (term_var("total"), "F (free energy)"),
+    (term_var("hamiltonian"), "H = F + kinetic"),
+    (term_var("kinetic"), "kinetic"),
 )
 
 
@@ -52,22 +55,22 @@ def plot_energy(ds, path: Path) -> Path:
     for k, label in TOP:
         if k in ds:
             a0.plot(t, ds[k].values, lw=1.6, label=label)
-    a0.set_ylabel("energy")
-    a0.set_title("free energy" + (" and Hamiltonian" if "system_energy_hamiltonian" in ds else ""))
+    a0.set_ylabel("energy (nats)")
+    a0.set_title("free energy" + (" and Hamiltonian" if term_var("hamiltonian") in ds else ""))
     a0.legend(loc="best")
     zero = []
     top = {k for k, _ in TOP}
     for k in ds.data_vars:  # the family's terms, in the order the store has them
-        if not k.startswith("system_energy_") or k in top:
+        term = var_term(k)
+        if term is None or k in top:
             continue
-        term = k.removeprefix("system_energy_")
         v = ds[k].values
         if np.all(v == 0):
             zero.append(term)
             continue
         a1.plot(t, v, lw=1.3, label=term)
     a1.set_xlabel("time (step * dt)")
-    a1.set_ylabel("term")
+    a1.set_ylabel("term (nats)")
     title = "terms of F"
     if zero:
         title += f" (identically zero: {', '.join(zero)})"
@@ -101,9 +104,10 @@ def _pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean, axes
 
 
-def _frame_arrays(ds, i: int) -> dict[str, np.ndarray]:
+def _frame_arrays(ds, i: int, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The state variables of frame ``i`` (those saved once included)."""
     frame = ds.isel(time=i)
-    return {k: frame[k].values for k in ds.data_vars if "agent" in frame[k].dims}
+    return {k: frame[k].values for k in family_of(cfg).variables if k in frame}
 
 
 def _dense_attention(arrays: dict[str, np.ndarray], cfg: ModelConfig) -> np.ndarray:
@@ -122,8 +126,7 @@ def attention_entropy(beta: np.ndarray, n_neighbours: np.ndarray) -> np.ndarray:
     """Normalised attention entropy per receiver, H_i / log(n_i) in [0, 1]: 1 when agent i attends
     to all its n_i neighbours equally, 0 when it attends to one. beta (N, N) or (N, k); NaN where
     n_i < 2."""
-    logb = np.log(np.where(beta > 0, beta, 1.0))
-    H = -np.sum(beta * logb, axis=1)
+    H = _row_entropy(beta)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(n_neighbours >= 2, H / np.log(n_neighbours), np.nan)
 
@@ -134,9 +137,13 @@ def _entropy_over_time(ds, cfg: ModelConfig, max_frames: int) -> tuple[np.ndarra
     frames = np.unique(np.linspace(0, T - 1, min(T, max_frames)).astype(int))
     n = ds.sizes["agent"]
     counts = np.full(n, n - 1) if cfg.dense else cfg.neighbours.mask.sum(axis=1)
+    if "attention_entropy" in ds:  # saved by the run (nats): normalise
+        with np.errstate(divide="ignore", invalid="ignore"):
+            H = ds["attention_entropy"].isel(time=frames).values / np.log(counts)
+        return ds["time"].values[frames], np.where(counts >= 2, H, np.nan)
     H = []
     for f in frames:
-        arrays = _frame_arrays(ds, int(f))
+        arrays = _frame_arrays(ds, int(f), cfg)
         beta = np.asarray(family_of(cfg).attention(arrays, cfg, "belief"))
         H.append(attention_entropy(beta, counts))
     return ds["time"].values[frames], np.array(H)
@@ -151,8 +158,8 @@ def plot_attention(ds, cfg: ModelConfig, path: Path) -> Path:
     n = ds.sizes["agent"]
     panels = []
     for i in (0, -1):
-        arrays = _frame_arrays(ds, i)
-        beta = _dense_attention(arrays, cfg)
+        arrays = _frame_arrays(ds, i, cfg)
+        beta = ds["attention"].isel(time=i).values if "attention" in ds else _dense_attention(arrays, cfg)
         mean, axes = _pca(arrays["mu_q"])
         order = np.argsort((arrays["mu_q"] - mean) @ axes[0], kind="stable")
         if n > MAX_ATTENTION:
@@ -181,7 +188,7 @@ def plot_attention(ds, cfg: ModelConfig, path: Path) -> Path:
     fig.colorbar(im, ax=fig.axes, extend=extend, label="beta_ij (row i attends to column j)", shrink=0.8)
 
     ax = fig.add_subplot(grid[1, :])
-    if n <= MAX_ENTROPY_AGENTS:
+    if n <= MAX_ENTROPY_AGENTS or "attention_entropy" in ds:
         times, H = _entropy_over_time(ds, cfg, MAX_ENTROPY_FRAMES)
     else:  # every frame costs an N x N attention matrix
         times, H = np.zeros(0), np.zeros((0, n))
@@ -227,16 +234,6 @@ def plot_beliefs(ds, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def rotation_angle(phi: np.ndarray) -> np.ndarray:
-    """Rotation angle in [0, pi] of the frames ``exp(phi . G)``: phi (..., 3) -> (...).
-
-    exp(t n . G) is the rotation by t about n, and t + 2 pi k about n, or 2 pi - t about -n, is the
-    same rotation; so the angle is |t - 2 pi round(t / 2 pi)| (closed form, no loop).
-    """
-    t = np.linalg.norm(np.asarray(phi, dtype=np.float64), axis=-1)
-    return np.abs(t - 2 * np.pi * np.round(t / (2 * np.pi)))
 
 
 def plot_frames(ds, path: Path) -> Path:

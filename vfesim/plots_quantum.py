@@ -10,6 +10,7 @@ import numpy as np
 from .family import family_named
 from .plots import _plt, plot_energy
 from .quantum import QuantumConfig
+from .schema import term_var
 
 __all__ = ["figures", "plot_purity_entropy", "plot_attention", "plot_bloch", "plot_fit", "bloch_vectors"]
 
@@ -156,7 +157,7 @@ def plot_fit(ds, path: Path) -> Path:
         ("Born loss of the rollout", "|dL/dtheta|_inf", "rms |traceless(H - H_true)|_F"),
         strict=True,
     ):
-        ax.plot(step, ds[f"system_energy_{term}"].values, lw=1.5)
+        ax.plot(step, ds[term_var(term)].values, lw=1.5)
         ax.set_ylabel(label, fontsize=9)
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
@@ -171,7 +172,7 @@ def plot_fit(ds, path: Path) -> Path:
 def figures(ds, outdir: Path) -> list[Path]:
     """Every figure of a density-matrix run: energy.png (F and its terms), purity_entropy.png,
     attention.png and, for d = 2, bloch.png; a fit run: fit.png."""
-    if "system_energy_born_loss" in ds:
+    if term_var("born_loss") in ds:
         return [plot_fit(ds, outdir / "fit.png")]
     cfg = QuantumConfig.from_json(ds.attrs["model_config"])
     out = [

@@ -11,7 +11,10 @@ Sections and keys (all optional except ``model.K`` or ``model.irreps`` and ``pop
                    saved), checkpoint_every, backend, dtype, seed, chunks (agents per task of
                    backend "dask"; default: vfesim.backends.dask_backend.default_chunk)
     [output]       path (relative to the working directory), time_chunk (frames per Zarr chunk),
-                   keep_checkpoints (>= 2: the newest and the one before are always kept)
+                   keep_checkpoints (>= 2: the newest and the one before are always kept),
+                   observables (built-in observables saved per frame: belief_spread,
+                   mean_frame_angle, attention_entropy, attention; default: attention_entropy up to
+                   1024 agents and attention up to 256, see vfesim.observables)
 
 Agent families with their own run sections (a :class:`~vfesim.family.RunSpec`) replace ``[model]``
 by their section and validate ``[population]`` and ``[integrator]`` themselves: ``[quantum]`` selects
@@ -216,7 +219,7 @@ RUN = {
     "dtype": "float64",
     "seed": 0,
 }
-OUTPUT = {"path": None, "time_chunk": None, "keep_checkpoints": 2}
+OUTPUT = {"path": None, "time_chunk": None, "keep_checkpoints": 2, "observables": None}
 
 
 def _required(pr: _Problems, p: dict, section: str, key: str, check, *args: Any, **kw: Any) -> Any:
@@ -312,14 +315,36 @@ def _output_path(key: str, v: Any) -> str:
     return v
 
 
-def _output(d: dict, pr: _Problems) -> dict:
+def _output(d: dict, pr: _Problems, n_agents: Any = BAD) -> dict:
     p = {**OUTPUT, **pr.unknown("output", d, OUTPUT)}
     if p["path"] is not None:
         p["path"] = pr.get("output.path", _output_path, p["path"])
     if p["time_chunk"] is not None:
         p["time_chunk"] = pr.get("output.time_chunk", _int, p["time_chunk"], 1)
     p["keep_checkpoints"] = pr.get("output.keep_checkpoints", _int, p["keep_checkpoints"], 2)
+    if p["observables"] is not None:
+        p["observables"] = pr.get("output.observables", _observables, p["observables"], n_agents)
     return p
+
+
+def _observables(key: str, v: Any, n_agents: Any) -> list[str]:
+    """A list of distinct built-in observable names (vfesim.observables.BUILTINS)."""
+    from .observables import ATTENTION_FULL_MAX, unknown_builtin
+
+    if not isinstance(v, (list, tuple)):
+        raise ScenarioError(key, f"must be a list of observable names, got {type(v).__name__} {v!r}")
+    problems = [(f"{key}[{i}]", m) for i, name in enumerate(v) if (m := unknown_builtin(name))]
+    seen = set()
+    for i, name in enumerate(v):
+        if isinstance(name, str) and name in seen:
+            problems.append((f"{key}[{i}]", f"{name!r} is listed twice"))
+        seen.add(name if isinstance(name, str) else None)
+    if "attention" in v and n_agents is not BAD and n_agents > ATTENTION_FULL_MAX:
+        why = f"'attention' saves N^2 values per frame: at most {ATTENTION_FULL_MAX} agents, got {n_agents}"
+        problems.append((key, why))
+    if problems:
+        raise ScenarioError.several(problems)
+    return list(v)
 
 
 # A run holds at least the state, its gradient and the integrator's copy (momenta or moments).
@@ -440,7 +465,7 @@ class Scenario:
         pop = _population(sec["population"], pr)
         integ = _integrator(sec["integrator"], pr)
         run = _run(sec["run"], pr)
-        out = _output(sec["output"], pr)
+        out = _output(sec["output"], pr, pop["n_agents"])
         model = _model(sec["model"], pr, pop, run["dtype"])
         if not pr.errors:
             try:
@@ -534,6 +559,20 @@ class Scenario:
         if p["camps"] > 1:
             state = _prior_camps(state, self.model, p["camps"], p["camp_offset"])
         return state
+
+    def observables(self) -> list[str]:
+        """The built-in observables a run of this scenario saves per frame: ``output.observables``, or
+        by default :func:`vfesim.observables.default_observables` of the population size."""
+        from .observables import default_observables
+
+        given = self.output.get("observables")
+        return list(given) if given is not None else default_observables(self.population["n_agents"])
+
+    def labels(self) -> dict[str, np.ndarray]:
+        """Population labels saved as coordinates on ``agent``: ``camp`` (agent i is in prior camp
+        ``i % camps``, as :meth:`initial_state` places it)."""
+        p = self.population
+        return {"camp": np.arange(p["n_agents"], dtype=np.int64) % p.get("camps", 1)}
 
     def _population_key(self, variable: str) -> str:
         """The population key that sets a state variable (what to blame when it comes out bad)."""

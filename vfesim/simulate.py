@@ -16,6 +16,7 @@ import json
 import shutil
 import signal
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,11 @@ from .config import ModelConfig
 from .family import family_of
 from .io.lock import store_lock
 from .io.reader import open_run
-from .io.store import RunStore, StoreError, frame_steps, term_var
+from .io.store import FORMAT, RunStore, StoreError, frame_steps
+from .observables import Observables
 from .progress import Progress, log
 from .scenario import Scenario, ScenarioError, find_scenario, load_scenario, read_toml
+from .schema import ENERGY_PREFIX, term_var
 
 __all__ = ["Run", "simulate", "resume", "RunError", "Terminated", "frame_bytes"]
 
@@ -123,12 +126,35 @@ def _is_dask(a: Any) -> bool:
     return type(a).__module__.startswith("dask.")
 
 
-def _frame(carry, names) -> dict[str, Any]:
+def _frame(carry, names, obs: Observables) -> dict[str, Any]:
     """A trajectory frame: the state's trajectory variables (host arrays; Dask arrays of a chunked run
-    stay on the workers) and the energy terms."""
+    stay on the workers), the energy terms and the observables."""
     f = {k: (a if _is_dask(a) else _host(a)) for k in names for a in (carry.state[k].data,)}
     f.update({term_var(k): float(v) for k, v in carry.terms.items()})
+    f.update(obs.evaluate(carry.state))
     return f
+
+
+def _observables(scn: Scenario, state: xr.Dataset, python) -> tuple[Observables, list[str]]:
+    """The observables of a run: the scenario's built-ins (:meth:`Scenario.observables`) and the Python
+    ones given to simulate/resume (a name in both is an error); and the names of the Python ones."""
+    if python is None:
+        python = {}
+    elif isinstance(python, Mapping):
+        python = dict(python)
+    elif isinstance(python, (list, tuple)):
+        python = {k: k for k in python}
+    else:
+        raise TypeError(
+            "observables: expected a mapping name -> function (or built-in name) or a list of built-in "
+            f"names, got {type(python).__name__}"
+        )
+    builtin = scn.observables()
+    both = sorted(set(builtin) & set(python))
+    if both:
+        raise ScenarioError("output.observables", f"{both} also given as observables= (name them once)")
+    spec = {**{k: k for k in builtin}, **python}
+    return Observables(spec, scn.model, state.sizes["agent"], list(state.data_vars)), sorted(python)
 
 
 def frame_bytes(state: xr.Dataset, names) -> int:
@@ -192,6 +218,7 @@ def simulate(
     backend: str | None = None,
     progress: bool | None = None,
     overwrite: bool = False,
+    observables: dict | None = None,
     **sections: dict,
 ) -> Run:
     """Run a scenario to ``run.n_steps`` (or ``steps``), writing trajectory and checkpoints to ``out``.
@@ -200,6 +227,9 @@ def simulate(
     QuantumConfig (then give ``population={...}, integrator={...}, run={...}`` as keyword sections).
     Keyword sections also override a scenario's. ``progress``: None -> a tqdm bar on a terminal or in
     Jupyter, else log lines when logging shows INFO; False -> silent.
+    observables: name -> function of the state Dataset (scalar or one value per agent), a built-in name
+    or a :class:`vfesim.Observable`; saved per frame next to the scenario's ``output.observables``
+    (:mod:`vfesim.observables`). A run with Python observables resumes only from Python, given them again.
     Returns a :class:`Run`; ``Run.open()`` is the lazy trajectory Dataset.
     """
     name, source = "scenario", None
@@ -237,7 +267,7 @@ def simulate(
     with store_lock(path), _run_signals() as sig:
         RunStore.remove_stale_creating(path)
         RunStore.probe(path, overwrite)  # again: another run may have finished there meanwhile
-        return _simulate(scn, Path(path), overwrite, progress, sig)
+        return _simulate(scn, Path(path), overwrite, progress, sig, observables)
 
 
 def _run_spec(obj: Any):
@@ -259,9 +289,13 @@ def _check_time_chunk(chunk: int, frame: int) -> None:
         )
 
 
-def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None, sig: _Signals) -> Run:
+def _simulate(
+    scn: Scenario, path: Path, overwrite: bool, progress: bool | None, sig: _Signals, python_obs
+) -> Run:
     backend_name = _resolve_backend(scn.run["backend"])
     state0 = scn.initial_state()
+    obs, python_names = _observables(scn, state0, python_obs)
+    first = obs.evaluate(state0)
     integ = _make_integrator(scn, backend_name, state0)
     carry = integ.init(state0)  # a DynamicsError here propagates: nothing was written yet
     run = scn.run
@@ -272,7 +306,7 @@ def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None,
     chunking = _chunking(integ, state0)
     # A dask run buffers a time chunk of frames per agent chunk on the workers: size by its agent chunk.
     share = chunking["agent_chunk"] / state0.sizes["agent"] if chunking else 1.0
-    fbytes = max(1, int(frame_bytes(state0, trajectory) * share))
+    fbytes = max(1, int((frame_bytes(state0, trajectory) + sum(v.nbytes for v in first.values())) * share))
     by_size = max(1, TARGET_CHUNK_BYTES // fbytes)
     chunk = scn.output["time_chunk"] or min(fpc, by_size, n_frames)
     if scn.output["time_chunk"]:
@@ -285,6 +319,8 @@ def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None,
         "dtype": run["dtype"],
         "backend": backend_name,
         "integrator": carry_name(integ),
+        # Observables given to simulate() (not by the scenario): a resume must be given them again.
+        "observables": json.dumps({"names": obs.names, "python": python_names}),
     }
     if chunking:
         attrs["chunking"] = json.dumps(chunking)
@@ -300,9 +336,11 @@ def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None,
         attrs=attrs,
         overwrite=overwrite,
         agent_chunk=chunking["agent_chunk"] if chunking else None,
+        records={k: (obs.dims(k, v), v.shape, obs.var_attrs[k]) for k, v in first.items()},
+        labels=scn.labels(),
     )
     log.info("run %s: %d agents, %d steps -> %s", scn.name, state0.sizes["agent"], run["n_steps"], path)
-    buf = [_frame(carry, trajectory)]
+    buf = [_frame(carry, trajectory, obs)]
     try:
         _checkpoint(store, scn, carry, buf, 0, backend_name)
         store = store.publish(path, overwrite)
@@ -312,7 +350,7 @@ def _simulate(scn: Scenario, path: Path, overwrite: bool, progress: bool | None,
             log.error("interrupted before the first checkpoint: no run store was made at %s", path)
             _reported(e)
         raise
-    return _advance(store, scn, integ, carry, buf, 0, backend_name, progress, sig)
+    return _advance(store, scn, integ, carry, buf, 0, backend_name, progress, sig, obs)
 
 
 def _resolve_backend(name: str) -> str:
@@ -378,7 +416,7 @@ def _reload(store: RunStore, integ, carry, buf: list, buf_start: int):
     return carry, store.read_frames(buf_start, buf_start + len(buf), sizes)
 
 
-def _advance(store, scn, integ, carry, buf, buf_start, backend, progress, sig: _Signals) -> Run:
+def _advance(store, scn, integ, carry, buf, buf_start, backend, progress, sig: _Signals, obs) -> Run:
     from .integrators.base import DynamicsError
 
     run = scn.run
@@ -396,7 +434,7 @@ def _advance(store, scn, integ, carry, buf, buf_start, backend, progress, sig: _
             carry = integ.step(carry)
             checkpointed = carry.step % ck == 0 or carry.step == n_steps
             if carry.step % every == 0 or carry.step == n_steps:  # the last step is always saved
-                buf.append(_frame(carry, names))
+                buf.append(_frame(carry, names, obs))
                 if len(buf) == chunk:
                     store.write_frames(buf_start, buf)
                     buf_start, buf = buf_start + chunk, []
@@ -498,12 +536,15 @@ def resume(
     scenario: Scenario | str | Path | dict | None = None,
     progress: bool | None = None,
     allow_version_change: bool = False,
+    observables: dict | None = None,
 ) -> Run:
     """Continue a run from its newest complete checkpoint to ``steps`` total steps (default: the
     run's ``n_steps``). Bitwise identical to an uninterrupted run on the same backend and device.
 
     scenario: if given, it must equal the stored one (except run.n_steps, run.backend, output.path).
-    A store written by another vfesim version is refused unless ``allow_version_change``.
+    A store written by another vfesim version is refused unless ``allow_version_change``; one of another
+    store format (``vfesim-run/1``) is refused. ``observables``: the Python observables the run was
+    started with (a run records the same observables to its end).
 
     Before anything in the store changes, every chunk of every checkpoint and of the trajectory is
     verified. A damaged checkpoint is named (array and chunk), kept as ``damaged-step-…`` and the
@@ -520,12 +561,22 @@ def resume(
                 f"{path}: no run store here: the run on this path was killed before its first "
                 "checkpoint (its unfinished store was removed); start it again with `vfesim run`"
             )
-        return _resume(RunStore(path), steps, backend, scenario, progress, allow_version_change, sig)
+        return _resume(
+            RunStore(path), steps, backend, scenario, progress, allow_version_change, sig, observables
+        )
 
 
-def _resume(store: RunStore, steps, backend, scenario, progress, allow_version_change, sig: _Signals) -> Run:
+def _resume(
+    store: RunStore, steps, backend, scenario, progress, allow_version_change, sig: _Signals, python_obs
+) -> Run:
     path = store.path
     version = store.attr("vfesim_version")  # a missing or damaged zarr.json is named here
+    if store.attr("format") != FORMAT:
+        raise RunError(
+            f"{path}: store format {store.attr('format')} (written by vfesim {version}); this vfesim "
+            f"resumes {FORMAT} stores only. Resume it with the vfesim that wrote it, or run the scenario "
+            "again (`vfesim inspect`, `vfesim plot` and open_run still read it)"
+        )
     store.check_entries()
     if version != __version__:
         msg = (
@@ -583,6 +634,7 @@ def _resume(store: RunStore, steps, backend, scenario, progress, allow_version_c
         layout.fix(ckpt.state)
         ckpt = store.load_checkpoint(ckpt.step, layout.sizes)
     carry = integ.restore(ckpt.state, ckpt.step, ckpt.aux, ckpt.rng_state)
+    obs = _resumed_observables(store, scn, ckpt.state, python_obs)
     # From here on the store changes.
     for step in sorted(damaged):
         aside = store.set_aside(step)
@@ -605,7 +657,23 @@ def _resume(store: RunStore, steps, backend, scenario, progress, allow_version_c
         log.info("%s is complete at step %d (give --steps / steps= to extend it)", path, ckpt.step)
     else:
         log.info("resuming %s at step %d of %d", path, ckpt.step, run["n_steps"])
-    return _advance(store, scn, integ, carry, buf, buf_start, backend_name, progress, sig)
+    return _advance(store, scn, integ, carry, buf, buf_start, backend_name, progress, sig, obs)
+
+
+def _resumed_observables(store: RunStore, scn: Scenario, state: xr.Dataset, python) -> Observables:
+    """The observables of a resumed run: the stored scenario's built-ins and ``python`` (the functions
+    the run was started with); they must name what the store records."""
+    recorded = json.loads(store.attr("observables"))
+    missing = [k for k in recorded["python"] if k not in (python or {})]
+    if missing:
+        raise RunError(
+            f"{store.path}: the run records Python observables {missing}: resume it from Python with "
+            "`from vfesim.simulate import resume; resume(path, observables={...})`, giving the same functions"
+        )
+    obs, _ = _observables(scn, state, python)
+    if obs.names != recorded["names"]:
+        raise RunError(f"{store.path}: the run records observables {recorded['names']}, not {obs.names}")
+    return obs
 
 
 def run_info(path: str | Path) -> dict:
@@ -616,7 +684,11 @@ def run_info(path: str | Path) -> dict:
     steps = store.checkpoint_steps()
     ds = open_run(path)
     last = (
-        {k: float(ds[k].values[-1]) for k in ds.data_vars if k.startswith("system_")}
+        {
+            k: float(ds[k].values[-1])
+            for k in sorted(ds.data_vars, key=lambda k: (k != term_var("total"), k))
+            if k.startswith(ENERGY_PREFIX)
+        }
         if (ds.sizes["time"])
         else {}
     )
@@ -636,4 +708,6 @@ def run_info(path: str | Path) -> dict:
         "last_saved_step": int(ds["step"].values[-1]) if ds.sizes["time"] else None,
         "checkpoints": steps,
         "last_energies": last,
+        "observables": json.loads(attrs["observables"])["names"] if attrs.get("observables") else [],
+        "format": attrs.get("format"),
     }

@@ -110,13 +110,26 @@ def validate_state(
     _family(cfg).validate_state(state, cfg, check_spd=check_spd, conditioning=conditioning)
 
 
-def state_dataset(family: str, variables: Mapping[str, tuple[str, ...]], data: Mapping[str, Any], cfg, dtype):
-    """The state Dataset of a family: ``data`` (variable -> array) with the family's dims; attrs carry the
-    family, the config JSON, the package version and the dtype (families' ``make_state`` use this)."""
+def state_dataset(
+    family: str,
+    variables: Mapping[str, tuple[str, ...]],
+    data: Mapping[str, Any],
+    cfg,
+    dtype,
+    attributes: Mapping[str, Mapping[str, str]] | None = None,
+):
+    """The state Dataset of a family: ``data`` (variable -> array) with the family's dims and
+    ``attributes`` (variable -> long_name, units); every dim but ``agent`` gets an integer coordinate
+    (:func:`vfesim.schema.dim_coords`); attrs carry the family, the config JSON, the package version and
+    the dtype (families' ``make_state`` use this)."""
     from ._version import __version__
+    from .schema import dim_coords
 
+    attributes = attributes or {}
+    sizes = {d: n for k, v in data.items() for d, n in zip(variables[k], v.shape, strict=False)}
     return xr.Dataset(
-        {k: (variables[k], v) for k, v in data.items()},
+        {k: (variables[k], v, dict(attributes.get(k, {}))) for k, v in data.items()},
+        coords=dim_coords(sizes),
         attrs={
             "agent_family": family,
             "model_config": cfg.to_json(),

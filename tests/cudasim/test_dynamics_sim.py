@@ -117,7 +117,7 @@ def test_simulate_cuda_matches_numpy_and_resumes_bitwise(tmp_path):
     ref = simulate(SCN, out=tmp_path / "ref.zarr", backend="numpy", progress=False)
     a, b = full.open(), ref.open()
     assert a.attrs["backend"] == "cuda"
-    for k in ("mu_q", "sigma_q", "phi", "system_free_energy", "system_energy_kinetic"):
+    for k in ("mu_q", "sigma_q", "phi", "energy_total", "energy_kinetic"):
         np.testing.assert_allclose(a[k].values, b[k].values, rtol=1e-10, atol=1e-12, err_msg=k)
     assert isinstance(full.state["mu_q"].data, np.ndarray)
     # Stop at step 2 (a checkpoint), resume to 4: bitwise the uninterrupted run.

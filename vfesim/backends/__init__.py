@@ -35,6 +35,7 @@ __all__ = [
     "energy_and_gradient_arrays",
     "energy_and_gradient",
     "check_outputs",
+    "gradient_dataset",
 ]
 
 log = logging.getLogger("vfesim")
@@ -194,7 +195,13 @@ def energy_and_gradient(
         terms, grads = be.energy_and_gradient(arrays, cfg)
     check_outputs(terms, grads)
     grads = be.to_host(grads) if isinstance(state[next(iter(state.data_vars))].data, np.ndarray) else grads
-    ds = xr.Dataset(
-        {k: (state[k].dims, v) for k, v in grads.items()}, coords=state.coords, attrs=dict(state.attrs)
-    )
-    return terms, ds
+    return terms, gradient_dataset(state, grads)
+
+
+def gradient_dataset(state: xr.Dataset, grads: Mapping[str, Any]) -> xr.Dataset:
+    """The gradient Dataset of ``state``: its dims, coordinates and attrs; each variable's attributes say
+    it is dF/dx (:func:`vfesim.schema.gradient_attrs`)."""
+    from ..schema import gradient_attrs
+
+    data = {k: (state[k].dims, v, gradient_attrs(state[k].attrs)) for k, v in grads.items()}
+    return xr.Dataset(data, coords=state.coords, attrs=dict(state.attrs))

@@ -53,7 +53,7 @@ from vfesim_kernels.pairwise_cpu import pairwise_dense_rows, pairwise_sparse_row
 
 from ..family import family_of
 from ..state import NonFiniteError, StateError, validate_state
-from . import Backend, check_outputs
+from . import Backend, check_outputs, gradient_dataset
 from .numba_backend import NumbaUpdates
 from .numba_backend import pairwise_dense as _numba_dense
 from .numba_backend import pairwise_sparse as _numba_sparse
@@ -610,8 +610,7 @@ def energy_and_gradient_dataset(
         arrays = {k: state[k].data for k in state.data_vars}
         terms, grads = energy_and_gradient_arrays(arrays, cfg, chunks=chunks, inner=inner)
         check_outputs(terms, {})
-        ds = xr.Dataset({k: (state[k].dims, v) for k, v in grads.items()}, attrs=dict(state.attrs))
-        return terms, ds
+        return terms, gradient_dataset(state, grads)
 
     n = state.sizes["agent"]
     for k in state.data_vars:
@@ -627,8 +626,7 @@ def energy_and_gradient_dataset(
     _log_client()
     summary, grads = _reraise(dask.persist, summary, grads)
     terms = finish_terms(_reraise(summary.compute))
-    ds = xr.Dataset({k: (state[k].dims, v) for k, v in grads.items()}, attrs=dict(state.attrs))
-    return terms, ds
+    return terms, gradient_dataset(state, grads)
 
 
 def rechunk(state: xr.Dataset, bounds: tuple[int, ...]) -> xr.Dataset:

@@ -15,6 +15,7 @@ FIELD = register(
         name="field",
         config_type=FieldConfig,
         variables=state.VARIABLES,
+        attributes=state.ATTRIBUTES,
         required=state.REQUIRED,
         terms=TERMS,
         trajectory=("mu_q", "sigma_q", "mu_p", "sigma_p", "phi"),

@@ -20,6 +20,7 @@ import numpy as np
 import xarray as xr
 
 from ..gaussian import state as point_state
+from ..gaussian.state import ATTRIBUTES as _GAUSSIAN_ATTRIBUTES
 from ..state import StateError, state_dataset
 from . import supports as sup
 from .config import FieldConfig
@@ -48,6 +49,11 @@ def variables(cfg_or_ndim: FieldConfig | int) -> dict[str, tuple[str, ...]]:
 
 # The schema of the family record: 2-D grids (1-D grids drop "y"; see variables()).
 VARIABLES = variables(2)
+# Attributes (docs/outputs.md): the point-agent variables' (now fields over the grid) and the support.
+ATTRIBUTES = {
+    **_GAUSSIAN_ATTRIBUTES,
+    "support": {"long_name": "support chi_i of the agent over the grid", "units": "1"},
+}
 
 
 def make_state(

@@ -14,6 +14,7 @@ GAUSSIAN = register(
         name="gaussian",
         config_type=ModelConfig,
         variables=state.VARIABLES,
+        attributes=state.ATTRIBUTES,
         required=state.REQUIRED,
         terms=TERMS,
         trajectory=geometry.MOVABLE,

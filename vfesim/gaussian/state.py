@@ -26,6 +26,7 @@ from ..state import (
 
 __all__ = [
     "VARIABLES",
+    "ATTRIBUTES",
     "REQUIRED",
     "COVARIANCES",
     "value_limit",
@@ -43,6 +44,15 @@ VARIABLES = {
     "sigma_p": ("agent", "latent", "latent_b"),
     "phi": ("agent", "gauge"),
     "obs": ("agent", "obs_dim"),
+}
+# CF attributes of each variable (docs/outputs.md): the latent space is dimensionless; frames in radians.
+ATTRIBUTES = {
+    "mu_q": {"long_name": "belief mean mu_q", "units": "1"},
+    "sigma_q": {"long_name": "belief covariance Sigma_q", "units": "1"},
+    "mu_p": {"long_name": "prior mean mu_p", "units": "1"},
+    "sigma_p": {"long_name": "prior covariance Sigma_p", "units": "1"},
+    "phi": {"long_name": "gauge frame phi (rotation exp(phi . G))", "units": "rad"},
+    "obs": {"long_name": "observation o_i", "units": "1"},
 }
 REQUIRED = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
 COVARIANCES = ("sigma_q", "sigma_p")
@@ -76,11 +86,13 @@ def make_state(
     *,
     validate: bool = True,
 ) -> xr.Dataset:
-    """Wrap arrays (NumPy or CuPy) into the state Dataset; attrs carry config JSON, version, dtype."""
+    """Wrap arrays (NumPy or CuPy) into the state Dataset; attrs carry config JSON, version, dtype; every
+    variable its ``long_name`` and ``units``, the dims ``latent``, ``latent_b``, ``gauge`` (and ``obs_dim``)
+    integer coordinates."""
     data = {"mu_q": mu_q, "sigma_q": sigma_q, "mu_p": mu_p, "sigma_p": sigma_p, "phi": phi}
     if obs is not None:
         data["obs"] = obs
-    ds = state_dataset("gaussian", VARIABLES, data, cfg, mu_q.dtype)
+    ds = state_dataset("gaussian", VARIABLES, data, cfg, mu_q.dtype, ATTRIBUTES)
     if validate:
         validate_state(ds, cfg)
     return ds

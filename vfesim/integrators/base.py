@@ -122,7 +122,7 @@ def energy_fn(cfg: ModelConfig, backend, override: EnergyFn | None = None) -> En
 
 def with_arrays(state: xr.Dataset, arrays: Mapping[str, Any]) -> xr.Dataset:
     """A new Dataset like ``state`` with some variables' data replaced (no copy of the rest)."""
-    data = {k: (state[k].dims, arrays[k] if k in arrays else state[k].data) for k in state.data_vars}
+    data = {k: (v.dims, arrays[k] if k in arrays else v.data, v.attrs) for k, v in state.data_vars.items()}
     return xr.Dataset(data, coords=state.coords, attrs=dict(state.attrs))
 
 

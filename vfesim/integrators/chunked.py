@@ -234,7 +234,7 @@ def _reraise(fn, *args):
 
 
 def _dataset(state: xr.Dataset, arrays: dict) -> xr.Dataset:
-    data = {k: (state[k].dims, arrays[k] if k in arrays else state[k].data) for k in state.data_vars}
+    data = {k: (v.dims, arrays[k] if k in arrays else v.data, v.attrs) for k, v in state.data_vars.items()}
     return xr.Dataset(data, coords=state.coords, attrs=dict(state.attrs))
 
 

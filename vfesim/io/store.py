@@ -1,19 +1,24 @@
 """The run store (SPEC §5): one Zarr v3 directory per run.
 
-Layout of ``RUN.zarr``::
+Layout of ``RUN.zarr`` (variable names, dims and units: docs/outputs.md)::
 
     zarr.json                 root group; attrs: format, scenario (JSON), model_config (JSON),
-                              agent_family, trajectory_variables (JSON), vfesim_version, dtype,
-                              backend, status
+                              agent_family, trajectory_variables (JSON), observables (JSON),
+                              vfesim_version, dtype, backend, status
     <trajectory variables>    (time, agent, ...) arrays of the family's moving variables (Gaussian:
                               mu_q, sigma_q, mu_p, sigma_p, phi), preallocated for the whole run
-    system_free_energy,       (time,) energy terms of each saved frame
-    system_energy_<term>
+    energy_<term>             (time,) energy terms of each saved frame (energy_total: F)
+    <observables>             (time,) or (time, agent, ...) per saved frame (attention_entropy, ...)
     saved                     (time,) bool, True once a frame is written (fill value False)
     time, step                coordinates: physical time (step * dt) and integer step of each frame
+    latent, gauge, ...        integer coordinates of the other dims; population labels (camp) on agent
     <other state variables>   written once (Gaussian: obs (agent, obs_dim), when the model has them)
     checkpoints/step-<12 digits>/   full state + ``aux__<name>`` integrator arrays; attrs: step,
                               rng_state, terms, scenario, vfesim_version, backend, frames_saved
+
+Every variable carries CF ``long_name`` and ``units``. Agent-indexed arrays are chunked along ``agent``
+(:data:`DEFAULT_AGENT_CHUNK` agents per chunk unless the run says otherwise) as well as along ``time``, so
+a large run opens lazily chunk by chunk.
 
 Frame ``f`` holds step ``f * save_every``, and the last step of the run is always saved: when it is
 off that grid it gets a frame of its own (the ``step`` coordinate says which step each frame holds;
@@ -23,6 +28,10 @@ from its start and rewritten when it fills. Zarr's local store replaces each chu
 so a kill mid-write leaves the old or the new chunk, never a torn one, and nothing is ever appended
 (no metadata change while running). Checkpoints are written to ``checkpoints/.tmp-*`` and moved into
 place with ``os.replace``; the newest ``keep_checkpoints`` are kept.
+
+Formats: this vfesim writes ``vfesim-run/2``; it reads (opens, inspects, plots, verifies) stores of
+``vfesim-run/1`` too, whose energies ``system_free_energy`` / ``system_energy_<term>`` :func:`open_run`
+shows under their new names, but resumes only ``vfesim-run/2``.
 
 Integrity (:mod:`.integrity`): every chunk carries a CRC-32C and every chunk is written, so
 :meth:`RunStore.verify` finds flipped, truncated and missing chunks and damaged metadata. A resume
@@ -41,6 +50,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,11 +60,25 @@ import zarr
 
 from .._version import __version__
 from ..family import family_named
+from ..schema import attrs_of, dim_coords, term_var
 from .integrity import Damage, GroupReport, check_array, checksummed_encoding
 
-__all__ = ["StoreError", "RunStore", "Checkpoint", "FORMAT", "term_var", "frame_steps"]
+__all__ = [
+    "StoreError",
+    "RunStore",
+    "Checkpoint",
+    "FORMAT",
+    "FORMATS",
+    "DEFAULT_AGENT_CHUNK",
+    "term_var",
+    "frame_steps",
+]
 
-FORMAT = "vfesim-run/1"
+FORMAT = "vfesim-run/2"
+# Formats this vfesim reads (it writes and resumes FORMAT only).
+FORMATS = ("vfesim-run/1", FORMAT)
+# Agents per Zarr chunk of agent-indexed arrays, unless the run sets it (dask runs: their agent chunks).
+DEFAULT_AGENT_CHUNK = 4096
 # Trajectory variables of stores written before the attribute existed (all Gaussian).
 _LEGACY_TRAJECTORY = ("mu_q", "sigma_q", "mu_p", "sigma_p", "phi")
 _CKPT = re.compile(r"^step-(\d{12})$")
@@ -74,11 +98,6 @@ def _stack(arrays: list):
 
 class StoreError(RuntimeError):
     """The run store cannot be created, read or written; the message names the path."""
-
-
-def term_var(term: str) -> str:
-    """Trajectory variable name of an energy term ("total" is the system free energy)."""
-    return "system_free_energy" if term == "total" else f"system_energy_{term}"
 
 
 def frame_steps(n_steps: int, save_every: int, n_frames: int | None = None) -> np.ndarray:
@@ -148,6 +167,7 @@ class RunStore:
         self.shown = Path(shown) if shown is not None else self.path
         self.ckpt_dir = self.path / "checkpoints"
         self._dims: dict[str, tuple[str, ...]] | None = None
+        self._all_dims: dict[str, tuple[str, ...]] = {}
 
     # --- creation ----------------------------------------------------------------------------
     @staticmethod
@@ -174,7 +194,7 @@ class RunStore:
             meta = json.loads((Path(path) / "zarr.json").read_text())
         except (OSError, ValueError):
             return False
-        return isinstance(meta, dict) and meta.get("attributes", {}).get("format") == FORMAT
+        return isinstance(meta, dict) and meta.get("attributes", {}).get("format") in FORMATS
 
     @staticmethod
     def remove_stale_creating(path: str | Path) -> list[str]:
@@ -213,13 +233,18 @@ class RunStore:
         attrs: dict,
         overwrite: bool = False,
         agent_chunk: int | None = None,
+        records: Mapping[str, tuple[tuple[str, ...], tuple[int, ...], Mapping[str, str]]] | None = None,
+        labels: Mapping[str, np.ndarray] | None = None,
     ) -> RunStore:
         """Preallocate the trajectory of the variables ``trajectory`` (metadata only; the other variables
-        of ``state`` are written once) and an empty checkpoints group.
+        of ``state`` are written once), the energies ``energy_<term>`` of ``terms``, the per-frame
+        ``records`` (name -> (dims and shape after ``time``, attributes); float64, e.g. observables)
+        and an empty checkpoints group. ``labels``: name -> (N,) population labels, saved as coordinates
+        on ``agent``.
 
-        agent_chunk: agents per Zarr chunk of the trajectory (default: all of them). Runs whose state is
-        chunked along ``agent`` (the dask backend) give a size that divides every chunk boundary, so
-        each worker writes whole Zarr chunks of its own agents.
+        agent_chunk: agents per Zarr chunk of agent-indexed arrays (default :data:`DEFAULT_AGENT_CHUNK`).
+        Runs whose state is chunked along ``agent`` (the dask backend) give a size that divides every
+        chunk boundary, so each worker writes whole Zarr chunks of its own agents.
 
         The store is built at a hidden temporary path beside ``path``; :meth:`publish` moves it into
         place, so a run killed before its first checkpoint leaves no half-made store at ``path``. A
@@ -230,27 +255,45 @@ class RunStore:
         tmp = final.absolute().parent / f"{_creating_prefix(final)}{uuid.uuid4().hex[:8]}"
         steps = frame_steps(n_steps, save_every)
         n_frames = steps.size
+        agent_chunk = DEFAULT_AGENT_CHUNK if agent_chunk is None else agent_chunk
+        records = dict(records or {})
+        labels = dict(labels or {})
+        sizes = dict(state.sizes)
+        for dims, shape, _ in records.values():
+            sizes.update(zip(dims, shape, strict=True))
         coords = {
-            "time": ("time", steps * dt, {"units": "model time (step * dt)"}),
-            "step": ("time", steps),
+            **dim_coords(sizes),
+            **{k: (v.dims, v.values, v.attrs) for k, v in state.coords.items()},
+            "time": ("time", steps * dt, attrs_of("time")),
+            "step": ("time", steps, attrs_of("step")),
         }
-        data = {k: (state[k].dims, state[k].values) for k in state.data_vars if k not in trajectory}
+        for name, values in labels.items():
+            coords[name] = ("agent", np.asarray(values), attrs_of(name))
+        data = {k: state[k].variable for k in state.data_vars if k not in trajectory}
         meta = {"format": FORMAT, "status": "created", "trajectory_variables": json.dumps(list(trajectory))}
         base = xr.Dataset(data, coords=coords, attrs={**meta, **attrs})
         # Time-indexed arrays: metadata only (no chunk is written until a frame is), fill NaN (integer
         # variables, e.g. Born outcomes: -1). Complex variables are Zarr v3 complex arrays.
         arrays = {
-            k: ((n_frames, *state[k].shape), ("time", *state[k].dims), state[k].dtype, _fill(state[k].dtype))
+            k: (
+                (n_frames, *state[k].shape),
+                ("time", *state[k].dims),
+                state[k].dtype,
+                _fill(state[k].dtype),
+                state[k].attrs,
+            )
             for k in trajectory
         }
         for t in terms:
-            arrays[term_var(t)] = ((n_frames,), ("time",), np.float64, np.nan)
-        arrays["saved"] = ((n_frames,), ("time",), np.bool_, False)
+            arrays[term_var(t)] = ((n_frames,), ("time",), np.float64, np.nan, attrs_of(term_var(t)))
+        for name, (dims, shape, a) in records.items():
+            arrays[name] = ((n_frames, *shape), ("time", *dims), np.float64, np.nan, a)
+        arrays["saved"] = ((n_frames,), ("time",), np.bool_, False, attrs_of("saved"))
         try:
             enc = checksummed_encoding(base.variables)
             base.to_zarr(tmp, mode="w", encoding=enc, write_empty_chunks=True, **_zkw())
             g = zarr.open_group(tmp, mode="r+", zarr_format=3)
-            for name, (shape, dims, dtype, fill) in arrays.items():
+            for name, (shape, dims, dtype, fill, a) in arrays.items():
                 g.create_array(
                     name,
                     shape=shape,
@@ -259,9 +302,8 @@ class RunStore:
                     fill_value=fill,
                     compressors=checksummed_encoding([name])[name]["compressors"],
                     dimension_names=dims,
-                    attributes={"coordinates": "step"},
+                    attributes={**a, "coordinates": " ".join(["step", *(labels if "agent" in dims else ())])},
                 )
-            g["saved"].attrs["description"] = "frame written (open_run keeps only these)"
             zarr.open_group(tmp / "checkpoints", mode="w", zarr_format=3)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -304,7 +346,7 @@ class RunStore:
                 f"{self.shown}: zarr.json is damaged ({e}); `vfesim verify {self.shown}` checks the rest"
             ) from None
         attrs = meta.get("attributes") if isinstance(meta, dict) else None
-        if not isinstance(attrs, dict) or attrs.get("format") != FORMAT:
+        if not isinstance(attrs, dict) or attrs.get("format") not in FORMATS:
             raise StoreError(f"{self.shown}: not a vfesim run store (zarr.json has no format {FORMAT!r})")
         return attrs
 
@@ -397,11 +439,10 @@ class RunStore:
         if not frames:
             return
         n = len(frames)
-        dims = self.trajectory()
-        data = {k: (("time", *d), _stack([f[k] for f in frames])) for k, d in dims.items()}
+        data = {}
         for k in frames[0]:
-            if k not in dims:
-                data[k] = (("time",), np.array([f[k] for f in frames], np.float64))
+            values = [f[k] if _is_dask(f[k]) else np.asarray(f[k]) for f in frames]
+            data[k] = (self.dims_of(k), _stack(values))
         region = {"time": slice(start, start + n)}
         kw = {"region": region, "write_empty_chunks": True, **_zkw()}
         try:
@@ -411,6 +452,13 @@ class RunStore:
         except OSError as e:
             what = f"writing frames {start}..{start + n - 1}"
             raise StoreError(f"{self.shown}: {what} failed ({_why(e)})") from e
+
+    def dims_of(self, name: str) -> tuple[str, ...]:
+        """Dims (``time`` first) of a time-indexed array of the store (read once per array)."""
+        if name not in self._all_dims:
+            meta = zarr.open_array(self.path / name, mode="r", zarr_format=3).metadata
+            self._all_dims[name] = tuple(meta.dimension_names)
+        return self._all_dims[name]
 
     def agent_chunk(self) -> int | None:
         """Agents per Zarr chunk of the trajectory (None: the store has no agent-indexed trajectory)."""
@@ -423,7 +471,8 @@ class RunStore:
         """Frames ``start .. stop-1`` back from disk (to refill a partial chunk on resume).
 
         agent_chunks: chunk sizes along ``agent``: the trajectory variables come back as Dask arrays
-        read by the scheduler's workers (energy terms as floats), else as NumPy arrays."""
+        read by the scheduler's workers (energy terms as floats, observables as NumPy arrays, as the
+        run loop makes them), else as NumPy arrays."""
         if stop <= start:
             return []
         ds = xr.open_zarr(self.path, chunks=None, **_zkw()).isel(time=slice(start, stop))
@@ -439,10 +488,12 @@ class RunStore:
         for i in range(stop - start):
             f = {}
             for k in keys:
-                if "agent" in ds[k].dims:
+                if k in self.trajectory():
                     f[k] = lazy[k].data[i].rechunk((agent_chunks, *lazy[k].shape[2:]))
-                else:
+                elif ds[k].ndim == 1:
                     f[k] = float(ds[k].values[i])
+                else:
+                    f[k] = ds[k].values[i]
             out.append(f)
         return out
 

@@ -30,6 +30,8 @@ import xarray as xr
 from ..arrays import array_module as _xp
 from ..config import ConfigError, _check_real, resolve_neighbours
 from ..integrators.base import DynamicsError
+from ..observables import Observables
+from ..schema import history, term_var
 from .channels import (
     coupling_strengths,
     coupling_window,
@@ -300,7 +302,7 @@ def _diagnostics(rho, terms) -> dict[str, Any]:
     xp = _xp(rho)
     s = xp.linalg.eigvalsh(0.5 * (rho + dagger(rho)))
     ent = -xp.where(s > 0, s * xp.log(xp.where(s > 0, s, 1.0)), 0.0).sum(axis=1)
-    out = {f"system_{k}" if k != "total" else "system_free_energy": terms[k] for k in ("total", *TERMS)}
+    out = {term_var(k): terms[k] for k in ("total", *TERMS)}
     out.update(
         agent_purity=xp.einsum("nkl,nlk->n", rho, rho).real,
         agent_entropy=ent,
@@ -339,15 +341,19 @@ def evolve(
     *,
     record_every: int = 1,
     ops: QuantumOps = NUMPY_OPS,
+    observables=None,
 ) -> tuple[xr.Dataset, xr.Dataset]:
     """Run ``n_steps`` steps (module docstring) -> (final state, history).
 
-    history: dim ``step`` (0, r, 2r, ..., and the last step; r = record_every) and ``agent``:
-    ``system_free_energy`` and ``system_<term>`` (F of qcfg), ``agent_purity`` tr rho^2,
+    history: dim ``time`` (coordinates ``step`` = 0, r, 2r, ..., and the last step, r = record_every, and
+    ``time`` = step * dt) and ``agent``: ``energy_total`` and ``energy_<term>`` (F of qcfg, nats;
+    docs/outputs.md), ``agent_purity`` tr rho^2,
     ``agent_entropy`` S(rho), ``system_trace_residual`` max|tr rho - 1|, ``system_hermiticity_residual``
     max|rho - rho^dag|, ``system_min_eigenvalue`` min lambda_min(rho), ``system_mirror_eta`` (the last
     accepted mirror step, NaN without mirror steps). Raises DynamicsError (step, agent, variable) when a
     step leaves rho non-finite, non-positive or with a drifted trace (tolerance 1000 u d).
+    observables: as for :func:`vfesim.run_dynamics` (or a :class:`vfesim.observables.Observables`), each
+    recorded as the history variable of its name.
     """
     if not isinstance(dynamics, QuantumDynamics):
         raise TypeError(f"dynamics: must be a QuantumDynamics, got {type(dynamics).__name__}")
@@ -356,10 +362,14 @@ def evolve(
             raise ValueError(f"{key}: must be an integer >= {lo}, got {v!r}")
     dt = _check_real("dt", dt, positive=True)
     validate_state(qstate, qcfg)
+    obs = observables
+    if not isinstance(obs, Observables):
+        obs = Observables(obs, qcfg, qstate.sizes["agent"], reserved=list(qstate.data_vars))
     arrays = {k: qstate[k].data for k in qstate.data_vars}
     P = prepare(arrays, qcfg, dynamics)
     rho = arrays["rho"]
     rows: list[dict] = []
+    values: list[dict] = []
     steps: list[int] = []
     eta = float("nan")
 
@@ -369,6 +379,8 @@ def evolve(
         row["system_mirror_eta"] = eta
         rows.append(row)
         steps.append(k)
+        if obs.entries:
+            values.append(obs.evaluate(_with_rho(qstate, rho)))
 
     record(0)
     for k in range(1, n_steps + 1):
@@ -390,12 +402,15 @@ def evolve(
     data = {}
     for key in rows[0]:
         col = [to_host(r[key]) for r in rows]
-        data[key] = (("step", "agent") if key.startswith("agent_") else ("step",), np.stack(col))
-    hist = xr.Dataset(
-        data,
-        coords={"step": np.asarray(steps, np.int64)},
-        attrs={"family": "quantum", "dt": dt, "dynamics": repr(dynamics)},
-    )
-    final = qstate.copy()
-    final["rho"] = (qstate["rho"].dims, rho)
-    return final, hist
+        data[key] = (("agent",) if key.startswith("agent_") else (), np.stack(col))
+    data.update(obs.stack(values) if obs.entries else {})
+    attrs = {"family": "quantum", "dt": dt, "dynamics": repr(dynamics)}
+    hist = history(steps, dt, data, attrs, obs.var_attrs)
+    return _with_rho(qstate, rho), hist
+
+
+def _with_rho(qstate: xr.Dataset, rho) -> xr.Dataset:
+    """``qstate`` with the belief ``rho`` replaced (attributes kept)."""
+    out = qstate.copy()
+    out["rho"] = (qstate["rho"].dims, rho, qstate["rho"].attrs)
+    return out

@@ -16,11 +16,12 @@ METHODS = ("channels", "mirror_descent")
 
 
 def run_dynamics(state, cfg, method, dt, n_steps, *, record_every=1, backend="numpy", friction=0.0, seed=0,
-                 **options):  # fmt: skip
+                 observables=None, **options):  # fmt: skip
     """:func:`vfesim.run_dynamics` for density-matrix agents: ``options`` are the fields of
     :class:`.evolve.QuantumDynamics`; method "mirror_descent" means no coupling and ``mirror_steps``
     (default 1) Armijo mirror-descent steps per step. The per-agent stages run in the backend's kernels
-    ("numpy" or "numba"). The dynamics is deterministic: ``seed`` is unused."""
+    ("numpy" or "numba"). The dynamics is deterministic: ``seed`` is unused. ``observables``: see
+    :func:`vfesim.run_dynamics`."""
     from ..backends import get
 
     if method not in METHODS:
@@ -37,7 +38,10 @@ def run_dynamics(state, cfg, method, dt, n_steps, *, record_every=1, backend="nu
     if method == "mirror_descent":
         options = {"coupling": "none", "mirror_steps": 1} | options
     ops = be.agent_ops.get("quantum", NUMPY_OPS)
-    return evolve(state, cfg, QuantumDynamics(**options), dt, n_steps, record_every=record_every, ops=ops)
+    return evolve(
+        state, cfg, QuantumDynamics(**options), dt, n_steps, record_every=record_every, ops=ops,
+        observables=observables,
+    )  # fmt: skip
 
 
 __all__ = ["QUANTUM"]
@@ -47,6 +51,7 @@ QUANTUM = register(
         name="quantum",
         config_type=QuantumConfig,
         variables=state.VARIABLES,
+        attributes=state.ATTRIBUTES,
         required=state.REQUIRED,
         terms=TERMS,
         trajectory=("rho", "phi"),

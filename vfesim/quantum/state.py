@@ -23,7 +23,16 @@ from ..arrays import array_module
 from ..state import StateError, state_dataset
 from .config import DTYPES, QuantumConfig
 
-__all__ = ["VARIABLES", "REQUIRED", "REAL_DTYPE", "make_state", "random_state", "validate_state", "tolerance"]
+__all__ = [
+    "VARIABLES",
+    "ATTRIBUTES",
+    "REQUIRED",
+    "REAL_DTYPE",
+    "make_state",
+    "random_state",
+    "validate_state",
+    "tolerance",
+]
 
 VARIABLES = {
     "rho": ("agent", "bra", "ket"),
@@ -31,6 +40,14 @@ VARIABLES = {
     "temperature": ("agent",),
     "phi": ("agent", "gauge"),
     "outcome": ("agent",),
+}
+# CF attributes of each variable (docs/outputs.md); H_i and T_i share their (dimensionless) unit.
+ATTRIBUTES = {
+    "rho": {"long_name": "density matrix rho_i (belief, in the agent's frame)", "units": "1"},
+    "hamiltonian": {"long_name": "prior Hamiltonian H_i (Gibbs prior exp(-H_i/T_i)/Z)", "units": "1"},
+    "temperature": {"long_name": "prior temperature T_i", "units": "1"},
+    "phi": {"long_name": "frame phi_i (U_i = exp(-i phi_i . J))", "units": "rad"},
+    "outcome": {"long_name": "Born outcome y_i (basis index)", "units": "1"},
 }
 REQUIRED = ("rho", "hamiltonian", "temperature", "phi")
 REAL_DTYPE = {np.dtype(np.complex128): np.dtype(np.float64), np.dtype(np.complex64): np.dtype(np.float32)}
@@ -48,7 +65,7 @@ def make_state(
     data = {"rho": rho, "hamiltonian": hamiltonian, "temperature": temperature, "phi": phi}
     if outcome is not None:
         data["outcome"] = outcome
-    ds = state_dataset("quantum", VARIABLES, data, cfg, rho.dtype)
+    ds = state_dataset("quantum", VARIABLES, data, cfg, rho.dtype, ATTRIBUTES)
     if validate:
         validate_state(ds, cfg)
     return ds
