@@ -185,9 +185,7 @@ def test_weighted_pairs_gradients_match_finite_differences(aggregator):
         assert float((grads[key] * d).sum()) == pytest.approx(fd, rel=1e-7), key
 
 
-def test_unbuilt_backends_and_dynamics_are_refused_by_name():
+def test_unbuilt_backends_are_refused_by_name():
     cfg, st = _case("1d-bounded-softmin")
     with pytest.raises(ValueError, match=r"field agents run on \['numpy', 'numba'\] only"):
         vfesim.energy_and_gradient(st, cfg, backend="dask")
-    with pytest.raises(NotImplementedError, match="no dynamics for 'field' agents"):
-        vfesim.run_dynamics(st, cfg, "gradient_flow", 0.01, 1)
