@@ -138,10 +138,11 @@ def _chunking_lines(chunking: dict | None) -> list[str]:
 
 
 def _size_key(sc: dict) -> str:
-    """The model section's size key: "K = 3" (Gaussian [model]), "d = 2" (a family's own section)."""
+    """The model section's size keys: "K = 3" (Gaussian [model]), "d = 2", "K = 3, grid = [64, 64]" (a
+    family's own section)."""
     shared = ("population", "integrator", "run", "output")
     model = next((v for k, v in sc.items() if k not in shared), {})
-    return ", ".join(f"{k} = {model[k]}" for k in ("K", "d") if k in model) or "?"
+    return ", ".join(f"{k} = {model[k]}" for k in ("K", "d", "grid") if k in model) or "?"
 
 
 def _inspect(path: str, as_json: bool, scenario_only: bool) -> None:

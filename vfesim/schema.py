@@ -41,6 +41,7 @@ ENERGIES = {
     "belief_align": "belief-alignment term of F (attention-weighted)",
     "prior_align": "prior-alignment term of F (attention-weighted)",
     "observation": "observation term of F",
+    "gauge_smoothness": "gauge-smoothness term of F (field agents, lambda_phi)",
     "kinetic": "kinetic energy 1/2 p^T M^-1 p",
     "hamiltonian": "Hamiltonian H = F + kinetic energy",
 }
@@ -62,6 +63,8 @@ DIMS = {
     "latent_b": {"long_name": "latent axis, second index of a covariance", "units": "1"},
     "gauge": {"long_name": "so(3) generator axis (0, 1, 2: x, y, z)", "units": "1"},
     "obs_dim": {"long_name": "observation axis", "units": "1"},
+    "x": {"long_name": "grid coordinate x (spacing * index; field agents)", "units": "1"},
+    "y": {"long_name": "grid coordinate y (spacing * index; field agents)", "units": "1"},
     "bra": {"long_name": "density-matrix row (basis index)", "units": "1"},
     "ket": {"long_name": "density-matrix column (basis index)", "units": "1"},
     "agent_j": {"long_name": "sender agent j", "units": "1"},

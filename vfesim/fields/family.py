@@ -3,8 +3,8 @@ integrators, every (agent, grid point) a point agent (:mod:`.geometry`)."""
 
 from __future__ import annotations
 
-from ..family import AgentFamily, register
-from . import geometry, state
+from ..family import AgentFamily, RunSpec, register
+from . import geometry, runs, state
 from .config import FieldConfig
 from .energy import TERMS, attention, energy_and_gradient
 
@@ -25,5 +25,15 @@ FIELD = register(
         energy_and_gradient=energy_and_gradient,
         attention=attention,
         geometry=geometry,
+        runs=RunSpec(
+            section=runs.SECTION,
+            defaults=runs.DEFAULTS,
+            validate=runs.validate,
+            config_dict=runs.config_dict,
+            initial_state=runs.initial_state,
+            make_integrator=runs.make_integrator,
+            dtypes=runs.RUN_DTYPES,
+            backends=runs.BACKENDS,
+        ),
     )
 )
