@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="PNG figures of a run")
     p.add_argument("store")
     p.add_argument("--outdir", help="where to write PNGs (default: STORE without .zarr + _plots)")
+    p.add_argument(
+        "--time", type=float, help="field runs: model time of the maps (nearest saved frame; default: last)"
+    )
     _common(p)
     p = sub.add_parser("scenarios", help="list the scenarios shipped with vfesim (`vfesim run NAME`)")
     _common(p)
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             from .plots import plot_run
 
             outdir = args.outdir or str(args.store).rstrip("/").removesuffix(".zarr") + "_plots"
-            for p in plot_run(args.store, Path(outdir)):
+            for p in plot_run(args.store, Path(outdir), time=args.time):
                 log.info("wrote %s", p)
         elif args.command == "verify":
             return _verify(args.store)
