@@ -119,7 +119,7 @@ def attention(state: xr.Dataset, cfg, which: str = "belief", *, validate: bool =
     n = beta.shape[0]
     name = "attention" if which == "belief" else "prior_attention"
     if family_of(cfg).name == "field":
-        return _field_attention(state, cfg, beta, name)
+        return _field_attention_array(state, cfg, beta, name)
     if cfg.dense:
         return xr.DataArray(
             beta, dims=("agent", "agent_j"), coords=dim_coords({"agent_j": n}), name=name, attrs=OUTPUTS[name]
@@ -139,7 +139,7 @@ def attention(state: xr.Dataset, cfg, which: str = "belief", *, validate: bool =
     )
 
 
-def _field_attention(state: xr.Dataset, cfg, beta: np.ndarray, name: str) -> xr.DataArray:
+def _field_attention_array(state: xr.Dataset, cfg, beta: np.ndarray, name: str) -> xr.DataArray:
     """Field agents' attention per grid point, (agent, *grid, neighbour), over their neighbour lists."""
     from .fields.supports import neighbour_lists
 
