@@ -22,6 +22,7 @@ __all__ = [
     "ENERGY_PREFIX",
     "ENERGIES",
     "DIMS",
+    "GRID",
     "OUTPUTS",
     "RESERVED",
     "term_var",
@@ -63,12 +64,16 @@ DIMS = {
     "latent_b": {"long_name": "latent axis, second index of a covariance", "units": "1"},
     "gauge": {"long_name": "so(3) generator axis (0, 1, 2: x, y, z)", "units": "1"},
     "obs_dim": {"long_name": "observation axis", "units": "1"},
-    "x": {"long_name": "grid coordinate x (spacing * index; field agents)", "units": "1"},
-    "y": {"long_name": "grid coordinate y (spacing * index; field agents)", "units": "1"},
     "bra": {"long_name": "density-matrix row (basis index)", "units": "1"},
     "ket": {"long_name": "density-matrix column (basis index)", "units": "1"},
     "agent_j": {"long_name": "sender agent j", "units": "1"},
     "neighbour": {"long_name": "neighbour slot of the receiver's list", "units": "1"},
+}
+
+# Grid coordinates of field agents (spacing * index; not integer dims: names observables may take).
+GRID = {
+    "x": {"long_name": "grid coordinate x (spacing * index; field agents)", "units": "1"},
+    "y": {"long_name": "grid coordinate y (spacing * index; field agents)", "units": "1"},
 }
 
 # Every other output variable (long_name, units). Built-in observables: vfesim.observables.BUILTINS.
@@ -120,6 +125,8 @@ def attrs_of(name: str) -> dict[str, str]:
         return {"long_name": ENERGIES.get(term, f"energy term {term!r}"), "units": "nats"}
     if name in OUTPUTS:
         return dict(OUTPUTS[name])
+    if name in GRID:
+        return dict(GRID[name])
     return dict(DIMS[name])
 
 
