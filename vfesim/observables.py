@@ -107,7 +107,8 @@ def attention(state: xr.Dataset, cfg, which: str = "belief", *, validate: bool =
 
     Dense neighbours: a DataArray (agent, agent_j), rows summing to 1, zero diagonal. Sparse: (agent,
     neighbour) aligned with the neighbour lists, with the coordinate ``sender`` (agent, neighbour) (-1 and
-    weight 0 in unused slots). Any agent family; computed with NumPy on the host.
+    weight 0 in unused slots). Field agents: (agent, x[, y], neighbour) at every grid point over their
+    neighbour lists, with ``sender``. Any agent family; computed with NumPy on the host.
     """
     require_dataset(state)
     if which not in ("belief", "prior"):
