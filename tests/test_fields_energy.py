@@ -183,9 +183,3 @@ def test_weighted_pairs_gradients_match_finite_differences(aggregator):
         d = rng.standard_normal(val.shape)
         fd = (f({**args, key: val + eps * d})[0] - f({**args, key: val - eps * d})[0]) / (2 * eps)
         assert float((grads[key] * d).sum()) == pytest.approx(fd, rel=1e-7), key
-
-
-def test_unbuilt_dynamics_are_refused_by_name():
-    cfg, st = _case("1d-bounded-softmin")
-    with pytest.raises(NotImplementedError, match="no dynamics for 'field' agents"):
-        vfesim.run_dynamics(st, cfg, "gradient_flow", 0.01, 1)

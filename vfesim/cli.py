@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="PNG figures of a run")
     p.add_argument("store")
     p.add_argument("--outdir", help="where to write PNGs (default: STORE without .zarr + _plots)")
+    p.add_argument(
+        "--time", type=float, help="field runs: model time of the maps (nearest saved frame; default: last)"
+    )
     _common(p)
     p = sub.add_parser("scenarios", help="list the scenarios shipped with vfesim (`vfesim run NAME`)")
     _common(p)
@@ -138,10 +141,11 @@ def _chunking_lines(chunking: dict | None) -> list[str]:
 
 
 def _size_key(sc: dict) -> str:
-    """The model section's size key: "K = 3" (Gaussian [model]), "d = 2" (a family's own section)."""
+    """The model section's size keys: "K = 3" (Gaussian [model]), "d = 2", "K = 3, grid = [64, 64]" (a
+    family's own section)."""
     shared = ("population", "integrator", "run", "output")
     model = next((v for k, v in sc.items() if k not in shared), {})
-    return ", ".join(f"{k} = {model[k]}" for k in ("K", "d") if k in model) or "?"
+    return ", ".join(f"{k} = {model[k]}" for k in ("K", "d", "grid") if k in model) or "?"
 
 
 def _inspect(path: str, as_json: bool, scenario_only: bool) -> None:
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             from .plots import plot_run
 
             outdir = args.outdir or str(args.store).rstrip("/").removesuffix(".zarr") + "_plots"
-            for p in plot_run(args.store, Path(outdir)):
+            for p in plot_run(args.store, Path(outdir), time=args.time):
                 log.info("wrote %s", p)
         elif args.command == "verify":
             return _verify(args.store)

@@ -67,7 +67,9 @@ class AgentFamily:
     energy_and_gradient(arrays, cfg, backend) -> (terms, grads): the one assembly of the family's free
         energy over raw arrays, executed with the capabilities of ``backend`` (a :class:`Backend`).
     attention(arrays, cfg, which) -> weights (NumPy).
-    geometry: integrator coordinates of the family (fields grouped as the integrators move them).
+    geometry: integrator coordinates of the family (fields grouped as the integrators move them);
+        optional hooks: ``adapt_updates(ops, cfg)`` (the backend's point-agent update operations for the
+        family's arrays) and ``frozen(state)`` (a mask of points Hamiltonian momenta start at rest on).
     dynamics(state, cfg, method, dt, n_steps, *, record_every, backend, friction, seed, observables,
         **options) ->
         (final state, history): the family's own in-memory dynamics, for families whose motion is not a

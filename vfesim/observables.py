@@ -76,9 +76,13 @@ def attention_entropy(beta: np.ndarray) -> np.ndarray:
 
 
 def _beta(arrays: Mapping[str, np.ndarray], cfg, which: str = "belief") -> np.ndarray:
-    """Attention (N, N), or (N, k) for sparse neighbours with 0 in unused slots."""
+    """Attention (N, N), or (N, k) for sparse neighbours with 0 in unused slots (field agents: (N, *grid,
+    k) over their neighbour lists, 0 in unused slots and where the receiver or sender is absent)."""
     beta = np.asarray(family_of(cfg).attention(dict(arrays), cfg, which), np.float64)
-    return beta if cfg.dense else np.where(cfg.neighbours.mask, beta, 0.0)
+    if cfg.dense:
+        return beta
+    mask = cfg.neighbours.mask
+    return np.where(mask.reshape(mask.shape[0], *[1] * (beta.ndim - 2), mask.shape[1]), beta, 0.0)
 
 
 def _dense(beta: np.ndarray, cfg) -> np.ndarray:
@@ -103,7 +107,8 @@ def attention(state: xr.Dataset, cfg, which: str = "belief", *, validate: bool =
 
     Dense neighbours: a DataArray (agent, agent_j), rows summing to 1, zero diagonal. Sparse: (agent,
     neighbour) aligned with the neighbour lists, with the coordinate ``sender`` (agent, neighbour) (-1 and
-    weight 0 in unused slots). Any agent family; computed with NumPy on the host.
+    weight 0 in unused slots). Field agents: (agent, x[, y], neighbour) at every grid point over their
+    neighbour lists, with ``sender``. Any agent family; computed with NumPy on the host.
     """
     require_dataset(state)
     if which not in ("belief", "prior"):
@@ -114,6 +119,8 @@ def attention(state: xr.Dataset, cfg, which: str = "belief", *, validate: bool =
     beta = _beta({k: state[k].values for k in state.data_vars}, cfg, which)
     n = beta.shape[0]
     name = "attention" if which == "belief" else "prior_attention"
+    if family_of(cfg).name == "field":
+        return _field_attention_array(state, cfg, beta, name)
     if cfg.dense:
         return xr.DataArray(
             beta, dims=("agent", "agent_j"), coords=dim_coords({"agent_j": n}), name=name, attrs=OUTPUTS[name]
@@ -131,6 +138,21 @@ def attention(state: xr.Dataset, cfg, which: str = "belief", *, validate: bool =
         name=name,
         attrs=OUTPUTS[name],
     )
+
+
+def _field_attention_array(state: xr.Dataset, cfg, beta: np.ndarray, name: str) -> xr.DataArray:
+    """Field agents' attention per grid point, (agent, *grid, neighbour), over their neighbour lists."""
+    from .fields.supports import neighbour_lists
+
+    index, mask = neighbour_lists(state["support"].values, cfg)
+    grid = cfg.grid_dims
+    coords = {
+        "sender": (("agent", "neighbour"), np.where(mask, index, -1), OUTPUTS["sender"]),
+        **dim_coords({"neighbour": beta.shape[-1]}),
+        **{d: state.coords[d] for d in grid if d in state.coords},
+    }
+    attrs = {**OUTPUTS[name], "long_name": OUTPUTS[name]["long_name"] + " at each grid point"}
+    return xr.DataArray(beta, dims=("agent", *grid, "neighbour"), coords=coords, name=name, attrs=attrs)
 
 
 # --- built-ins ----------------------------------------------------------------------------------
@@ -173,6 +195,7 @@ class _Builtin:
     fn: Callable[[_Frame], Any]
     dims: tuple[str, ...]
     doc: str
+    attrs: dict | None = None  # None: OUTPUTS[name]
 
 
 # Built-in observables: name -> function of a frame, dims per frame (after time).
@@ -187,6 +210,89 @@ BUILTINS = {
         lambda f: attention_entropy(f.beta), ("agent",), "entropy of each agent's belief attention row"
     ),
     "attention": _Builtin(_attention, ("agent", "agent_j"), "full belief attention beta (agent, agent_j)"),
+}
+
+
+# Field agents (vfesim.fields): the built-ins as support-weighted sums over the grid. With chi_i(c) the
+# supports: belief_spread is the RMS distance of mu_i(c) from the chi-weighted mean of the agents at c
+# (local disagreement, over every covered (agent, point)); mean_frame_angle the chi-weighted mean angle;
+# attention_entropy and attention the chi_i-weighted means over the grid of agent i's attention row.
+def _field_weights(f: _Frame) -> np.ndarray:
+    chi = np.asarray(f.arrays["support"], np.float64)
+    return chi.reshape(chi.shape[0], -1)
+
+
+def _field_belief_spread(f: _Frame) -> float:
+    w = _field_weights(f)
+    mu = np.asarray(f.arrays["mu_q"], np.float64).reshape(*w.shape, -1)
+    tot = w.sum(axis=0)
+    local = np.einsum("np,npk->pk", w, mu) / np.where(tot > 0, tot, 1.0)[:, None]
+    return float(np.sqrt(np.sum(w * np.sum((mu - local) ** 2, axis=-1)) / w.sum()))
+
+
+def _field_mean_frame_angle(f: _Frame) -> float:
+    w = _field_weights(f)
+    return float(np.sum(w * rotation_angle(f.arrays["phi"]).reshape(w.shape)) / w.sum())
+
+
+def _field_attention_entropy(f: _Frame) -> np.ndarray:
+    w = _field_weights(f)
+    beta = f.beta.reshape(*w.shape, -1)
+    H = -np.sum(beta * np.log(np.where(beta > 0, beta, 1.0)), axis=-1)
+    return np.sum(w * H, axis=1) / w.sum(axis=1)
+
+
+def _field_attention(f: _Frame) -> np.ndarray:
+    from .fields.supports import neighbour_lists
+
+    w = _field_weights(f)
+    mean = np.einsum("np,npk->nk", w, f.beta.reshape(*w.shape, -1)) / w.sum(axis=1)[:, None]
+    index, mask = neighbour_lists(f.arrays["support"], f.cfg)
+    n = w.shape[0]
+    out = np.zeros((n, n))
+    rows = np.broadcast_to(np.arange(n)[:, None], index.shape)
+    out[rows[mask], index[mask]] = mean[mask]
+    return out
+
+
+_WEIGHTED = " (field agents: support-weighted over the grid)"
+FAMILY_BUILTINS = {
+    "field": {
+        "belief_spread": _Builtin(
+            _field_belief_spread,
+            (),
+            "RMS distance of mu_i(c) from the support-weighted mean of the agents at c",
+            {
+                "long_name": "local spread of beliefs (RMS distance from the support-weighted mean at each "
+                "grid point)",
+                "units": "1",
+            },
+        ),  # fmt: skip
+        "mean_frame_angle": _Builtin(
+            _field_mean_frame_angle,
+            (),
+            "support-weighted mean frame rotation angle",
+            {
+                **OUTPUTS["mean_frame_angle"],
+                "long_name": OUTPUTS["mean_frame_angle"]["long_name"] + _WEIGHTED,
+            },
+        ),
+        "attention_entropy": _Builtin(
+            _field_attention_entropy,
+            ("agent",),
+            "support-weighted mean over the grid of each agent's attention entropy",
+            {
+                **OUTPUTS["attention_entropy"],
+                "long_name": OUTPUTS["attention_entropy"]["long_name"] + _WEIGHTED,
+            },
+        ),
+        "attention": _Builtin(
+            _field_attention,
+            ("agent", "agent_j"),
+            "support-weighted mean over the grid of the belief attention (agent, agent_j)",
+            {**OUTPUTS["attention"], "long_name": OUTPUTS["attention"]["long_name"] + _WEIGHTED},
+        ),
+    }
 }
 
 
@@ -256,13 +362,13 @@ class Observables:
             problem = unknown_builtin(what)
             if problem:
                 raise ValueError(f"observables.{name}: {problem}")
-            b = BUILTINS[what]
+            b = FAMILY_BUILTINS.get(family_of(self.cfg).name, {}).get(what, BUILTINS[what])
             if what == "attention" and self.n_agents > ATTENTION_FULL_MAX:
                 raise ValueError(
                     f"observables.{name}: the full attention of {self.n_agents} agents is N^2 values per "
                     f"frame; at most {ATTENTION_FULL_MAX} agents (attention_entropy summarises it for any N)"
                 )
-            return _Entry(b.fn, b.dims, dict(OUTPUTS[what]))
+            return _Entry(b.fn, b.dims, dict(b.attrs or OUTPUTS[what]))
         if isinstance(what, Observable):
             fn, attrs = what.fn, {"long_name": what.long_name or name, "units": what.units}
         else:

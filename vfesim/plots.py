@@ -264,20 +264,26 @@ def plot_frames(ds, path: Path) -> Path:
 
 
 # Figures of the other families: family name -> module with ``figures(ds, outdir) -> [paths]``.
-FAMILY_FIGURES = {"quantum": "vfesim.plots_quantum"}
+FAMILY_FIGURES = {"quantum": "vfesim.plots_quantum", "field": "vfesim.plots_fields"}
+# Families whose figures take ``time`` (maps at a chosen time).
+TIMED = ("field",)
 
 
-def plot_run(store: str | Path, outdir: str | Path) -> list[Path]:
+def plot_run(store: str | Path, outdir: str | Path, *, time: float | None = None) -> list[Path]:
     """Write energy.png, attention.png, beliefs.png and frames.png for a run (other families: their
-    module in FAMILY_FIGURES); return the paths."""
+    module in FAMILY_FIGURES); return the paths. ``time``: the model time of the maps of a field run
+    (nearest saved frame; default the last)."""
     ds = open_run(store)
     if ds.sizes["time"] == 0:
         raise StoreError(f"{store}: no saved frames to plot")
+    family = ds.attrs.get("agent_family", "gaussian")
+    if time is not None and family not in TIMED:
+        raise ValueError(f"time: maps at a chosen time are drawn for field runs, this is a {family} run")
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    family = ds.attrs.get("agent_family", "gaussian")
     if family in FAMILY_FIGURES:
-        return importlib.import_module(FAMILY_FIGURES[family]).figures(ds, outdir)
+        kw = {"time": time} if family in TIMED else {}
+        return importlib.import_module(FAMILY_FIGURES[family]).figures(ds, outdir, **kw)
     cfg = ModelConfig.from_json(ds.attrs["model_config"])
     return [
         plot_energy(ds, outdir / "energy.png"),

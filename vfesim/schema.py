@@ -22,6 +22,7 @@ __all__ = [
     "ENERGY_PREFIX",
     "ENERGIES",
     "DIMS",
+    "GRID",
     "OUTPUTS",
     "RESERVED",
     "term_var",
@@ -41,6 +42,7 @@ ENERGIES = {
     "belief_align": "belief-alignment term of F (attention-weighted)",
     "prior_align": "prior-alignment term of F (attention-weighted)",
     "observation": "observation term of F",
+    "gauge_smoothness": "gauge-smoothness term of F (field agents, lambda_phi)",
     "kinetic": "kinetic energy 1/2 p^T M^-1 p",
     "hamiltonian": "Hamiltonian H = F + kinetic energy",
 }
@@ -66,6 +68,12 @@ DIMS = {
     "ket": {"long_name": "density-matrix column (basis index)", "units": "1"},
     "agent_j": {"long_name": "sender agent j", "units": "1"},
     "neighbour": {"long_name": "neighbour slot of the receiver's list", "units": "1"},
+}
+
+# Grid coordinates of field agents (spacing * index; not integer dims: names observables may take).
+GRID = {
+    "x": {"long_name": "grid coordinate x (spacing * index; field agents)", "units": "1"},
+    "y": {"long_name": "grid coordinate y (spacing * index; field agents)", "units": "1"},
 }
 
 # Every other output variable (long_name, units). Built-in observables: vfesim.observables.BUILTINS.
@@ -117,6 +125,8 @@ def attrs_of(name: str) -> dict[str, str]:
         return {"long_name": ENERGIES.get(term, f"energy term {term!r}"), "units": "nats"}
     if name in OUTPUTS:
         return dict(OUTPUTS[name])
+    if name in GRID:
+        return dict(GRID[name])
     return dict(DIMS[name])
 
 

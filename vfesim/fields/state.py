@@ -21,6 +21,7 @@ import xarray as xr
 
 from ..gaussian import state as point_state
 from ..gaussian.state import ATTRIBUTES as _GAUSSIAN_ATTRIBUTES
+from ..schema import attrs_of
 from ..state import StateError, state_dataset
 from . import supports as sup
 from .config import FieldConfig
@@ -73,9 +74,9 @@ def make_state(
         data["obs"] = obs
     if validate:  # on the arrays first: a shape error names the variable, not an xarray dim clash
         validate_state(data, cfg)
-    ds = state_dataset("field", variables(cfg), data, cfg, mu_q.dtype)
+    ds = state_dataset("field", variables(cfg), data, cfg, mu_q.dtype, ATTRIBUTES)
     if tuple(ds.sizes[d] for d in cfg.grid_dims) == cfg.grid:
-        ds = ds.assign_coords(cfg.coords())
+        ds = ds.assign_coords({d: (d, v, attrs_of(d)) for d, v in cfg.coords().items()})
     return ds
 
 
@@ -90,6 +91,7 @@ def random_state(
     area: float | None = None,
     sigma: float | None = None,
     radius: float | None = None,
+    constant: bool = False,
     **point_options,
 ) -> xr.Dataset:
     """A reproducible random field population.
@@ -99,6 +101,8 @@ def random_state(
     beyond 3 sigma; ``area`` (default: twice the grid's area per agent) or ``sigma``), "disc" (``radius``,
     default from the same area), "full" (chi = 1 everywhere) or an array (n_agents, *grid).
     placement of bump and disc centres: "random", "lattice" or an array (n_agents, ndim).
+    constant: one draw per agent (:func:`vfesim.gaussian.state.random_state` of ``n_agents`` point
+    agents), the same at every grid point: fields constant over the grid.
     """
     if isinstance(n_agents, bool) or not isinstance(n_agents, (int, np.integer)) or n_agents < 1:
         raise StateError("n_agents", f"must be a positive integer, got {n_agents!r}")
@@ -106,12 +110,19 @@ def random_state(
         raise StateError(
             "agent", f"config has sparse neighbours for {cfg.neighbours.n_agents} agents, not {n_agents}"
         )
-    P = cfg.n_points
+    P = 1 if constant else cfg.n_points
     point_cfg = cfg.point.replace(neighbours="dense")
     pts = point_state.random_state(point_cfg, n_agents * P, seed, dtype or cfg.dtype, **point_options)
     dt = pts["mu_q"].dtype
     shape = lambda k: (n_agents, *cfg.grid, *pts[k].shape[1:])
-    arrays = {k: pts[k].data.reshape(shape(k)) for k in pts.data_vars}
+    if constant:
+        grid1 = (1,) * cfg.ndim
+        arrays = {
+            k: np.broadcast_to(pts[k].data.reshape(n_agents, *grid1, *pts[k].shape[1:]), shape(k)).copy()
+            for k in pts.data_vars
+        }
+    else:
+        arrays = {k: pts[k].data.reshape(shape(k)) for k in pts.data_vars}
     chi = _random_support(cfg, n_agents, seed, support, placement, area, sigma, radius)
     return make_state(cfg, *(arrays[k] for k in POINT_VARIABLES[:5]), chi.astype(dt), arrays.get("obs"))
 

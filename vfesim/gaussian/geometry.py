@@ -115,38 +115,40 @@ def _tril(K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return r, c, np.flatnonzero(r == c)
 
 
+# The chart maps and the Fisher metric take any leading batch dims (N, ...): field agents keep their
+# grid dims there. Batch axes are indexed with "...", which leaves (N, ...) results bitwise as they were.
 def theta_to_L(theta: np.ndarray, K: int) -> np.ndarray:
-    """theta (N, T) -> lower-triangular L (N, K, K) with L_kk = exp(theta_kk)."""
+    """theta (..., T) -> lower-triangular L (..., K, K) with L_kk = exp(theta_kk)."""
     r, c, d = _tril(K)
-    L = np.zeros(theta.shape[:1] + (K, K), theta.dtype)
-    L[:, r, c] = theta
-    L[:, r[d], c[d]] = np.exp(theta[:, d])
+    L = np.zeros(theta.shape[:-1] + (K, K), theta.dtype)
+    L[..., r, c] = theta
+    L[..., r[d], c[d]] = np.exp(theta[..., d])
     return L
 
 
 def theta_to_sigma(theta: np.ndarray, K: int) -> np.ndarray:
-    """Sigma = L L^T (N, K, K) from theta (N, T)."""
+    """Sigma = L L^T (..., K, K) from theta (..., T)."""
     L = theta_to_L(theta, K)
-    S = L @ np.swapaxes(L, 1, 2)
-    return 0.5 * (S + np.swapaxes(S, 1, 2))
+    S = L @ np.swapaxes(L, -1, -2)
+    return 0.5 * (S + np.swapaxes(S, -1, -2))
 
 
 def sigma_to_theta(S: np.ndarray) -> np.ndarray:
-    """theta (N, T) of an SPD batch S (N, K, K) (Cholesky, log of the diagonal)."""
+    """theta (..., T) of an SPD batch S (..., K, K) (Cholesky, log of the diagonal)."""
     K = S.shape[-1]
     r, c, d = _tril(K)
-    theta = np.linalg.cholesky(S)[:, r, c]
-    theta[:, d] = np.log(theta[:, d])
+    theta = np.linalg.cholesky(S)[..., r, c]
+    theta[..., d] = np.log(theta[..., d])
     return theta
 
 
 def theta_grad(G: np.ndarray, L: np.ndarray) -> np.ndarray:
-    """dF/dtheta (N, T) from the symmetric G = dF/dSigma (N, K, K): dF/dL = 2 G L (lower part),
+    """dF/dtheta (..., T) from the symmetric G = dF/dSigma (..., K, K): dF/dL = 2 G L (lower part),
     times L_kk on the log-diagonal (dL_kk = L_kk dtheta_kk)."""
     K = L.shape[-1]
     r, c, d = _tril(K)
-    out = (2.0 * (G @ L))[:, r, c]
-    out[:, d] *= L[:, r[d], c[d]]
+    out = (2.0 * (G @ L))[..., r, c]
+    out[..., d] *= L[..., r[d], c[d]]
     return out
 
 
@@ -173,14 +175,14 @@ def kick_drift(
 
 # --- Fisher metric in log-Cholesky coordinates ----------------------------------------------------
 def _fisher_columns(L: np.ndarray) -> np.ndarray:
-    """C (N, T, K, K): A = L^-1 dL = sum_a v_a C_a, C_a = L^-1 E_a with E_a = e_k e_l^T (l < k) or
+    """C (..., T, K, K): A = L^-1 dL = sum_a v_a C_a, C_a = L^-1 E_a with E_a = e_k e_l^T (l < k) or
     L_kk e_k e_k^T (diagonal)."""
-    N, K, _ = L.shape
+    K = L.shape[-1]
     r, c, d = _tril(K)
     Linv = np.linalg.inv(L)
-    C = np.zeros((N, r.size, K, K), L.dtype)
+    C = np.zeros(L.shape[:-2] + (r.size, K, K), L.dtype)
     for a, (k, l) in enumerate(zip(r, c, strict=True)):
-        C[:, a, :, l] = Linv[:, :, k] * (L[:, k, k][:, None] if k == l else 1.0)
+        C[..., a, :, l] = Linv[..., :, k] * (L[..., k, k][..., None] if k == l else 1.0)
     return C
 
 
@@ -190,15 +192,15 @@ def _weights(K: int, dtype) -> np.ndarray:
 
 
 def fisher_metric_theta(L: np.ndarray) -> np.ndarray:
-    """g (N, T, T) with v^T g v = 1/2 tr(Sigma^-1 dS Sigma^-1 dS) = sum_{k>l} A_kl^2 + 2 sum_k A_kk^2,
+    """g (..., T, T) with v^T g v = 1/2 tr(Sigma^-1 dS Sigma^-1 dS) = sum_{k>l} A_kl^2 + 2 sum_k A_kk^2,
     A = L^-1 dL (lower triangular), dL the image of the coordinate velocity v."""
     C = _fisher_columns(L)
     W = _weights(L.shape[-1], L.dtype)
-    return np.einsum("nakl,kl,nbkl->nab", C, W, C)
+    return np.einsum("...akl,kl,...bkl->...ab", C, W, C)
 
 
 def fisher_kinetic_theta_grad(L: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """d/dtheta of f(theta; v) = v^T g(theta) v at fixed velocity v (N, T) -> (N, T).
+    """d/dtheta of f(theta; v) = v^T g(theta) v at fixed velocity v (..., T) -> (..., T).
 
     With A = L^-1 Ldot (Ldot: off-diagonal v_kl, diagonal L_kk v_kk) and B = W o A (W = 2 on the diagonal,
     1 below): df = 2<B, dA>, dA = -L^-1 dL A + L^-1 dLdot, so df/dL = -2 L^-T B A^T and
@@ -207,16 +209,16 @@ def fisher_kinetic_theta_grad(L: np.ndarray, v: np.ndarray) -> np.ndarray:
     K = L.shape[-1]
     r, c, d = _tril(K)
     Ld = np.zeros_like(L)
-    Ld[:, r, c] = v
-    Ld[:, r[d], c[d]] = L[:, r[d], c[d]] * v[:, d]
+    Ld[..., r, c] = v
+    Ld[..., r[d], c[d]] = L[..., r[d], c[d]] * v[..., d]
     Linv = np.linalg.inv(L)
     A = np.tril(Linv @ Ld)
     B = _weights(K, L.dtype) * A
-    LiB = np.swapaxes(Linv, 1, 2) @ B
-    gL = -2.0 * (LiB @ np.swapaxes(A, 1, 2))
-    out = gL[:, r, c]
-    Lkk = L[:, r[d], c[d]]
-    out[:, d] = out[:, d] * Lkk + 2.0 * LiB[:, r[d], c[d]] * Lkk * v[:, d]
+    LiB = np.swapaxes(Linv, -1, -2) @ B
+    gL = -2.0 * (LiB @ np.swapaxes(A, -1, -2))
+    out = gL[..., r, c]
+    Lkk = L[..., r[d], c[d]]
+    out[..., d] = out[..., d] * Lkk + 2.0 * LiB[..., r[d], c[d]] * Lkk * v[..., d]
     return out
 
 

@@ -120,6 +120,17 @@ def energy_fn(cfg: ModelConfig, backend, override: EnergyFn | None = None) -> En
     return fn
 
 
+def update_ops(cfg: ModelConfig, backend) -> Any:
+    """The integrator update operations of ``backend`` (a Backend) for ``cfg``'s family: the backend's
+    point-agent operations (``backend.updates(K)``), adapted by the family's geometry where it has
+    ``adapt_updates(ops, cfg)`` (field agents: the grid flattened into the batch)."""
+    from ..family import family_of
+
+    ops = backend.updates(cfg.K)
+    adapt = getattr(family_of(cfg).geometry, "adapt_updates", None)
+    return ops if adapt is None else adapt(ops, cfg)
+
+
 def with_arrays(state: xr.Dataset, arrays: Mapping[str, Any]) -> xr.Dataset:
     """A new Dataset like ``state`` with some variables' data replaced (no copy of the rest)."""
     data = {k: (v.dims, arrays[k] if k in arrays else v.data, v.attrs) for k, v in state.data_vars.items()}
@@ -155,7 +166,7 @@ def guard_terms(step: int, terms: Mapping[str, float]) -> None:
             raise DynamicsError(step, f"terms[{k!r}]", f"energy term is {v}")
 
 
-__all__ += ["check_fields", "state_arrays"]
+__all__ += ["check_fields", "state_arrays", "update_ops"]
 
 
 def make_restore(name: str, cfg: ModelConfig, aux_names, dev, efn: EnergyFn, make_carry: Callable):

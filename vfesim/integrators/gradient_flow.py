@@ -39,6 +39,7 @@ from .base import (
     guard_terms,
     make_restore,
     state_arrays,
+    update_ops,
     with_arrays,
 )
 
@@ -129,7 +130,7 @@ def make_gradient_flow(
     size eta."""
     opt, fields, eta, moving, mode, b1, b2, eps = flow_settings(cfg, dt, friction, options)
     efn = energy_fn(cfg, backend, opt["energy"])
-    ops = backend.updates(cfg.K)
+    ops = update_ops(cfg, backend)
     dev = ops if backend.on_device else None
     eta_dev = dev.put(eta) if dev is not None else None
     aux_names = tuple(f"adam_{w}_{k}" for k in moving for w in ("m", "v")) if mode == 2 else ()

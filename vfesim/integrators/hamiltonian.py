@@ -63,6 +63,7 @@ from .base import (
     guard_terms,
     make_restore,
     state_arrays,
+    update_ops,
     with_arrays,
 )
 from .device import host_array
@@ -166,7 +167,7 @@ def _setup(method: str, cfg: ModelConfig, dt: float, backend, friction: float, o
         p_names += [f"p_{m}", f"p_{s}"]
         if frame is not None and m == blocks[0][0]:
             p_names.append(f"p_{frame}")
-    ops = backend.updates(cfg.K)
+    ops = update_ops(cfg, backend)
     return _Setup(
         method=method,
         cfg=cfg,
@@ -200,14 +201,16 @@ def _kinetic_riemann(c: _Setup, aux) -> float:
     out = 0.0
     for m, s in c.blocks:
         L = theta_to_L(aux[f"theta_{s}"], c.K)
-        S = L @ np.swapaxes(L, 1, 2)
+        S = L @ np.swapaxes(L, -1, -2)
         pm, pt = aux[f"p_{m}"], aux[f"p_{s}"]
-        out += 0.5 * c.inv_m[m] * float(np.einsum("na,nab,nb->", pm, S, pm))
+        K, T = c.K, pt.shape[-1]  # batch dims (agent, ...) flattened: field agents have grid dims
+        pm2, S2 = pm.reshape(-1, K), S.reshape(-1, K, K)
+        out += 0.5 * c.inv_m[m] * float(np.einsum("na,nab,nb->", pm2, S2, pm2))
         solve = lambda L, pt: np.linalg.solve(fisher_metric_theta(L), pt[..., None])[..., 0]
         v = linalg_named(
             f"theta_{s}", "the Fisher-metric solve", solve, L, pt, labels=(f"theta_{s}", f"p_{s}")
         )
-        out += 0.5 * c.inv_m[s] * float(np.einsum("na,na->", pt, v))
+        out += 0.5 * c.inv_m[s] * float(np.einsum("na,na->", pt.reshape(-1, T), v.reshape(-1, T)))
     if c.frame is not None:
         out += 0.5 * c.inv_m[c.frame] * _sq(aux[f"p_{c.frame}"])
     return out
@@ -222,9 +225,13 @@ def _make_init(c: _Setup, seed: int, restore, riemann: bool):
     if c.frame is not None:
         role[f"p_{c.frame}"] = (c.frame, "frame", None)
 
+    # Points the family's geometry keeps still (field agents: outside the supports) start at rest.
+    still = getattr(family_of(c.cfg).geometry, "frozen", None)
+
     def init(state: xr.Dataset) -> Carry:
         validate_state(state, c.cfg)
         rng = np.random.default_rng(seed)
+        rest = None if still is None else host_array(still(state))
         aux, new = {}, {}
         dtype = state[c.blocks[0][0]].dtype
         for _, s in c.blocks:
@@ -240,10 +247,12 @@ def _make_init(c: _Setup, seed: int, restore, riemann: bool):
             z = rng.standard_normal(shape)
             if riemann and kind == "mean":
                 L = np.linalg.cholesky(np.asarray(state[cov].data, np.float64))
-                z = np.linalg.solve(np.swapaxes(L, 1, 2), z[..., None])[..., 0]  # cov L^-T L^-1 = Sigma^-1
+                z = np.linalg.solve(np.swapaxes(L, -1, -2), z[..., None])[..., 0]  # cov L^-T L^-1 = Sigma^-1
             elif riemann and kind == "cov":
                 g = fisher_metric_theta(theta_to_L(aux[f"theta_{field}"].astype(np.float64), c.K))
                 z = (np.linalg.cholesky(g) @ z[..., None])[..., 0]
+            if rest is not None:
+                z[rest] = 0.0
             aux[name] = (math.sqrt(c.mass[field]) * z).astype(dtype)
         return restore(with_arrays(state, new), 0, aux, rng.bit_generator.state)
 
@@ -361,7 +370,7 @@ def _make_riemann_step(c: _Setup, make_carry):
         v = np.linalg.solve(g, p_th[..., None])[..., 0] * inv_m[s]
         # K_mu = 1/2 p^T Sigma p / m: dK/dSigma = 1/2 p p^T / m; K_th = 1/2 m v^T g v at fixed p:
         # dK/dtheta = -1/2 m d(v^T g v)/dtheta at fixed v.
-        Gk = 0.5 * inv_m[m] * p_mu[:, :, None] * p_mu[:, None, :]
+        Gk = 0.5 * inv_m[m] * p_mu[..., :, None] * p_mu[..., None, :]
         dk = theta_grad(Gk, L) - 0.5 * mass[s] * fisher_kinetic_theta_grad(L, v)
         return dk, v, L
 
@@ -435,9 +444,9 @@ def _make_riemann_step(c: _Setup, make_carry):
                     break
                 if it == max_iter:
                     raise _not_converged(n, f"theta_{s}", "position", err, change)
-            S0 = L0 @ np.swapaxes(L0, 1, 2)
+            S0 = L0 @ np.swapaxes(L0, -1, -2)
             S1 = theta_to_sigma(th, K)
-            arrays[m] = arrays[m] + (0.5 * h * inv_m[m]) * np.einsum("nab,nb->na", S0 + S1, pm)
+            arrays[m] = arrays[m] + (0.5 * h * inv_m[m]) * np.einsum("...ab,...b->...a", S0 + S1, pm)
             aux[f"theta_{s}"] = th
             arrays[s] = S1
         if fr is not None:
