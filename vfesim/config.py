@@ -13,7 +13,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ConfigError", "JsonConfig", "ModelConfig", "SparseNeighbours", "resolve_neighbours"]
+__all__ = [
+    "ConfigError",
+    "JsonConfig",
+    "ModelConfig",
+    "SparseNeighbours",
+    "resolve_neighbours",
+    "scenario_bool",
+    "scenario_range",
+    "scenario_real",
+]
 
 AGGREGATORS = ("expected", "softmin")
 DTYPES = ("float32", "float64")
@@ -321,3 +330,33 @@ class ModelConfig(JsonConfig):
         if d.get("irreps") is not None and not isinstance(d["irreps"], (int, np.integer)):
             d["irreps"] = tuple(d["irreps"])
         return d
+
+
+# Checks of scenario values (the families' run sections, vfesim.*.runs): a ConfigError names the key.
+def scenario_real(
+    key: str, v: Any, lo: float | None = None, strict: bool = False, hi: float | None = None
+) -> float:
+    """A finite number, >= lo (> lo when ``strict``) and < hi where given."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
+        raise ConfigError(key, f"must be a finite number, got {v!r}")
+    if lo is not None and (v <= lo if strict else v < lo):
+        raise ConfigError(key, f"must be {'>' if strict else '>='} {lo}, got {v}")
+    if hi is not None and v >= hi:
+        raise ConfigError(key, f"must be < {hi:.6g}, got {v}")
+    return float(v)
+
+
+def scenario_bool(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(key, f"must be true or false, got {v!r}")
+    return v
+
+
+def scenario_range(key: str, v: Any) -> tuple[float, float]:
+    """A pair [lo, hi] of numbers with 0 < lo <= hi."""
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise ConfigError(key, f"must be a pair [lo, hi], got {v!r}")
+    lo, hi = (scenario_real(key, x, 0.0, strict=True) for x in v)
+    if lo > hi:
+        raise ConfigError(key, f"needs lo <= hi, got [{lo}, {hi}]")
+    return lo, hi

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from ..config import ConfigError, SparseNeighbours
+from ..config import ConfigError, SparseNeighbours, scenario_bool, scenario_range, scenario_real
 from .config import FieldConfig
 from .state import random_state
 
@@ -79,28 +79,10 @@ def _int(key: str, v: Any, lo: int) -> int:
 
 
 def _real(key: str, v: Any, lo: float = 0.0, strict: bool = False, hi: float | None = None) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
-        raise ConfigError(key, f"must be a finite number, got {v!r}")
-    if v < lo or (strict and v == lo):
-        raise ConfigError(key, f"must be {'>' if strict else '>='} {lo}, got {v}")
-    if hi is not None and v >= hi:
-        raise ConfigError(key, f"must be < {hi:.6g}, got {v}")
-    return float(v)
+    return scenario_real(key, v, lo, strict, hi)
 
 
-def _bool(key: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(key, f"must be true or false, got {v!r}")
-    return v
-
-
-def _range(key: str, v: Any) -> tuple[float, float]:
-    if not isinstance(v, (list, tuple)) or len(v) != 2:
-        raise ConfigError(key, f"must be a pair [lo, hi], got {v!r}")
-    lo, hi = (_real(key, x, 0.0, strict=True) for x in v)
-    if lo > hi:
-        raise ConfigError(key, f"needs lo <= hi, got [{lo}, {hi}]")
-    return lo, hi
+_bool, _range = scenario_bool, scenario_range
 
 
 def _plain(d: dict) -> dict:

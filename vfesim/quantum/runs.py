@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import xarray as xr
 
-from ..config import ConfigError, SparseNeighbours
+from ..config import ConfigError, SparseNeighbours, scenario_bool, scenario_range, scenario_real
 from ..integrators.base import Carry, DynamicsError
 from .channels import causal_window
 from .config import AGGREGATORS, QuantumConfig
@@ -107,27 +107,7 @@ def _int(key: str, v: Any, lo: int) -> int:
     return int(v)
 
 
-def _real(key: str, v: Any, lo: float | None = None, strict: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
-        raise ConfigError(key, f"must be a finite number, got {v!r}")
-    if lo is not None and (v <= lo if strict else v < lo):
-        raise ConfigError(key, f"must be {'>' if strict else '>='} {lo}, got {v}")
-    return float(v)
-
-
-def _bool(key: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(key, f"must be true or false, got {v!r}")
-    return v
-
-
-def _range(key: str, v: Any) -> tuple[float, float]:
-    if not isinstance(v, (list, tuple)) or len(v) != 2:
-        raise ConfigError(key, f"must be a pair [lo, hi], got {v!r}")
-    lo, hi = (_real(key, x, 0.0, strict=True) for x in v)
-    if lo > hi:
-        raise ConfigError(key, f"needs lo <= hi, got [{lo}, {hi}]")
-    return lo, hi
+_real, _bool, _range = scenario_real, scenario_bool, scenario_range
 
 
 def _plain(v: Any) -> Any:
