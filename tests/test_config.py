@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 
+import vfesim
 from vfesim import ConfigError, ModelConfig, SparseNeighbours
 
 
@@ -321,3 +323,20 @@ def test_equality_and_replace():
         a.replace(kappa_beta=0.0)
     with pytest.raises(TypeError):
         hash(a)
+
+
+def test_sparse_lists_stay_out_of_metadata():
+    """Metadata records sparse lists by their shape (a ring of 4e7 agents has 1.3e9 entries); loading
+    such a record names the key and says where the lists come from; equality compares the arrays."""
+    ring = SparseNeighbours.ring(50, 3)
+    cfg = ModelConfig(K=3, neighbours=ring)
+    short = json.loads(cfg.to_json(neighbour_lists=False))
+    assert short["neighbours"] == {"sparse": {"n_agents": 50, "width": 6}}
+    with pytest.raises(ConfigError, match=r"neighbours.*only the shape.*scenario"):
+        ModelConfig.from_json(cfg.to_json(neighbour_lists=False))
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    other = SparseNeighbours(ring.index[:, ::-1].copy(), None)
+    assert cfg != cfg.replace(neighbours=other)  # same shape, other lists
+    assert cfg != ModelConfig(K=3)
+    st = vfesim.random_state(cfg, 50, seed=0)
+    assert json.loads(st.attrs["model_config"])["neighbours"] == short["neighbours"]

@@ -304,3 +304,20 @@ def test_condition_estimate_mode_refuses_without_warning():
         validate_state(a, CFG, conditioning="estimate")
     with pytest.raises(ValueError, match="conditioning must be"):
         validate_state(a, CFG, conditioning="sometimes")
+
+
+def test_random_population_drawn_in_blocks(monkeypatch):
+    """Blocks of BLOCK agents, each from its own stream: the first block is the population of its size
+    from the seed's stream, later blocks differ from it, and the population does not depend on the
+    number of threads that drew it."""
+    import vfesim.state as vs
+
+    cfg = make_obs_config()
+    monkeypatch.setattr(vs, "BLOCK", 16)
+    one = vfesim.random_state(cfg, 16, seed=7)
+    serial = vfesim.random_state(cfg, 40, seed=7, threads=1)
+    threaded = vfesim.random_state(cfg, 40, seed=7, threads=3)
+    for k in serial.data_vars:
+        np.testing.assert_array_equal(serial[k].values, threaded[k].values)
+        np.testing.assert_array_equal(serial[k].values[:16], one[k].values)
+        assert not np.array_equal(serial[k].values[16:32], serial[k].values[:16])

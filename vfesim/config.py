@@ -121,6 +121,20 @@ class SparseNeighbours:
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index.tolist(), "mask": self.mask.tolist()}
 
+    def summary(self) -> dict[str, Any]:
+        """The shape of the lists without them (what a run's metadata records: a ring of 4e7 agents
+        has 1.3e9 entries)."""
+        return {"sparse": {"n_agents": self.n_agents, "width": self.width}}
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, SparseNeighbours)
+            and np.array_equal(self.index, other.index)
+            and np.array_equal(self.mask, other.mask)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
 
 def _check_real(
     key: str, value: Any, *, positive: bool = False, nonneg: bool = False, error: type = ConfigError
@@ -146,6 +160,12 @@ def resolve_neighbours(nb: Any) -> str | SparseNeighbours:
             raise ConfigError("neighbours", f"must be 'dense' or SparseNeighbours, got {nb!r}")
         return nb
     if isinstance(nb, dict):
+        if set(nb) == {"sparse"}:
+            raise ConfigError(
+                "neighbours",
+                f"only the shape of sparse neighbour lists is recorded here ({nb['sparse']}), not the lists: "
+                "rebuild the config from its scenario (vfesim.Scenario.from_json(attrs['scenario']).model)",
+            )
         if "index" not in nb or set(nb) - {"index", "mask"}:
             raise ConfigError("neighbours", f"a dict needs 'index' and optionally 'mask', got {sorted(nb)}")
         mask = None if nb.get("mask") is None else np.asarray(nb["mask"])
@@ -160,21 +180,23 @@ class JsonConfig:
     key), ``replace``, equality by JSON. Subclasses are frozen dataclasses; ``_from_dict_fields`` may
     adapt JSON values (lists back to tuples) before construction."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, neighbour_lists: bool = True) -> dict[str, Any]:
+        """The fields as JSON-able data; ``neighbour_lists=False``: sparse neighbours by their shape only
+        (:meth:`SparseNeighbours.summary`; such a dict does not load back)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             v = getattr(self, f.name)
             if isinstance(v, np.ndarray):
                 v = v.tolist()
             elif isinstance(v, SparseNeighbours):
-                v = v.to_dict()
+                v = v.to_dict() if neighbour_lists else v.summary()
             elif isinstance(v, tuple):
                 v = list(v)
             out[f.name] = v
         return out
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
+    def to_json(self, neighbour_lists: bool = True) -> str:
+        return json.dumps(self.to_dict(neighbour_lists), sort_keys=True)
 
     @classmethod
     def _from_dict_fields(cls, d: dict[str, Any]) -> dict[str, Any]:
@@ -199,7 +221,12 @@ class JsonConfig:
         return type(self)(**d)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, type(self)) and self.to_json() == other.to_json()
+        # The neighbour lists compared as arrays, not through JSON (they can be large).
+        return (
+            isinstance(other, type(self))
+            and self.to_json(neighbour_lists=False) == other.to_json(neighbour_lists=False)
+            and getattr(self, "neighbours", None) == getattr(other, "neighbours", None)
+        )
 
     __hash__ = None  # type: ignore[assignment]
 

@@ -47,6 +47,14 @@ TOP = (
 )
 
 
+def run_config(ds) -> ModelConfig:
+    """The model config of a run store, from its scenario: the store's ``model_config`` records sparse
+    neighbour lists by their shape only, the scenario's ``population.neighbours`` rebuilds them."""
+    from .scenario import Scenario
+
+    return Scenario.from_json(ds.attrs["scenario"]).model
+
+
 def plot_energy(ds, path: Path) -> Path:
     """F (and H, kinetic energy for Hamiltonian runs) on top, the terms of F below, against time."""
     plt = _plt()
@@ -284,7 +292,7 @@ def plot_run(store: str | Path, outdir: str | Path, *, time: float | None = None
     if family in FAMILY_FIGURES:
         kw = {"time": time} if family in TIMED else {}
         return importlib.import_module(FAMILY_FIGURES[family]).figures(ds, outdir, **kw)
-    cfg = ModelConfig.from_json(ds.attrs["model_config"])
+    cfg = run_config(ds)
     return [
         plot_energy(ds, outdir / "energy.png"),
         plot_attention(ds, cfg, outdir / "attention.png"),

@@ -511,7 +511,7 @@ class Scenario:
         }
 
     def _gaussian_model_dict(self) -> dict[str, Any]:
-        model = self.model.to_dict()
+        model = self.model.to_dict(neighbour_lists=False)
         for k in ("dtype", "neighbours"):
             model.pop(k)
         model = {k: v for k, v in model.items() if v is not None}

@@ -313,7 +313,8 @@ def _simulate(
         _check_time_chunk(chunk, fbytes)
     attrs = {
         "scenario": scn.to_json(),
-        "model_config": scn.model.to_json(),
+        # Sparse lists by their shape: the scenario (population.neighbours) rebuilds them.
+        "model_config": scn.model.to_json(neighbour_lists=False),
         "agent_family": family_of(scn.model).name,
         "vfesim_version": __version__,
         "dtype": run["dtype"],

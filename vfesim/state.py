@@ -34,7 +34,36 @@ __all__ = [
     "cholesky_named",
     "linalg_named",
     "require_dataset",
+    "BLOCK",
+    "block_rng",
+    "in_blocks",
 ]
+
+# Random populations are drawn in blocks of BLOCK agents, each block from its own stream, so that blocks
+# can be drawn in parallel and the population does not depend on how many threads drew it.
+BLOCK = 1 << 20
+
+
+def block_rng(seed: int, block: int) -> np.random.Generator:
+    """The stream of agents [block BLOCK, (block + 1) BLOCK): block 0 is ``default_rng(seed)`` itself
+    (populations of up to BLOCK agents are those of one stream), block b the b-th spawned child."""
+    return np.random.default_rng(seed if block == 0 else np.random.SeedSequence(seed, spawn_key=(block,)))
+
+
+def in_blocks(n_agents: int, draw, threads: int | None = None) -> None:
+    """``draw(b, r0, r1)`` for every block b = [r0, r1) of ``n_agents``, on ``threads`` threads (default:
+    one per core; NumPy's random generators and batched linear algebra release the GIL)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    bounds = [(b, r0, min(n_agents, r0 + BLOCK)) for b, r0 in enumerate(range(0, n_agents, BLOCK))]
+    threads = min(len(bounds), threads or os.cpu_count() or 1)
+    if threads == 1:
+        for b in bounds:
+            draw(*b)
+        return
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda b: draw(*b), bounds))  # list(): re-raises a block's exception
 
 # Numerical limits per dtype (README, "Numerics"), measured: numba and numpy energies and gradients
 # differ by about 0.25 eps cond(Sigma) (normwise), and by about 0.1-1 eps |phi| for frames far outside
@@ -132,7 +161,7 @@ def state_dataset(
         coords=dim_coords(sizes),
         attrs={
             "agent_family": family,
-            "model_config": cfg.to_json(),
+            "model_config": cfg.to_json(neighbour_lists=False),
             "vfesim_version": __version__,
             "dtype": str(np.dtype(dtype)),
         },

@@ -202,7 +202,7 @@ def validate(sections: dict, dtype: Any, pr) -> tuple[Any, Any, Any]:
 
 def config_dict(cfg: FieldConfig) -> dict:
     """The [field] section of a config (as stored with a run; ``validate`` reads it back)."""
-    d = {k: v for k, v in cfg.to_dict().items() if k in CONFIG and v is not None}
+    d = {k: v for k, v in cfg.to_dict(neighbour_lists=False).items() if k in CONFIG and v is not None}
     if len(cfg.irreps) == 1:
         d.pop("irreps")
     return d

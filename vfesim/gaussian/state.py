@@ -16,6 +16,8 @@ import xarray as xr
 from ..arrays import array_module, max_abs
 from ..config import ModelConfig
 from ..state import (
+    block_rng,
+    in_blocks,
     ConditioningWarning,
     StateError,
     check_conditioning,
@@ -119,12 +121,15 @@ def random_state(
     prior_eig_range: tuple[float, float] | None = None,
     phi_radius: float = 1.0,
     obs_scale: float = 1.0,
+    threads: int | None = None,
 ) -> xr.Dataset:
     """A reproducible random population.
 
     Means ~ N(0, mu_scale^2); covariances Q diag(e) Q^T with eigenvalues log-uniform in ``eig_range``
     and Haar-random Q; frames uniform in the ball |phi| <= phi_radius (< pi: the principal ball);
-    observations ~ N(0, obs_scale^2) when the config has an observation model.
+    observations ~ N(0, obs_scale^2) when the config has an observation model. Agents are drawn in
+    blocks of :data:`vfesim.state.BLOCK` (2^20), each from its own stream (:func:`vfesim.state.block_rng`),
+    on ``threads`` threads (default: one per core): the population does not depend on their number.
     """
     dtype = dtype or cfg.dtype or "float64"
     if dtype not in ("float32", "float64"):
@@ -141,20 +146,27 @@ def random_state(
             raise StateError(
                 "agent", f"config has sparse neighbours for {nbrs.n_agents} agents, not {n_agents}"
             )
-    K = cfg.K
-    rng = np.random.default_rng(seed)
-    pms = mu_scale if prior_mu_scale is None else prior_mu_scale
-    mu_q = mu_scale * rng.standard_normal((n_agents, K))
-    mu_p = pms * rng.standard_normal((n_agents, K))
-    sigma_q = _random_spd(rng, n_agents, K, eig_range)
-    sigma_p = _random_spd(rng, n_agents, K, prior_eig_range or eig_range)
-    direction = rng.standard_normal((n_agents, 3))
-    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
-    radius = phi_radius * rng.uniform(size=(n_agents, 1)) ** (1 / 3)
-    phi = direction * radius
-    obs = obs_scale * rng.standard_normal((n_agents, cfg.obs_dim)) if cfg.obs_dim else None
-    cast = lambda a: None if a is None else np.ascontiguousarray(a, dtype=dtype)
-    return make_state(cfg, cast(mu_q), cast(sigma_q), cast(mu_p), cast(sigma_p), cast(phi), cast(obs))
+    K, pms = cfg.K, (mu_scale if prior_mu_scale is None else prior_mu_scale)
+    shapes = {"mu_q": (K,), "sigma_q": (K, K), "mu_p": (K,), "sigma_p": (K, K), "phi": (3,)}
+    if cfg.obs_dim:
+        shapes["obs"] = (cfg.obs_dim,)
+    out = {k: np.empty((n_agents, *s), dtype) for k, s in shapes.items()}
+
+    def draw(b: int, r0: int, r1: int) -> None:
+        """Agents [r0, r1) (block b) from the block's own stream, into ``out``."""
+        n, rng = r1 - r0, block_rng(seed, b)
+        out["mu_q"][r0:r1] = mu_scale * rng.standard_normal((n, K))
+        out["mu_p"][r0:r1] = pms * rng.standard_normal((n, K))
+        out["sigma_q"][r0:r1] = _random_spd(rng, n, K, eig_range)
+        out["sigma_p"][r0:r1] = _random_spd(rng, n, K, prior_eig_range or eig_range)
+        direction = rng.standard_normal((n, 3))
+        direction /= np.linalg.norm(direction, axis=1, keepdims=True)
+        out["phi"][r0:r1] = direction * (phi_radius * rng.uniform(size=(n, 1)) ** (1 / 3))
+        if cfg.obs_dim:
+            out["obs"][r0:r1] = obs_scale * rng.standard_normal((n, cfg.obs_dim))
+
+    in_blocks(n_agents, draw, threads)
+    return make_state(cfg, out["mu_q"], out["sigma_q"], out["mu_p"], out["sigma_p"], out["phi"], out.get("obs"))
 
 
 def validate_state(

@@ -257,7 +257,7 @@ def validate(sections: dict, dtype: Any, pr) -> tuple[Any, Any, Any]:
 
 
 def config_dict(cfg: QuantumConfig) -> dict:
-    d = cfg.to_dict()
+    d = cfg.to_dict(neighbour_lists=False)
     return {k: v for k, v in d.items() if k in CONFIG}
 
 
