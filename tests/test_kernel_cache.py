@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import vfesim_kernels
+from conftest import needs_numba_cuda
 
 SHOW = (
     "import vfesim_kernels, numba.core.config as c; print(vfesim_kernels.kernel_cache_dir()); "
@@ -44,6 +45,7 @@ def test_user_cache_dir_takes_precedence(tmp_path):
 
 
 def test_first_use_of_cuda_kernels_is_announced(caplog, monkeypatch):
+    needs_numba_cuda()
     from vfesim_kernels import cuda as kc
 
     from vfesim.backends import cuda_backend as cb
