@@ -30,8 +30,6 @@ smartquotes = False  # keys, values and options are shown as typed
 myst_heading_anchors = 3
 
 autodoc_member_order = "bysource"
-autodoc_typehints = "signature"
-autodoc_default_options = {"show-inheritance": False}
 # Optional GPU and cluster packages: the API imports without them (they load on first use), but mock them
 # so that autodoc never needs them installed.
 autodoc_mock_imports = ["cupy", "cupyx", "dask_cuda"]

@@ -20,7 +20,9 @@ Agent families with their own run sections (a :class:`~vfesim.family.RunSpec`) r
 by their section and validate ``[population]`` and ``[integrator]`` themselves: ``[quantum]`` selects
 density-matrix agents (keys in :mod:`vfesim.quantum.runs`).
 
-Every problem raises :class:`ScenarioError` naming the key as ``section.key``.
+Every problem raises :class:`ScenarioError` naming the key as ``section.key``. Every key's type and
+description is in :data:`KEY_DOCS` (families: their ``RunSpec.docs``); :func:`key_reference` lists them
+with their defaults, and the docs' scenario-key reference is generated from it.
 """
 
 from __future__ import annotations
