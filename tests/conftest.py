@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 import pytest
 
@@ -23,6 +26,25 @@ FD_RTOL = 1e-6
 FD_STEP = 1e-6
 
 DTYPES = ("float64", "float32")
+
+# The CUDA kernels are tested without a GPU through numba-cuda (the `cudasim` extra): the simulator suite
+# (tests/test_cudasim_suite.py) and PTX compilation (tests/test_cuda_ptx.py). Without numba-cuda those
+# tests skip, naming the extra; CI and tox set VFESIM_REQUIRE_CUDASIM=1, which makes them fail instead.
+HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
+NO_NUMBA_CUDA = (
+    "numba-cuda is not installed: install the 'cudasim' extra (pip install -e \".[test,cudasim]\") to test "
+    "the CUDA kernels without a GPU"
+)
+
+
+def needs_numba_cuda(module: bool = False) -> None:
+    """Skip the calling test (``module``: its whole module) where numba-cuda is missing; fail instead when
+    ``VFESIM_REQUIRE_CUDASIM=1`` (CI), so that a missing extra never passes unnoticed."""
+    if HAVE_NUMBA_CUDA:
+        return
+    if os.environ.get("VFESIM_REQUIRE_CUDASIM") == "1":
+        pytest.fail(f"{NO_NUMBA_CUDA} (VFESIM_REQUIRE_CUDASIM=1 requires it)", pytrace=False)
+    pytest.skip(NO_NUMBA_CUDA, allow_module_level=module)
 
 
 def tol(dtype) -> dict:

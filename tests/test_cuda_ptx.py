@@ -11,11 +11,13 @@ import os
 import re
 
 import pytest
+from conftest import needs_numba_cuda
 
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     pytest.skip("compile_ptx needs the real CUDA target, not the simulator", allow_module_level=True)
+needs_numba_cuda(module=True)
 
-from vfesim_kernels import cuda as kc
+from vfesim_kernels import cuda as kc  # noqa: E402
 
 CASES = [(3, "float64"), (3, "float32"), (21, "float32")]
 

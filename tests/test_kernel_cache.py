@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import vfesim_kernels
+from conftest import needs_numba_cuda
 
 SHOW = (
     "import vfesim_kernels, numba.core.config as c; print(vfesim_kernels.kernel_cache_dir()); "
@@ -44,6 +45,7 @@ def test_user_cache_dir_takes_precedence(tmp_path):
 
 
 def test_first_use_of_cuda_kernels_is_announced(caplog, monkeypatch):
+    needs_numba_cuda()
     from vfesim_kernels import cuda as kc
 
     from vfesim.backends import cuda_backend as cb
@@ -57,3 +59,31 @@ def test_first_use_of_cuda_kernels_is_announced(caplog, monkeypatch):
     text = caplog.text
     assert "preparing CUDA kernels: gaussian agents, K=3" in text
     assert "CUDA kernels ready in" in text and "0 compiled, 0 loaded from the cache" in text
+
+
+def test_first_compile_of_cpu_kernels_is_announced_only_with_an_empty_cache(caplog, monkeypatch, tmp_path):
+    import vfesim
+    from vfesim.backends import numba_backend as nb
+
+    empty, warm = tmp_path / "empty", tmp_path / "warm" / "kernels_abc"
+    empty.mkdir()
+    warm.mkdir(parents=True)
+    (warm / "pairwise_cpu.pairwise_dense-10.py311.nbi").write_bytes(b"")
+    monkeypatch.setattr(nb, "kernel_cache_dir", lambda: str(warm.parent))
+    with caplog.at_level(logging.INFO, logger="vfesim"):
+        assert nb.FirstCompile().begin() is None  # CPU kernels in the cache: nothing to say
+    assert "compiling the CPU kernels" not in caplog.text
+
+    monkeypatch.setattr(nb, "kernel_cache_dir", lambda: str(empty))
+    monkeypatch.setattr(nb, "FIRST_COMPILE", nb.FirstCompile())
+    cfg = vfesim.ModelConfig(K=3)
+    state = vfesim.random_state(cfg, 4, seed=0)
+    with caplog.at_level(logging.INFO, logger="vfesim"):
+        vfesim.energy_and_gradient(state, cfg, backend="numba")
+        vfesim.energy_and_gradient(state, cfg, backend="numba")
+    text = caplog.text
+    assert (
+        f"compiling the CPU kernels for their first use (about 30 s on a fresh machine; cached in {empty}"
+        in text
+    )
+    assert text.count("compiling the CPU kernels") == 1 and text.count("CPU kernels ready in") == 1

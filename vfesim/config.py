@@ -359,6 +359,28 @@ class ModelConfig(JsonConfig):
         return d
 
 
+# The [model] keys of a scenario (the ModelConfig fields but dtype and neighbours, which a scenario sets
+# in run.dtype and population.neighbours): key -> (type, one-line description). The scenario-key
+# reference of the docs is generated from these; tests/test_docs.py checks that every key has one.
+MODEL_DOCS = {
+    "K": ("int", "latent dimension; odd for one so(3) irrep (l = (K-1)/2). Required, or irreps"),
+    "lambda_self": ("float >= 0", "weight of the self term sum_i KL(q_i || p_i)"),
+    "lambda_belief": ("float >= 0", "weight of belief alignment, KL(q_i || Omega_ij q_j) over neighbours"),
+    "lambda_prior": ("float >= 0", "weight of prior alignment, KL(p_i || Omega_ij p_j) over neighbours"),
+    "lambda_obs": ("float >= 0", "weight of the observation term E_q[-log N(o_i; W z, R)]; > 0 needs W, R"),
+    "kappa_beta": ("float > 0", "temperature of the belief-alignment attention softmax"),
+    "kappa_gamma": ("float > 0", "temperature of the prior-alignment attention softmax"),
+    "aggregator": ('"expected" | "softmin"', "how an agent aggregates its divergences to the neighbours"),
+    "irreps": ("list[int]", "a block-diagonal sum of so(3) irreps, one l >= 0 each; sets K = sum(2l+1)"),
+    "W": ("list[list[float]]", "observation matrix (obs_dim, K); with R, the linear Gaussian observations"),
+    "R": (
+        "list[list[float]]",
+        "observation noise covariance (obs_dim, obs_dim), symmetric positive definite",
+    ),
+    "jitter": ("float >= 0", "eps added as eps*I to every covariance before the energy"),
+}
+
+
 # Checks of scenario values (the families' run sections, vfesim.*.runs): a ConfigError names the key.
 def scenario_real(
     key: str, v: Any, lo: float | None = None, strict: bool = False, hi: float | None = None

@@ -38,6 +38,8 @@ class RunSpec:
         :class:`~vfesim.integrators.Integrator`-like named tuple; an optional ``trajectory`` field names
         the variables saved per frame instead of the family's ``trajectory``).
     dtypes: values of ``run.dtype`` (the first is the default). backends: values of ``run.backend``.
+    docs: section -> {key: (type, one-line description)} of every key in ``defaults`` (the scenario-key
+        reference of the docs is generated from it; :func:`vfesim.scenario.key_reference`).
     """
 
     section: str
@@ -48,6 +50,7 @@ class RunSpec:
     make_integrator: Callable[..., Any]
     dtypes: tuple[str, ...]
     backends: tuple[str, ...]
+    docs: Mapping[str, Mapping[str, tuple[str, str]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ Agent families with their own run sections (a :class:`~vfesim.family.RunSpec`) r
 by their section and validate ``[population]`` and ``[integrator]`` themselves: ``[quantum]`` selects
 density-matrix agents (keys in :mod:`vfesim.quantum.runs`).
 
-Every problem raises :class:`ScenarioError` naming the key as ``section.key``.
+Every problem raises :class:`ScenarioError` naming the key as ``section.key``. Every key's type and
+description is in :data:`KEY_DOCS` (families: their ``RunSpec.docs``); :func:`key_reference` lists them
+with their defaults, and the docs' scenario-key reference is generated from it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import numpy as np
 import xarray as xr
 
 from .backends import names as backend_names
-from .config import ConfigError, ModelConfig, SparseNeighbours, _check_real
+from .config import MODEL_DOCS, ConfigError, ModelConfig, SparseNeighbours, _check_real
 from .family import RunSpec, families, family_of
 from .state import StateError, make_state, random_state
 
@@ -51,6 +53,8 @@ __all__ = [
     "to_toml",
     "BACKENDS",
     "run_memory_bytes",
+    "KEY_DOCS",
+    "key_reference",
 ]
 
 BACKENDS = (*backend_names(), "auto")
@@ -220,6 +224,96 @@ RUN = {
     "seed": 0,
 }
 OUTPUT = {"path": None, "time_chunk": None, "keep_checkpoints": 2, "observables": None}
+
+# Every key of the sections above, and of [model] (vfesim.config.MODEL_DOCS): key -> (type, one-line
+# description). docs/scenario-keys is generated from these (key_reference); a key without one fails
+# tests/test_docs.py and the docs build. Families with their own sections document them in RunSpec.docs.
+KEY_DOCS = {
+    "model": MODEL_DOCS,
+    "population": {
+        "n_agents": ("int >= 2", "number of agents. Required"),
+        "seed": ("int >= 0", "seed of the initial population"),
+        "mu_scale": ("float >= 0", "belief means ~ N(0, mu_scale^2)"),
+        "prior_mu_scale": ("float >= 0", "prior means ~ N(0, prior_mu_scale^2); default: mu_scale"),
+        "eig_range": ("[float, float]", "covariance eigenvalues log-uniform in [lo, hi], Haar-random axes"),
+        "prior_eig_range": ("[float, float]", "the same for prior covariances; default: eig_range"),
+        "phi_radius": ("float in [0, pi)", "frames uniform in the ball |phi| <= phi_radius"),
+        "obs_scale": ("float >= 0", "observations ~ N(0, obs_scale^2) (with model.W and model.R)"),
+        "neighbours": ('"dense" | "ring"', "every other agent, or the half_width agents on each side"),
+        "half_width": ("int >= 1", 'neighbours on each side with neighbours = "ring" (then required)'),
+        "camps": ("int >= 1", "prior camps: agent i in camp i % camps, saved as the coordinate camp"),
+        "camp_offset": ("float >= 0", "distance between camp centres (means shifted); > 0 when camps > 1"),
+    },
+    "integrator": {
+        "method": ("str", "integrator (vfesim.integrators.available(); see the integrator options)"),
+        "dt": ("float > 0", "time step. Required"),
+        "friction": ("float >= 0", "momentum damping of the Hamiltonian methods (gradient_flow: must be 0)"),
+        "options": ("table", "options of the method: integrator options below (scalars, tables of scalars)"),
+    },
+    "run": {
+        "n_steps": ("int >= 1", "number of integrator steps. Required"),
+        "save_every": ("int >= 1", "a frame every save_every steps; the last step is always saved"),
+        "checkpoint_every": ("int >= 1", "a checkpoint every checkpoint_every steps; default: n_steps"),
+        "backend": ("str", 'backend: "numpy", "numba", "cuda", "dask" or "auto" (families: fewer)'),
+        "dtype": ("str", '"float64" or "float32" (density-matrix agents: "complex128" or "complex64")'),
+        "seed": ("int >= 0", "seed of the run's random draws (initial momenta, Born outcomes)"),
+        "chunks": ("int >= 1", 'agents per task of backend "dask"; default: dask_backend.default_chunk'),
+    },
+    "output": {
+        "path": ("str", "the run's Zarr store, relative to the working directory (or give --out / out=)"),
+        "time_chunk": (
+            "int >= 1",
+            "frames per Zarr chunk along time; default: those between checkpoints, up to 16 MiB",
+        ),
+        "keep_checkpoints": ("int >= 2", "checkpoints kept (the newest and the one before always are)"),
+        "observables": (
+            "list[str]",
+            "built-ins saved per frame (belief_spread, mean_frame_angle, attention_entropy, attention); "
+            "default: attention_entropy up to 1024 agents, attention up to 256",
+        ),
+    },
+}
+
+
+def _documented(section: str, defaults: dict, docs: dict, where: str) -> list[tuple[str, str, Any, str]]:
+    """``(key, type, default, description)`` of every key of a section, in the order of ``defaults``; a
+    key without a description (or a description of no key) raises ValueError naming it and ``where``."""
+    missing = sorted(set(defaults) - set(docs))
+    stale = sorted(set(docs) - set(defaults))
+    if missing or stale:
+        raise ValueError(
+            f"[{section}] scenario keys without a description in {where}: {missing}; "
+            f"descriptions of keys the section does not take: {stale}"
+        )
+    return [(k, docs[k][0], v, docs[k][1]) for k, v in defaults.items()]
+
+
+def key_reference() -> dict[str, dict[str, list[tuple[str, str, Any, str]]]]:
+    """Every scenario key, documented, as the docs' scenario-key reference shows it: agent family (its
+    model section's name, ``"model"`` for Gaussian agents; ``"*"`` for the sections every family shares)
+    -> section -> ``(key, type, default, description)`` rows (default None: required or derived, as the
+    description says). The keys are those the validation accepts; a key without a description raises
+    ValueError (so a new key cannot go undocumented)."""
+    model = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in _section_keys()["model"]}
+    ref = {
+        "*": {
+            "run": _documented("run", {**RUN, "chunks": None}, KEY_DOCS["run"], "vfesim.scenario.KEY_DOCS"),
+            "output": _documented("output", OUTPUT, KEY_DOCS["output"], "vfesim.scenario.KEY_DOCS"),
+        },
+        "model": {
+            s: _documented(s, d, KEY_DOCS[s], "vfesim.scenario.KEY_DOCS")
+            for s, d in (("model", model), ("population", POPULATION), ("integrator", INTEGRATOR))
+        },
+    }
+    for fam in families():
+        spec = fam.runs
+        if spec is not None:
+            where = f"the RunSpec.docs of the {fam.name!r} family"
+            ref[spec.section] = {
+                s: _documented(s, dict(d), dict(spec.docs.get(s, {})), where)
+                for s, d in spec.defaults.items()
+            }
+    return ref
 
 
 def _required(pr: _Problems, p: dict, section: str, key: str, check, *args: Any, **kw: Any) -> Any:

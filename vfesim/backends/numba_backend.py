@@ -10,8 +10,13 @@ N x N array; field agents' weighted pairs parallel over grid points). Thread cou
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
-from vfesim_kernels import agent_cpu, quantum_cpu
+from vfesim_kernels import agent_cpu, kernel_cache_dir, quantum_cpu
 from vfesim_kernels.pairwise_cpu import pairwise_dense, pairwise_points, pairwise_sparse
 
 from ..gaussian.energy import AgentOps
@@ -26,6 +31,7 @@ from .numpy_backend import to_device, to_host  # host arrays: nothing to move
 
 __all__ = [
     "BACKEND",
+    "FIRST_COMPILE",
     "to_device",
     "to_host",
     "energy_and_gradient",
@@ -128,7 +134,54 @@ class SerialUpdates(NumbaUpdates):
 QUANTUM_JACOBI_MAX_D = 5
 QUANTUM_OPS = sized_ops(kernel_ops(lambda: np, quantum_cpu.launch), NUMPY_OPS, QUANTUM_JACOBI_MAX_D)
 
-BACKEND = Backend(
+log = logging.getLogger("vfesim")
+
+
+class FirstCompile:
+    """Announces (log INFO) the first use in a process of the CPU kernels while the on-disk kernel cache
+    holds none of them: compiling them takes about 30 s on a fresh machine (a later process loads them from
+    the cache; an edit of ``kernels/`` starts a new cache folder, so compiles them once more)."""
+
+    def __init__(self):
+        self.done = False
+
+    def begin(self) -> float | None:
+        if self.done:
+            return None
+        self.done = True
+        cache = kernel_cache_dir()
+        if cache is None or any(Path(cache).rglob("*_cpu.*.nbi")):  # numba's index files of the CPU kernels
+            return None
+        log.info(
+            "compiling the CPU kernels for their first use (about 30 s on a fresh machine; cached in %s "
+            "for later processes)",
+            cache,
+        )
+        return time.perf_counter()
+
+    @staticmethod
+    def end(started: float | None) -> None:
+        if started is not None:
+            log.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
+
+
+FIRST_COMPILE = FirstCompile()
+
+
+@dataclass(frozen=True)
+class NumbaBackend(Backend):
+    """The numba :class:`Backend`: its first energy evaluation in a process with an empty kernel cache is
+    announced (:class:`FirstCompile`)."""
+
+    def energy_and_gradient(self, arrays: dict, cfg) -> tuple[dict, dict]:
+        started = FIRST_COMPILE.begin()
+        try:
+            return super().energy_and_gradient(arrays, cfg)
+        finally:
+            FIRST_COMPILE.end(started)
+
+
+BACKEND = NumbaBackend(
     name="numba",
     array_module=lambda: np,
     to_device=to_device,

@@ -100,8 +100,8 @@ def _from_rows(g, idx, N: int, grid: tuple[int, ...]):
 
 
 def gauge_smoothness(phi, chi, cfg: FieldConfig):
-    """sum_i sum_c w chi_i sum_d |phi_i(c + e_d) - phi_i(c)|^2 / h^2 over edges with both ends covered:
-    phi (N, *grid, 3), chi (N, *grid) -> (E, g_phi, g_chi). NumPy or CuPy arrays."""
+    """``sum_i sum_c w chi_i sum_d |phi_i(c + e_d) - phi_i(c)|^2 / h^2`` over edges with both ends covered:
+    phi ``(N, *grid, 3)``, chi ``(N, *grid)`` -> (E, g_phi, g_chi). NumPy or CuPy arrays."""
     xp = _xp(phi)
     h, w = cfg.spacing, cfg.weight
     cov = chi > 0
@@ -134,7 +134,7 @@ def energy_and_gradient_arrays(
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Energy terms and the gradient of ``terms["total"]`` for raw arrays (no validation).
 
-    arrays: the field state's variables (agent, *grid, ...), NumPy or CuPy. neighbours: (index, mask)
+    arrays: the field state's variables ``(agent, *grid, ...)``, NumPy or CuPy. neighbours: (index, mask)
     host arrays (default: from the support and ``cfg``, :func:`~vfesim.fields.supports.neighbour_lists`).
     agent_ops: the per-agent stages of point agents, run on the covered (point, agent) batch.
     pairwise_points: the weighted pairs batched over points (the contract of
@@ -237,7 +237,7 @@ def energy_and_gradient(arrays: dict[str, Any], cfg: FieldConfig, backend) -> tu
 
 
 def attention(arrays: dict[str, Any], cfg: FieldConfig, which: str = "belief") -> np.ndarray:
-    """Attention weights per grid point (N, *grid, k), aligned with ``neighbour_lists(support, cfg)``'s
+    """Attention weights per grid point ``(N, *grid, k)``, aligned with ``neighbour_lists(support, cfg)``'s
     index; 0 where the receiver or the sender does not cover the point. NumPy arrays."""
     if which not in ("belief", "prior"):
         raise ValueError(f"which: must be 'belief' or 'prior', got {which!r}")

@@ -34,6 +34,7 @@ FIELD = register(
             make_integrator=runs.make_integrator,
             dtypes=runs.RUN_DTYPES,
             backends=runs.BACKENDS,
+            docs=runs.DOCS,
         ),
     )
 )

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from ..config import ConfigError, SparseNeighbours, scenario_bool, scenario_range, scenario_real
+from ..config import MODEL_DOCS, ConfigError, SparseNeighbours, scenario_bool, scenario_range, scenario_real
 from .config import FieldConfig
 from .state import random_state
 
@@ -253,3 +253,45 @@ def make_integrator(cfg: FieldConfig, integ: dict, *, backend: str = "numpy", se
 # The integrator section's keys (those of vfesim.scenario.INTEGRATOR), for unknown-key hints.
 INTEGRATOR = {"method": "gradient_flow", "dt": None, "friction": 0.0, "options": {}}
 DEFAULTS = {SECTION: CONFIG, "population": POPULATION, "integrator": INTEGRATOR}
+
+# Every key of the sections above: key -> (type, one-line description); the scenario-key reference of the
+# docs is generated from these (RunSpec.docs, vfesim.scenario.key_reference).
+DOCS = {
+    SECTION: {
+        **MODEL_DOCS,
+        "K": ("int", "latent dimension at every grid point; odd for one so(3) irrep. Required, or irreps"),
+        "grid": ("[int] | [int, int]", "grid shape, [nx] or [nx, ny]. Required"),
+        "boundary": ('"periodic" | "bounded"', "a ring or torus, or a bounded grid"),
+        "spacing": ("float > 0", "distance between grid points (coordinates spacing * arange(n))"),
+        "overlap_threshold": ("float in [0, 1]", 'neighbours = "overlap": max_c chi_i chi_j at least this'),
+        "cell_volume": ('"sum" | "grid" | float > 0', "weight of a grid point: 1, spacing^ndim, or a number"),
+        "lambda_phi": ("float >= 0", "weight of the gauge smoothness sum_i sum_c chi_i |grad phi_i|^2"),
+    },
+    "population": {
+        "n_agents": ("int >= 1", "number of agents. Required"),
+        "seed": ("int >= 0", "seed of the initial population (supports, centres and fields)"),
+        "support": (
+            '"bump" | "disc" | "full"',
+            "each agent's support chi_i: Gaussian bump, disc or everywhere",
+        ),
+        "placement": ('"random" | "lattice"', "support centres drawn uniformly, or on a lattice"),
+        "area": ("float > 0", "area of a bump or disc; default: twice the grid's area per agent"),
+        "sigma": ("float > 0", 'width of a bump (support = "bump"; instead of area)'),
+        "radius": ("float > 0", 'radius of a disc (support = "disc"; instead of area)'),
+        "constant_fields": ("bool", "one draw per agent at every grid point (false: one per point)"),
+        "mu_scale": ("float >= 0", "belief means ~ N(0, mu_scale^2)"),
+        "prior_mu_scale": ("float >= 0", "prior means ~ N(0, prior_mu_scale^2); default: mu_scale"),
+        "eig_range": ("[float, float]", "covariance eigenvalues log-uniform in [lo, hi]"),
+        "prior_eig_range": ("[float, float]", "the same for prior covariances; default: eig_range"),
+        "phi_radius": ("float in [0, pi)", "frames uniform in the ball |phi| <= phi_radius"),
+        "obs_scale": ("float >= 0", "observations ~ N(0, obs_scale^2) (with field.W and field.R)"),
+        "neighbours": ('"overlap" | "dense" | "ring"', "overlapping supports, every other agent, or a ring"),
+        "half_width": ("int >= 1", 'neighbours on each side with neighbours = "ring" (then required)'),
+    },
+    "integrator": {
+        "method": ("str", "integrator, as for Gaussian agents (every method of vfesim.integrators)"),
+        "dt": ("float > 0", "time step. Required"),
+        "friction": ("float >= 0", "momentum damping of the Hamiltonian methods (gradient_flow: must be 0)"),
+        "options": ("table", "options of the method (the integrator options)"),
+    },
+}

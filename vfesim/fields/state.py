@@ -99,7 +99,7 @@ def random_state(
     Field values: independent draws per (agent, grid point) of :func:`vfesim.gaussian.state.random_state`
     (``point_options``: mu_scale, eig_range, phi_radius, ...). support: "bump" (Gaussian bumps, cut to 0
     beyond 3 sigma; ``area`` (default: twice the grid's area per agent) or ``sigma``), "disc" (``radius``,
-    default from the same area), "full" (chi = 1 everywhere) or an array (n_agents, *grid).
+    default from the same area), "full" (chi = 1 everywhere) or an array ``(n_agents, *grid)``.
     placement of bump and disc centres: "random", "lattice" or an array (n_agents, ndim).
     constant: one draw per agent (:func:`vfesim.gaussian.state.random_state` of ``n_agents`` point
     agents), the same at every grid point: fields constant over the grid.

@@ -88,7 +88,7 @@ class QuantumDynamics:
     sender) or "none". coupling_strength eps0 in [0, 1], coupling_length ell > 0:
     eps_ij = eps0 exp(-dist(i, j)/ell). neighbours: the coupling window, None (the QuantumConfig's
     neighbours), "dense" or a SparseNeighbours (e.g. :func:`.channels.causal_window`). positions: None
-    (dist = |i - j|) or agent positions (N, p) (Euclidean dist). order: "jacobi" or "gauss_seidel".
+    (``dist = |i - j|``) or agent positions (N, p) (Euclidean dist). order: "jacobi" or "gauss_seidel".
     dephasing_rate gamma_i >= 0 and thermal_rate >= 0: a number or one per agent (N,).
     dephasing_basis: "computational" or "energy". gate: "none" (g = 1), "soft"
     (g = sigmoid((D(rho||sigma) - gate_threshold)/gate_width)) or "hard" (1[D > gate_threshold],

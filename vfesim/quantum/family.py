@@ -71,6 +71,7 @@ QUANTUM = register(
             make_integrator=runs.make_integrator,
             dtypes=runs.RUN_DTYPES,
             backends=runs.BACKENDS,
+            docs=runs.DOCS,
         ),
     )
 )

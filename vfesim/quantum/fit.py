@@ -200,7 +200,7 @@ SHAREABLE = ("hamiltonian", "temperature", "phi")
 
 class FitResult(NamedTuple):
     """state: the fitted state Dataset; schedule: the fitted Schedule (dynamics and dt); loss: the final
-    loss; history: Dataset over ``evaluation`` (``loss``, ``grad_norm`` = |dL/dtheta|_inf) of every
+    loss; history: Dataset over ``evaluation`` (``loss``, ``grad_norm`` = ``|dL/dtheta|_inf``) of every
     rollout evaluated; n_iter: iterations taken; converged: gtol reached; message."""
 
     state: xr.Dataset

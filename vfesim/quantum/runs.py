@@ -96,6 +96,72 @@ FIT = {"horizon": None, "lr": 0.05, "perturbation": 0.4, "shared": True}
 INTEGRATOR = {"method": "channels", "dt": None, "observe": "none", **DYNAMICS, **FIT}
 # Defaults that depend on the method (as vfesim.run_dynamics).
 METHOD_DEFAULTS = {"mirror_descent": {"coupling": "none", "mirror_steps": 1}}
+
+# Every key of the sections above: key -> (type, one-line description); the scenario-key reference of the
+# docs is generated from these (RunSpec.docs, vfesim.scenario.key_reference).
+DOCS = {
+    SECTION: {
+        "d": ("int >= 2", "Hilbert dimension of every agent. Required"),
+        "lambda_self": ("float >= 0", "weight of the self term sum_i D(rho_i || sigma_i)"),
+        "lambda_belief": ("float >= 0", "weight of belief alignment of the pulled-back states"),
+        "lambda_prior": ("float >= 0", "weight of prior alignment of the pulled-back Gibbs priors"),
+        "lambda_obs": ("float >= 0", "weight of the Born term -log <y_i|rho_i|y_i> (0 with method 'fit')"),
+        "kappa_beta": ("float > 0", "temperature of the belief-alignment aggregator"),
+        "kappa_gamma": ("float > 0", "temperature of the prior-alignment aggregator"),
+        "aggregator": ('"softmin" | "expected"', "how an agent aggregates its divergences to the neighbours"),
+    },
+    "population": {
+        "n_agents": ("int >= 1", "number of agents. Required"),
+        "seed": ("int >= 0", "seed of the initial population"),
+        "spectrum_spread": ("float >= 0", "rho_i eigenvalues ~ exp(U[0, spread]), normalised (full rank)"),
+        "hamiltonian": ('"random" | "shared" | "zero"', "one random H_i per agent, one H for all, or H = 0"),
+        "hamiltonian_scale": ("float >= 0", "scale of the random Hermitian H (divided by sqrt(d))"),
+        "temperature_range": ("[float, float]", "temperatures T_i log-uniform in [lo, hi]"),
+        "phi_radius": ("float >= 0", "frames uniform in the ball |phi| <= phi_radius"),
+        "neighbours": (
+            '"dense" | "ring" | "causal"',
+            "senders of each agent, for the alignment terms and the coupling channels",
+        ),
+        "half_width": ("int >= 1", 'neighbours on each side with neighbours = "ring" (then required)'),
+        "window": ("int >= 1", 'senders j in [i - window, i) with neighbours = "causal" (then required)'),
+    },
+    "integrator": {
+        "method": (
+            '"channels" | "mirror_descent" | "fit"',
+            "one step of the dynamics, or Hamiltonian learning",
+        ),
+        "dt": ("float > 0", "time step. Required"),
+        "observe": ('"none" | "born"', "draw a Born outcome per agent after the channels (saved per frame)"),
+        "coupling": (
+            '"C1" | "C2" | "none"',
+            "partial replacement, neighbour-basis dephasing, or no coupling",
+        ),
+        "coupling_strength": ("float in [0, 1]", "eps0 of the coupling eps_ij = eps0 exp(-dist(i, j)/ell)"),
+        "coupling_length": ("float > 0", "ell of the coupling eps_ij = eps0 exp(-dist(i, j)/ell)"),
+        "positions": ("list[list[float]]", "agent positions (N, p) for dist(i, j); default: dist = |i - j|"),
+        "order": (
+            '"jacobi" | "gauss_seidel"',
+            "agents coupled to the old states, or to those already updated",
+        ),
+        "dephasing_rate": ("float | list[float]", "dephasing rate gamma_i >= 0 (one, or one per agent)"),
+        "dephasing_basis": ('"computational" | "energy"', "basis of the dephasing channel"),
+        "thermal_rate": ("float | list[float]", "rate >= 0 of the thermalising channel towards sigma_i"),
+        "gate": ('"none" | "soft" | "hard"', "gate of the coupling by D(rho_i || sigma_i)"),
+        "gate_threshold": ("float", "threshold of the gate"),
+        "gate_width": ("float > 0", "width of the soft gate's sigmoid"),
+        "mirror_steps": ("int >= 0", "Armijo mirror-descent steps on F per step (mirror_descent: 1)"),
+        "mirror_eta": ("float > 0", "initial step of the mirror-descent line search"),
+        "armijo_c": ("float in (0, 1)", "sufficient-decrease constant of the line search"),
+        "max_backtracks": ("int >= 0", "halvings of the line search before giving up"),
+        "horizon": ("int >= 1", "method 'fit': rollout steps of the observed sequence (then required)"),
+        "lr": ("float > 0", "method 'fit': Adam learning rate"),
+        "perturbation": (
+            "float >= 0",
+            "method 'fit': Frobenius norm of the initial error of each H estimate",
+        ),
+        "shared": ("bool", "method 'fit': fit one H for all agents (needs hamiltonian = 'shared')"),
+    },
+}
 ADAM = (0.9, 0.999, 1e-8)
 
 
