@@ -58,10 +58,12 @@ import xarray as xr
 from ..arrays import array_module as _xp
 from ..config import ConfigError, _check_real
 from .channels import (
+    add_incoming,
     coupling_strengths_vjp,
     dephase_energy_vjp,
     dephase_vjp,
     dephasing_strength_vjp,
+    incoming_slots,
     mix_vjp,
     pinch_mix_vjp,
     transports_vjp,
@@ -117,7 +119,9 @@ class Schedule:
 
 class RolloutResult(NamedTuple):
     """loss (float); terms: the weighted loss terms; grads (None without grad); final: the state after T
-    steps; stats: ``checkpoints`` (c), ``segment`` (s), ``forward_steps`` (steps computed, 2T with grad)."""
+    steps; stats: ``checkpoints`` (c), ``segment`` (s), ``forward_steps`` (steps computed, 2T with grad),
+    ``max_stored``, ``step_adjoint`` ("kernels": the backend's channel step kernels forward and their
+    adjoint in reverse, no tapes; "tape": the array code's step and its taped adjoint)."""
 
     loss: float
     terms: dict
@@ -181,43 +185,32 @@ def _zeros_acc(P: Prepared, xp, cdt):
 
 def _update_vjp(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynamics, acc):
     """Adjoint of :func:`.evolve.agent_update` for the batch ``sel`` -> (x0_bar, R_bar, dt_bar); parameter
-    cotangents are added into ``acc``.
+    cotangents are added into ``acc`` (:func:`_update_terms`, then :func:`_accumulate`)."""
+    return _accumulate(P, sel, _update_terms(P, sel, R, tape, out_bar, dt, dyn), dt, dyn, acc)
 
-    dt enters through t = g dt (t_bar from R1) and the strengths eps = 1 - exp(-rate dt)
-    (d eps/d dt = rate exp(-rate dt)); the soft gate g = sigmoid((D - theta)/tau) gives
-    theta_bar = -sum D_bar and tau_bar = -sum D_bar (D - theta)/tau with D_bar = g_bar g (1 - g)/tau.
-    """
+
+def _update_terms(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynamics) -> dict:
+    """The per-agent cotangents of :func:`.evolve.agent_update` for the batch ``sel`` from its tape: the
+    dict of :func:`.kernel_ops.kernel_step_vjp` (the kernels compute the same terms per agent), the gate's
+    terms only under the soft gate and the coupling's only with a coupling window."""
     xp = _xp(out_bar)
     xs, y, z = tape["xs"], tape["y"], tape["z"]
     x = xs[-1]
     lam, V = P.lam[sel], P.V[sel]
-    sigma = P.sigma[sel]
-    gamma, gamma_th = P.gamma[sel], P.gamma_th[sel]
-    z_bar, sig_bar, eps_t_bar = mix_vjp(out_bar, z, sigma, tape["eps_t"])
+    z_bar, sig_bar, eps_t_bar = mix_vjp(out_bar, z, P.sigma[sel], tape["eps_t"])
     if dyn.dephasing_basis == "computational":
         y_bar, eps_d_bar = dephase_vjp(z_bar, y, tape["eps_d"])
         H_bar = xp.zeros_like(y)
     else:
         y_bar, eps_d_bar, H_bar = dephase_energy_vjp(z_bar, y, tape["eps_d"], V, lam)
-    acc["gamma"][sel] += dephasing_strength_vjp(eps_d_bar, gamma, dt)
-    acc["gamma_th"][sel] += dephasing_strength_vjp(eps_t_bar, gamma_th, dt)
     x_bar, H_u, t_bar = unitary_step_vjp(y_bar, x, y, tape["U"], lam, V, tape["t"])
     g = tape["g"]
-    dt_bar = (
-        (t_bar * g).sum()
-        + (eps_d_bar * gamma * xp.exp(-gamma * dt)).sum()
-        + (eps_t_bar * gamma_th * xp.exp(-gamma_th * dt)).sum()
-    )
-    H_bar = H_bar + H_u
+    out = dict(H_bar=H_bar + H_u, sigma_bar=sig_bar, eps_d_bar=eps_d_bar, eps_t_bar=eps_t_bar, tg=t_bar * g)
     if dyn.gate == "soft":
         D_bar = soft_gate_vjp(t_bar * dt, g, dyn.gate_width)
-        acc["theta"] -= float(D_bar.sum())
-        acc["tau"] -= float((D_bar * (tape["D"] - dyn.gate_threshold)).sum()) / dyn.gate_width
-        rb, logsig_bar = relative_entropy_gibbs_vjp(D_bar, tape["gcache"], x.dtype)
+        rb, out["logsig_bar"] = relative_entropy_gibbs_vjp(D_bar, tape["gcache"], x.dtype)
         x_bar = x_bar + rb
-        acc["logsig"][sel] += logsig_bar
-    acc["sigma"][sel] += sig_bar  # the Gibbs adjoint is linear and H is fixed: applied once, at the end
-    acc["H"][sel] += H_bar
+        out.update(D_bar=D_bar, D=tape["D"])
     R_bar = xp.zeros_like(R)
     w = R.shape[1]
     if dyn.coupling != "none" and w:
@@ -238,20 +231,60 @@ def _update_vjp(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynam
             else:
                 x_bar, e_bar = pinch_mix_vjp(x_bar, xs[k], tape["Ws"][k], eps_c[:, k])
             eps_c_bar[:, k] = e_bar
-        acc["eps_c"][sel] += eps_c_bar
-        acc["M"][sel] += M_bar
-    return x_bar, R_bar, float(dt_bar)
+        out.update(eps_c_bar=eps_c_bar, M_bar=M_bar)
+    out.update(x_bar=x_bar, R_bar=R_bar)
+    return out
 
 
-def _step_vjp(P: Prepared, old, new, tapes, out_bar, dt: float, dyn: QuantumDynamics, acc):
+def _accumulate(P: Prepared, sel, terms: dict, dt: float, dyn: QuantumDynamics, acc):
+    """Adds the per-agent cotangents ``terms`` of one step of the batch ``sel`` (:func:`_update_terms` or
+    the kernels' :func:`.kernel_ops.kernel_step_vjp`) into ``acc`` -> (x0_bar, R_bar, dt_bar).
+
+    dt enters through t = g dt (t_bar from R1) and the strengths eps = 1 - exp(-rate dt)
+    (d eps/d dt = rate exp(-rate dt)); the soft gate g = sigmoid((D - theta)/tau) gives
+    theta_bar = -sum D_bar and tau_bar = -sum D_bar (D - theta)/tau with D_bar = g_bar g (1 - g)/tau.
+    """
+    xp = _xp(terms["x_bar"])
+    gamma, gamma_th = P.gamma[sel], P.gamma_th[sel]
+    eps_d_bar, eps_t_bar = terms["eps_d_bar"], terms["eps_t_bar"]
+    acc["gamma"][sel] += dephasing_strength_vjp(eps_d_bar, gamma, dt)
+    acc["gamma_th"][sel] += dephasing_strength_vjp(eps_t_bar, gamma_th, dt)
+    dt_bar = (
+        terms["tg"].sum()
+        + (eps_d_bar * gamma * xp.exp(-gamma * dt)).sum()
+        + (eps_t_bar * gamma_th * xp.exp(-gamma_th * dt)).sum()
+    )
+    if dyn.gate == "soft":
+        D_bar = terms["D_bar"]
+        acc["theta"] -= float(D_bar.sum())
+        acc["tau"] -= float((D_bar * (terms["D"] - dyn.gate_threshold)).sum()) / dyn.gate_width
+        acc["logsig"][sel] += terms["logsig_bar"]
+    acc["sigma"][sel] += terms[
+        "sigma_bar"
+    ]  # the Gibbs adjoint is linear and H is fixed: applied once, at the end
+    acc["H"][sel] += terms["H_bar"]
+    if dyn.coupling != "none" and terms["R_bar"].shape[1]:
+        acc["eps_c"][sel] += terms["eps_c_bar"]
+        acc["M"][sel] += terms["M_bar"]
+    return terms["x_bar"], terms["R_bar"], float(dt_bar)
+
+
+def _step_vjp(
+    P: Prepared, old, new, tapes, out_bar, dt: float, dyn: QuantumDynamics, acc, kernel=None, slots=None
+):
     """Cotangent of the states before a step from the cotangent ``out_bar`` of the states after it (new:
-    the states after the channels, before any mirror step) -> (bar, dt_bar)."""
+    the states after the channels, before any mirror step) -> (bar, dt_bar). Jacobi: the terms of the
+    kernel adjoint ``kernel`` (``QuantumOps.step_vjp``, from the old states, no tape) or of the array code
+    from the tape; the senders' parts go to the states they were read at through ``slots``
+    (:func:`.channels.incoming_slots` of the window)."""
     xp = _xp(old)
-    index = xp.asarray(P.index)
     if dyn.order == "jacobi":
-        x_bar, R_bar, dt_bar = _update_vjp(P, slice(None), old[index], tapes[0], out_bar, dt, dyn, acc)
-        xp.add.at(x_bar, index.reshape(-1), R_bar.reshape(-1, *old.shape[1:]))
-        return x_bar, dt_bar
+        if kernel is not None:
+            terms = kernel(P, old, out_bar, dt, dyn)
+        else:
+            terms = _update_terms(P, slice(None), old[xp.asarray(P.index)], tapes[0], out_bar, dt, dyn)
+        x_bar, R_bar, dt_bar = _accumulate(P, slice(None), terms, dt, dyn, acc)
+        return add_incoming(x_bar, R_bar, slots), dt_bar
     bar_new = out_bar.copy()
     bar_old = xp.zeros_like(out_bar)
     dt_bar = 0.0
@@ -353,15 +386,19 @@ def rollout(
             raise ConfigError("outcomes", f"has {schedule.outcomes.shape[1]} agents, the state has {n}")
     P = prepare(arrays, qcfg, dyn)
     dts = schedule.dt
-    stats = {"forward_steps": 0, "max_stored": 1}
+    # The backend's kernel adjoint of the Jacobi step (QuantumOps.step_vjp; None: array code). With it,
+    # every forward step is the kernels' channel step and no step keeps a tape (the adjoint recomputes
+    # each agent's step from the old state); without it, the array code's step in every sweep. Either
+    # way the states a reverse sweep recomputes are bitwise those of the first sweep.
+    kernel = ops.step_vjp(rho.shape[-1]) if dyn.order == "jacobi" else None
+    step_ops = NUMPY_OPS if kernel is None else ops
+    stats = {"forward_steps": 0, "max_stored": 1, "step_adjoint": "tape" if kernel is None else "kernels"}
 
     def advance(r, t, keep=False):
         """Step t -> (state after it, tape: step tapes, state before the mirror steps, their (input,
         eta)) ."""
         stats["forward_steps"] += 1
-        # The array code's step in every sweep (ops only for F): the forward states a reverse sweep
-        # recomputes are then bitwise those of the first sweep, with or without a tape.
-        r, tapes = step(P, r, float(dts[t]), dyn, keep)
+        r, tapes = step(P, r, float(dts[t]), dyn, keep and kernel is None, ops=step_ops)
         pre, mirror = r, []
         for _ in range(dyn.mirror_steps):
             r_in = r
@@ -405,6 +442,7 @@ def rollout(
         return RolloutResult(total, terms, None, final, stats)
 
     acc = _zeros_acc(P, xp, rho.dtype)
+    slots = incoming_slots(P.index, P.mask, n) if dyn.order == "jacobi" else None
     dt_bar = np.zeros(T)
     bar = xp.zeros_like(rho)
     if w_F:
@@ -420,7 +458,9 @@ def rollout(
             acc["logsig"] += res["log_sigma"]
             if res["phi"] is not None:
                 acc["phi"] += res["phi"]
-        bar, dt_bar[t] = _step_vjp(P, old, tape["pre"], tape["step"], bar, float(dts[t]), dyn, acc)
+        bar, dt_bar[t] = _step_vjp(
+            P, old, tape["pre"], tape["step"], bar, float(dts[t]), dyn, acc, kernel, slots
+        )
         if w_born and t >= 1:
             bar = bar + _born(old, schedule.outcomes[t - 1], w_born)[1]
         return bar
