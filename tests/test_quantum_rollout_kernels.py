@@ -66,7 +66,15 @@ def _case(d, dyn, window, positions=False, dtype="complex128", n=7, T=4, seed=0,
     return cfg, st, sched
 
 
-def _assert_same(got, want, rtol, *, scheme_stats=True):
+def _replays_saved(want, sched) -> int:
+    """Forward steps the kernel path does not run (its adjoint needs no tape): the last step of every
+    uniform segment, every binomial taped replay; none with mirror steps (their adjoints need inputs)."""
+    if sched.dynamics.mirror_steps:
+        return 0
+    return sched.n_steps if want.stats["scheme"] == "binomial" else want.stats["checkpoints"]
+
+
+def _assert_same(got, want, rtol):
     assert got.loss == pytest.approx(want.loss, rel=rtol)
     for k, v in want.terms.items():
         assert got.terms[k] == pytest.approx(v, rel=rtol), k
@@ -77,9 +85,8 @@ def _assert_same(got, want, rtol, *, scheme_stats=True):
         assert a.shape == b.shape and a.dtype == b.dtype, k
         scale = float(np.abs(b).max(initial=0.0))  # 0 (e.g. no coupling): a must be 0 too
         np.testing.assert_allclose(a, b, rtol=0, atol=rtol * scale, err_msg=k)
-    if scheme_stats:
-        for k in ("forward_steps", "max_stored", "checkpoints"):
-            assert got.stats[k] == want.stats[k], k
+    assert got.stats["checkpoints"] == want.stats["checkpoints"]
+    assert got.stats["max_stored"] <= want.stats["max_stored"]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -91,6 +98,7 @@ def test_kernel_rollout_matches_the_array_code(name):
     want = rollout(st, cfg, sched, loss=LOSS, **c["scheme"])
     got = rollout(st, cfg, sched, loss=LOSS, ops=QUANTUM_OPS, **c["scheme"])
     assert want.stats["step_adjoint"] == "tape" and got.stats["step_adjoint"] == "kernels"
+    assert got.stats["forward_steps"] == want.stats["forward_steps"] - _replays_saved(want, sched)
     _assert_same(got, want, 1e-12)
     if sched.dynamics.gate == "soft":
         assert got.grads["gate_threshold"] != 0 and got.grads["gate_width"] != 0
@@ -107,8 +115,8 @@ def test_kernel_rollout_complex64(name):
 
 
 def test_the_kernels_run_every_jacobi_step_and_no_tape(monkeypatch):
-    """Forward steps (loss pass and replays) in the channel step kernel, one adjoint kernel per step, and
-    the array code's taped step never called."""
+    """Forward steps (loss pass and replays; the last step of a segment is not replayed) in the channel
+    step kernel, one adjoint kernel per step, and the array code's taped step never called."""
     evolve = importlib.import_module("vfesim.quantum.evolve")  # the package exports evolve(), the function
     c = CASES["C1-computational-thermal-sparse-uniform"]
     cfg, st, sched = _case(c["d"], c["dyn"], c["window"])
@@ -119,8 +127,8 @@ def test_the_kernels_run_every_jacobi_step_and_no_tape(monkeypatch):
     monkeypatch.setattr(evolve, "agent_update", lambda *a, **k: pytest.fail("array code step called"))
     res = rollout(st, cfg, sched, loss=LOSS, ops=QUANTUM_OPS, checkpoint_every=2)
     T = sched.n_steps
-    assert res.stats["forward_steps"] == 2 * T
-    assert calls.count("channel_step") == 2 * T and calls.count("channel_step_vjp") == T
+    assert res.stats["forward_steps"] == 2 * T - 2  # two segments
+    assert calls.count("channel_step") == 2 * T - 2 and calls.count("channel_step_vjp") == T
 
 
 def test_kernel_rollout_is_deterministic_and_independent_of_the_thread_split(monkeypatch):

@@ -40,6 +40,11 @@ r + 1 times (r + 2 counting the taped replay); forward steps <= T + (r + 1) T, f
 c = 6 (r = 4), c = 8 (r = 3). The forward pass that computes the loss stores the first
 descent's checkpoints, so it is not repeated. c = 1 replays from t = 0 for every step (T (T + 1)/2).
 
+Kernel backends (``ops.step_vjp(d)`` not None, Jacobi order): every forward step is the backend's channel
+step kernel and every reverse step its adjoint kernel, which recomputes each agent's step from the state
+before it: no tapes (memory O((c + s) N d^2) uniform, O(c N d^2) binomial), and without mirror steps no
+step is replayed for its tape (forward steps 2T - c uniform, T fewer binomial). ``stats["step_adjoint"]``.
+
 Gradient conventions (as :mod:`.energy`): ``rho`` traceless Hermitian (dL = tr(G d rho) on the tangent
 space of S_d), ``hamiltonian`` Hermitian, the rest plain partial derivatives; a rate given as a number
 gets the derivative with respect to that number (the sum over agents).
@@ -80,6 +85,8 @@ from .unitary import gibbs_vjp, relative_entropy_gibbs_vjp, soft_gate_vjp, unita
 __all__ = ["Schedule", "RolloutResult", "LOSS_TERMS", "rollout", "binomial", "repetitions"]
 
 LOSS_TERMS = ("born", "free_energy")
+# The tape of a step the kernels' adjoint differentiates (it reads only the state before the step).
+_NO_TAPE = {"step": None, "pre": None, "mirror": ()}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -465,17 +472,26 @@ def rollout(
             bar = bar + _born(old, schedule.outcomes[t - 1], w_born)[1]
         return bar
 
+    # The kernels' adjoint reads only the state before a step: without mirror steps (whose adjoints need
+    # their inputs) a step is not replayed for its tape.
+    need_tape = kernel is None or dyn.mirror_steps > 0
+
+    def taped(old, t):
+        return advance(old, t, keep=True)[1] if need_tape else _NO_TAPE
+
     if binom:
-        bar = _reverse_binomial(T, checkpoints - 1, store, advance, back, bar, stats)
+        bar = _reverse_binomial(T, checkpoints - 1, store, advance, taped, back, bar, stats)
     else:
         for start in sorted(store, reverse=True):
             stop = min(start + s, T)
             states, tapes = [store[start]], []
-            for t in range(start, stop):
-                r, tp = advance(states[-1], t, keep=True)
+            for t in range(start, stop - 1):
+                r, tp = advance(states[-1], t, keep=need_tape)
                 states.append(r)
-                tapes.append(tp)
-            stats["max_stored"] = max(stats["max_stored"], len(store) + len(states) - 1)
+                tapes.append(tp or _NO_TAPE)
+            tapes.append(taped(states[-1], stop - 1))
+            held = len(states) + need_tape  # a tape holds the state after its step
+            stats["max_stored"] = max(stats["max_stored"], len(store) + held - 1)
             for t in range(stop - 1, start - 1, -1):
                 bar = back(t, states[t - start], tapes[t - start], bar)
             del states, tapes
@@ -511,10 +527,10 @@ def rollout(
     return RolloutResult(total, terms, grads, final, stats)
 
 
-def _reverse_binomial(T: int, slots: int, store: dict, advance, back, bar, stats: dict):
+def _reverse_binomial(T: int, slots: int, store: dict, advance, taped, back, bar, stats: dict):
     """Reverse sweep over [0, T) with binomial checkpointing (module docstring): ``store`` holds the state
     at 0 and the forward pass's checkpoints (:func:`_spine`); at most slots + 1 states are held at once
-    (stats["max_stored"]). Recursion depth <= slots + 1."""
+    (stats["max_stored"]). ``taped(old, t)``: the tape of step t. Recursion depth <= slots + 1."""
 
     def run(t0: int, t1: int, r):
         for t in range(t0, t1):
@@ -525,8 +541,7 @@ def _reverse_binomial(T: int, slots: int, store: dict, advance, back, bar, stats
         if t1 - t0 == 1 or free == 0:
             for t in range(t1 - 1, t0 - 1, -1):  # free == 0: replay from t0 for every step
                 old = run(t0, t, store[t0])
-                _, tape = advance(old, t, keep=True)
-                bar = back(t, old, tape, bar)
+                bar = back(t, old, taped(old, t), bar)
             return bar
         mid = t0 + _split(t1 - t0, free)
         if mid not in store:
