@@ -126,9 +126,10 @@ class Schedule:
 
 class RolloutResult(NamedTuple):
     """loss (float); terms: the weighted loss terms; grads (None without grad); final: the state after T
-    steps; stats: ``checkpoints`` (c), ``segment`` (s), ``forward_steps`` (steps computed, 2T with grad),
-    ``max_stored``, ``step_adjoint`` ("kernels": the backend's channel step kernels forward and their
-    adjoint in reverse, no tapes; "tape": the array code's step and its taped adjoint)."""
+    steps; stats: ``checkpoints`` (c), ``segment`` (s), ``forward_steps`` (steps computed: 2T with grad and
+    uniform checkpointing on the tape path, module docstring), ``max_stored``, ``step_adjoint``
+    ("kernels": the backend's channel step kernels forward and their adjoint in reverse, no tapes;
+    "tape": the array code's step and its taped adjoint)."""
 
     loss: float
     terms: dict
@@ -266,9 +267,8 @@ def _accumulate(P: Prepared, sel, terms: dict, dt: float, dyn: QuantumDynamics, 
         acc["theta"] -= float(D_bar.sum())
         acc["tau"] -= float((D_bar * (terms["D"] - dyn.gate_threshold)).sum()) / dyn.gate_width
         acc["logsig"][sel] += terms["logsig_bar"]
-    acc["sigma"][sel] += terms[
-        "sigma_bar"
-    ]  # the Gibbs adjoint is linear and H is fixed: applied once, at the end
+    # the Gibbs adjoint is linear and H is fixed: applied once, at the end
+    acc["sigma"][sel] += terms["sigma_bar"]
     acc["H"][sel] += terms["H_bar"]
     if dyn.coupling != "none" and terms["R_bar"].shape[1]:
         acc["eps_c"][sel] += terms["eps_c_bar"]
@@ -363,7 +363,9 @@ def rollout(
     ``coupling_length``, ``dt`` (T,) (one per step), ``gate_threshold``, ``gate_width``.
     checkpoint_every: uniform checkpointing with segment length s (default ceil(sqrt(T)));
     checkpoints: binomial checkpointing with at most c >= 1 stored states (exclusive with
-    checkpoint_every). The hard gate has no gradient: with ``grad`` it raises.
+    checkpoint_every). The hard gate has no gradient: with ``grad`` it raises. ops: the backend's
+    :class:`QuantumOps` (``backend.agent_ops["quantum"]``): the free energy's and the mirror steps'
+    stages and, where ``ops.step_vjp(d)`` gives a kernel adjoint, the Jacobi steps forward and in reverse.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule: must be a Schedule, got {type(schedule).__name__}")
