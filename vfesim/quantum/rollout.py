@@ -451,7 +451,7 @@ def rollout(
         return RolloutResult(total, terms, None, final, stats)
 
     acc = _zeros_acc(P, xp, rho.dtype)
-    slots = incoming_slots(P.index, P.mask, n) if dyn.order == "jacobi" else None
+    slots = xp.asarray(incoming_slots(P.index, P.mask, n)) if dyn.order == "jacobi" else None
     dt_bar = np.zeros(T)
     bar = xp.zeros_like(rho)
     if w_F:
