@@ -3,6 +3,7 @@
     python benchmarks/bench_quantum_dynamics.py                       # CPU: N = 1024, d = 2 4 8, c128/c64
     python benchmarks/bench_quantum_dynamics.py --qutip               # + vfesim Lindblad vs QuTiP mesolve
     python benchmarks/bench_quantum_dynamics.py --backend numba --no-rollout  # CPU: the per-agent kernels
+    python benchmarks/bench_quantum_dynamics.py --backend numpy numba --sizes 256 1024 --ds 2 4 --T 8
     python benchmarks/bench_quantum_dynamics.py --backend cupy --sizes 4096 65536 262144 \\
         --dtypes complex128 complex64 --torch                         # GPU, + the PyTorch autograd baseline
     python benchmarks/bench_quantum_dynamics.py --backend cuda --no-rollout --sizes 4096 65536 262144
@@ -10,9 +11,10 @@
 Problem (the issue's target): Jacobi steps of N agents with C1 coupling over a causal window of w = 8
 senders (eps0 = 0.3, ell = 1.618), the unitary step from one eigh of H_i per rollout, computational-basis
 dephasing (gamma = 0.2) and a Born loss with every agent observed at every step; dt = 0.09. "step": one
-synchronous step (evolve's inner step, arrays in, arrays out). "rollout": T = 100 steps with the exact
-adjoint (:func:`vfesim.quantum.rollout`, uniform checkpointing, s = ceil(sqrt T)); includes the
-per-rollout eigh of H, frames and transports. Medians of repeated calls after one warm-up.
+synchronous step (evolve's inner step, arrays in, arrays out). "rollout": T = 100 steps (``--T``) with
+the exact adjoint (:func:`vfesim.quantum.rollout` with the backend's QuantumOps, uniform checkpointing,
+s = ceil(sqrt T)); includes the per-rollout eigh of H, frames and transports; "adjoint" says which step
+adjoint it ran ("kernels" or the array code's "tape"). Medians of repeated calls after one warm-up.
 
 Achieved bytes/s against a traffic model (c = bytes of one complex number; the model counts each array a
 step must read or write once): forward step (2 w + 6) N d^2 c (senders and transports, w each; state in,
@@ -25,10 +27,11 @@ QuTiP 5 ``mesolve`` (adams, atol 1e-10, rtol 1e-8) on ``--qutip-agents`` agents,
 :func:`vfesim.quantum.lindblad_evolve` ("exact" Liouvillian propagator, "strang") on the same agents and
 on N: time per agent and max |rho - rho_qutip|.
 
-Backends: "numpy" / "cupy" run the array code; "numba" / "cuda" the per-agent kernels of the channel step
-and of its adjoint (vfesim_kernels.quantum_math ``channel_step_agent``, ``channel_step_vjp_agent``; d up to
-the backend's kernel size, array code above). "step_vjp": one adjoint step (array code: the taped step
-and ``rollout._update_vjp``; kernels: forward recomputed per agent, then the adjoint).
+Backends (one or several, ``--backend numpy numba``): "numpy" / "cupy" run the array code; "numba" /
+"cuda" the per-agent kernels of the channel step and of its adjoint (vfesim_kernels.quantum_math
+``channel_step_agent``, ``channel_step_vjp_agent``; d up to the backend's kernel size, array code above),
+in the step, the adjoint step and the rollout alike. "step_vjp": one adjoint step (array code: the taped
+step and ``rollout._update_vjp``; kernels: forward recomputed per agent, then the adjoint).
 
 ``--torch``: benchmarks/torch_quantum_rollout.py (PyTorch autograd, the same rollout; imported only then).
 """
@@ -49,7 +52,6 @@ from vfesim.quantum import QuantumDynamics, Schedule, rollout
 from vfesim.quantum.channels import causal_window
 from vfesim.quantum.energy import NUMPY_OPS
 from vfesim.quantum.evolve import agent_update, prepare, step
-from vfesim.quantum.kernel_ops import kernel_step_vjp
 from vfesim.quantum.lindblad import lindblad_evolve
 from vfesim.quantum.state import make_state
 
@@ -66,18 +68,17 @@ def array_module(name: str):
 
 
 def backend_ops(name: str):
-    """(QuantumOps, kernel adjoint of the channel step or None) of a backend name."""
+    """The QuantumOps of a backend name (its ``step_vjp(d)``: the kernel adjoint of the channel step, or
+    None where the array code runs)."""
     if name == "numba":
-        from vfesim_kernels import quantum_cpu
+        from vfesim.backends.numba_backend import QUANTUM_OPS
 
-        from vfesim.backends.numba_backend import QUANTUM_JACOBI_MAX_D, QUANTUM_OPS
-
-        return QUANTUM_OPS, kernel_step_vjp(lambda: np, quantum_cpu.launch), QUANTUM_JACOBI_MAX_D
+        return QUANTUM_OPS
     if name == "cuda":
-        from vfesim.backends import cuda_backend as cb
+        from vfesim.backends.cuda_backend import QUANTUM_OPS
 
-        return cb.QUANTUM_OPS, kernel_step_vjp(cb.array_module, cb._quantum_launch), cb.QUANTUM_KERNEL_MAX_D
-    return NUMPY_OPS, None, 0
+        return QUANTUM_OPS
+    return NUMPY_OPS
 
 
 def sync(xp) -> None:
@@ -98,7 +99,7 @@ def timeit(fn, xp, *, min_reps=3, max_reps=20, target_s=1.0) -> tuple[float, int
     return float(np.median(times)), len(times)
 
 
-def problem(N: int, d: int, dtype: str, xp, seed: int = 0):
+def problem(N: int, d: int, dtype: str, xp, seed: int = 0, T: int = T_STEPS):
     """(cfg, state Dataset on the device, dynamics, schedule) of the module docstring's problem."""
     cfg = vfesim.QuantumConfig(d=d, lambda_belief=0.0)
     host = vfesim.random_state(cfg, N, seed=seed, dtype=dtype)
@@ -109,30 +110,33 @@ def problem(N: int, d: int, dtype: str, xp, seed: int = 0):
         neighbours=causal_window(N, WINDOW),
         dephasing_rate=GAMMA,
     )
-    y = np.random.default_rng(seed).integers(0, d, size=(T_STEPS, N))
-    return cfg, st, dyn, Schedule(dyn, DT, T_STEPS, y)
+    y = np.random.default_rng(seed).integers(0, d, size=(T, N))
+    return cfg, st, dyn, Schedule(dyn, DT, T, y)
 
 
-def traffic(N: int, d: int, dtype: str) -> tuple[float, float]:
+def traffic(N: int, d: int, dtype: str, T: int = T_STEPS) -> tuple[float, float]:
     c = np.dtype(dtype).itemsize
     fwd = (2 * WINDOW + 6) * N * d * d * c
     adj = (3 * WINDOW + 10) * N * d * d * c
-    return fwd, T_STEPS * (2 * fwd + adj)
+    return fwd, T * (2 * fwd + adj)
 
 
-def bench(N: int, d: int, dtype: str, xp, rollout_too: bool, backend: str = "numpy") -> dict:
+def bench(N: int, d: int, dtype: str, rollout_too: bool, backend: str = "numpy", T: int = T_STEPS) -> dict:
     from vfesim.quantum.rollout import _update_vjp, _zeros_acc
 
-    cfg, st, dyn, sched = problem(N, d, dtype, xp)
+    xp = array_module(backend)
+    cfg, st, dyn, sched = problem(N, d, dtype, xp, T=T)
     arrays = {k: st[k].data for k in st.data_vars}
     P = prepare(arrays, cfg, dyn)
     rho = arrays["rho"]
-    ops, vjp, max_d = backend_ops(backend)
+    ops = backend_ops(backend)
+    vjp = ops.step_vjp(d)
     t_step, n_step = timeit(lambda: step(P, rho, DT, dyn, ops=ops), xp)
-    b_step, b_roll = traffic(N, d, dtype)
-    row = dict(N=N, d=d, dtype=dtype, step_s=t_step, step_GBps=b_step / t_step / 1e9, step_reps=n_step)
+    b_step, b_roll = traffic(N, d, dtype, T)
+    row = dict(backend=backend, N=N, d=d, dtype=dtype, step_s=t_step, step_GBps=b_step / t_step / 1e9)
+    row["step_reps"] = n_step
     ob = rho + 0.5  # a cotangent
-    if vjp is not None and d <= max_d:
+    if vjp is not None:
         t_adj, _ = timeit(lambda: vjp(P, rho, ob, DT, dyn), xp)
     else:
 
@@ -144,8 +148,12 @@ def bench(N: int, d: int, dtype: str, xp, rollout_too: bool, backend: str = "num
         t_adj, _ = timeit(taped, xp)
     row["step_vjp_s"] = t_adj
     if rollout_too:
-        t_roll, n_roll = timeit(lambda: rollout(st, cfg, sched, "born"), xp, min_reps=1, max_reps=5)
+        res = []
+        t_roll, n_roll = timeit(
+            lambda: res.append(rollout(st, cfg, sched, "born", ops=ops)), xp, min_reps=1, max_reps=5
+        )
         row.update(rollout_s=t_roll, rollout_GBps=b_roll / t_roll / 1e9, rollout_reps=n_roll)
+        row["adjoint"] = res[-1].stats["step_adjoint"]
     return row
 
 
@@ -204,31 +212,34 @@ def table(rows: list[dict], keys: list[str]) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=["numpy", "numba", "cupy", "cuda"], default="numpy")
+    ap.add_argument("--backend", choices=["numpy", "numba", "cupy", "cuda"], nargs="+", default=["numpy"])
     ap.add_argument("--sizes", type=int, nargs="*", default=None, help="N (default 1024 CPU, 3 sizes GPU)")
     ap.add_argument("--ds", type=int, nargs="*", default=[2, 4, 8])
     ap.add_argument("--dtypes", nargs="*", default=["complex128", "complex64"])
     ap.add_argument("--no-rollout", action="store_true", help="time the step only")
+    ap.add_argument("--T", type=int, default=T_STEPS, help="rollout steps")
     ap.add_argument("--copy", action="store_true", help="also print the device copy rate (GPU)")
     ap.add_argument("--qutip", action="store_true", help="Lindblad vs QuTiP mesolve (CPU)")
     ap.add_argument("--qutip-agents", type=int, default=16)
     ap.add_argument("--torch", action="store_true", help="the PyTorch autograd baseline at the same sizes")
     ap.add_argument("--out", default=None, help="folder for quantum_dynamics_bench.jsonl")
     args = ap.parse_args(argv)
-    xp = array_module(args.backend)
-    sizes = args.sizes or ([1024] if xp is np else [4096, 65536, 262144])
-    print(f"# {platform.node()} {platform.processor()} numpy {np.__version__} backend {args.backend}")
-    print(f"# T = {T_STEPS}, window = {WINDOW}, dt = {DT}; medians; GB/s of the traffic model (docstring)")
-    if args.copy and xp is not np:
-        print(f"# device copy rate {copy_rate(xp):.0f} GB/s")
+    gpu = [b for b in args.backend if array_module(b) is not np]
+    sizes = args.sizes or ([4096, 65536, 262144] if gpu else [1024])
+    backends = " ".join(args.backend)
+    print(f"# {platform.node()} {platform.processor()} numpy {np.__version__} backends {backends}")
+    print(f"# T = {args.T}, window = {WINDOW}, dt = {DT}; medians; GB/s of the traffic model (docstring)")
+    if args.copy and gpu:
+        print(f"# device copy rate {copy_rate(array_module(gpu[0])):.0f} GB/s")
     rows = []
     for N in sizes:
         for d in args.ds:
             for dtype in args.dtypes:
-                rows.append(bench(N, d, dtype, xp, not args.no_rollout, args.backend))
-                print(table(rows[-1:], list(rows[-1])), flush=True)
-    keys = ["N", "d", "dtype", "step_s", "step_GBps", "step_vjp_s"] + (
-        [] if args.no_rollout else ["rollout_s", "rollout_GBps"]
+                for backend in args.backend:
+                    rows.append(bench(N, d, dtype, not args.no_rollout, backend, args.T))
+                    print(table(rows[-1:], list(rows[-1])), flush=True)
+    keys = ["backend", "N", "d", "dtype", "step_s", "step_GBps", "step_vjp_s"] + (
+        [] if args.no_rollout else ["rollout_s", "rollout_GBps", "adjoint"]
     )
     if args.torch:
         import importlib.util
@@ -240,7 +251,7 @@ def main(argv=None) -> None:
         spec.loader.exec_module(torch_quantum_rollout)
 
         for r in rows:
-            r.update(torch_quantum_rollout.bench(r["N"], r["d"], r["dtype"], T_STEPS, WINDOW))
+            r.update(torch_quantum_rollout.bench(r["N"], r["d"], r["dtype"], args.T, WINDOW))
             r["speedup_vs_torch"] = r.get("torch_rollout_s", math.nan) / r.get("rollout_s", math.nan)
         keys += ["torch_rollout_s", "speedup_vs_torch"]
     print("\n" + table(rows, keys))

@@ -11,7 +11,7 @@ import pytest
 from reference.quantum_dynamics import choi, gibbs_state, relative_entropy
 from reference.quantum_dynamics import dephase as ref_dephase
 
-from vfesim.config import ConfigError
+from vfesim.config import ConfigError, SparseNeighbours
 from vfesim.quantum import channels as ch
 from vfesim.quantum import unitary as un
 from vfesim.quantum.evolve import QuantumDynamics
@@ -298,3 +298,31 @@ def test_dynamics_config_errors_name_the_key():
         ch.dephase_energy_vjp(np.eye(3)[None] + 0j, np.eye(3)[None] / 3 + 0j, np.array([0.5]), V, lam)
     with pytest.raises(ValueError, match="d <= 8"):
         exact_propagator(np.zeros((1, 9, 9), complex), np.zeros((1, 0, 9, 9), complex), 0.1)
+
+
+@pytest.mark.parametrize("window", ["ragged", "star", "empty"])
+def test_incoming_sums_equal_a_scatter_add(window):
+    """add_incoming (gather and fixed-order sums over the transposed window, the rollout's and
+    transports_vjp's scatter onto senders) against np.add.at over the unmasked slots; the star's in-degree
+    (N - 1) exceeds the window width, so the sums run over several column blocks."""
+    rng = np.random.default_rng(3)
+    n, d = 9, 3
+    if window == "ragged":
+        lists = [list(rng.choice(np.delete(np.arange(n), i), i % 4, replace=False)) for i in range(n)]
+        nb = SparseNeighbours.from_lists(lists)
+        index, mask = np.asarray(nb.index), np.asarray(nb.mask)
+    elif window == "star":
+        index, mask = np.zeros((n, 2), np.int64), np.ones((n, 2), bool)
+        index[:, 1], mask[0] = 1 + np.arange(n) % (n - 1), False
+    else:
+        index, mask = np.zeros((n, 0), np.int64), np.zeros((n, 0), bool)
+    parts = rng.normal(size=(n, index.shape[1], d, d)) + 1j * rng.normal(size=(n, index.shape[1], d, d))
+    bar = rng.normal(size=(n, d, d)) + 0j
+    want = bar.copy()
+    np.add.at(want, index[mask], parts[mask])
+    slots = ch.incoming_slots(index, mask, n)
+    assert slots.shape == (n, max(1, int(np.bincount(index[mask], minlength=n).max(initial=0))))
+    np.testing.assert_allclose(ch.add_incoming(bar, parts, slots), want, rtol=0, atol=1e-14)
+    if window != "empty":  # the masked slots' parts are not read
+        parts[~mask] = np.nan
+        assert np.isfinite(ch.add_incoming(bar, parts, slots)).all()

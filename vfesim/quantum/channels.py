@@ -48,6 +48,8 @@ __all__ = [
     "coupling_strengths_vjp",
     "transports",
     "transports_vjp",
+    "incoming_slots",
+    "add_incoming",
 ]
 
 
@@ -224,9 +226,41 @@ def transports_vjp(M_bar, U, index):
     """(U_bar (N, d, d)) from M_bar (N, w, d, d) of M = U_i U_j^dag: U_i_bar += M_bar U_j,
     U_j_bar += M_bar^dag U_i (dL = Re tr(U_bar^dag dU))."""
     xp = _xp(U)
-    Uj = U[index]
+    Uj = U[xp.asarray(index)]
     U_bar = (M_bar @ Uj).sum(axis=1)
-    contrib = dagger(M_bar) @ U[:, None]
-    flat = contrib.reshape(-1, *U.shape[1:])
-    xp.add.at(U_bar, xp.asarray(index).reshape(-1), flat)
-    return U_bar
+    return add_incoming(U_bar, dagger(M_bar) @ U[:, None], incoming_slots(index, None, U.shape[0]))
+
+
+def incoming_slots(index, mask, n_agents: int):
+    """The transpose of a window (index, mask) (N, w) (mask None: every slot): per agent j the flat slots
+    n w + k with index[n, k] == j (under mask), ordered by receiver n then slot k, padded with N w
+    (a zero row :func:`add_incoming` appends) -> (n_agents, m) int64 host array, m the largest in-degree
+    (at least 1)."""
+    index = np.asarray(index.get() if hasattr(index, "get") else index, np.int64)
+    flat = np.arange(index.size, dtype=np.int64)
+    if mask is not None:
+        flat = flat[np.asarray(mask.get() if hasattr(mask, "get") else mask, bool).ravel()]
+    senders = index.ravel()[flat]
+    order = np.argsort(senders, kind="stable")
+    senders, flat = senders[order], flat[order]
+    count = np.bincount(senders, minlength=n_agents)
+    start = np.concatenate([[0], np.cumsum(count)[:-1]])
+    rank = np.arange(senders.size) - start[senders]
+    out = np.full((n_agents, max(1, int(count.max(initial=0)))), index.size, np.int64)
+    out[senders, rank] = flat
+    return out
+
+
+def add_incoming(bar, parts, slots):
+    """bar (N, d, d) plus, per agent j, the parts (N, w, d, d) of the slots that read j (``slots`` of
+    :func:`incoming_slots`): a gather and sums in a fixed order (receiver, then slot), deterministic on
+    NumPy and CuPy (no atomics). Columns of ``slots`` are summed in blocks of w, so the gathered block is
+    no larger than ``parts``; the work is N d^2 times the largest in-degree."""
+    xp = _xp(bar)
+    d = bar.shape[1:]
+    flat = xp.concatenate([parts.reshape(-1, *d), xp.zeros((1, *d), parts.dtype)])
+    slots = xp.asarray(slots)
+    block = max(1, parts.shape[1])
+    for c in range(0, slots.shape[1], block):
+        bar = bar + flat[slots[:, c : c + block]].sum(axis=1)
+    return bar

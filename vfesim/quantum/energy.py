@@ -122,6 +122,11 @@ def _dk_exp(l, p, V, E):
     return dk(V, dd_exp(l, p).astype(V.dtype), E)
 
 
+def _no_step_vjp(d: int) -> None:
+    """The array code's channel step has no kernel adjoint (QuantumOps.step_vjp)."""
+    return None
+
+
 class QuantumOps(NamedTuple):
     """The per-agent stages of the density-matrix free energy; a backend may supply kernels for them
     (NumPy/CuPy array code by default, :data:`NUMPY_OPS`). Batched over agents; ``d x d`` complex.
@@ -135,6 +140,10 @@ class QuantumOps(NamedTuple):
     frames_vjp(U_bar, cache, J) -> phi_bar (N, 3)
     channel_step(P, rho, dt, dynamics) -> rho after one Jacobi step of the channels, forward only
         (vfesim.quantum.evolve: P its Prepared caches, dynamics a QuantumDynamics)
+    step_vjp(d) -> the adjoint of ``channel_step`` for d x d states by per-agent kernels (a
+        ``vjp(P, rho, out_bar, dt, dynamics)`` of :func:`.kernel_ops.kernel_step_vjp`, forward recomputed
+        per agent), or None where ``channel_step`` is array code: rollouts then differentiate the array
+        code's step from its tape (vfesim.quantum.rollout)
     """
 
     eig_log: Callable
@@ -146,6 +155,7 @@ class QuantumOps(NamedTuple):
     dk_exp: Callable
     frames_vjp: Callable
     channel_step: Callable
+    step_vjp: Callable = _no_step_vjp
 
 
 def _channel_step(P, rho, dt, dyn):

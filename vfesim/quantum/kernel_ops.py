@@ -47,7 +47,8 @@ def _real(dtype) -> np.dtype:
 
 
 def kernel_ops(array_module: Callable, launch: Callable) -> QuantumOps:
-    """A :class:`QuantumOps` whose stages run ``launch`` on arrays of ``array_module()``."""
+    """A :class:`QuantumOps` whose stages run ``launch`` on arrays of ``array_module()``; its ``step_vjp``
+    is :func:`kernel_step_vjp` for every d."""
 
     def c(a):
         a = array_module().ascontiguousarray(a)
@@ -131,9 +132,11 @@ def kernel_ops(array_module: Callable, launch: Callable) -> QuantumOps:
             _refuse_non_positive(xp, gmin <= 0, gmin)
         return out
 
+    step_vjp = kernel_step_vjp(array_module, launch)
     return QuantumOps(
-        eig_log, gibbs, frames, pull_features, pull_vjp, dk_log, dk_exp, frames_vjp, channel_step
-    )
+        eig_log, gibbs, frames, pull_features, pull_vjp, dk_log, dk_exp, frames_vjp, channel_step,
+        lambda d: step_vjp,
+    )  # fmt: skip
 
 
 def _step_args(xp, c, P, rho, dt, dyn):
@@ -225,7 +228,8 @@ def kernel_step_vjp(array_module: Callable, launch: Callable) -> Callable:
 
 def sized_ops(small: QuantumOps, large: QuantumOps, max_d: int) -> QuantumOps:
     """Stages that run ``small`` for matrices up to ``max_d`` and ``large`` above (e.g. per-agent Jacobi
-    kernels for small d, batched LAPACK / cuSOLVER array code for larger d)."""
+    kernels for small d, batched LAPACK / cuSOLVER array code for larger d); ``step_vjp(d)`` is the one
+    of the same side, so a channel step and its adjoint always come from one of them."""
 
     def pick(name):
         i = _SIZE_ARG[name]
@@ -237,4 +241,8 @@ def sized_ops(small: QuantumOps, large: QuantumOps, max_d: int) -> QuantumOps:
         stage.__name__ = name
         return stage
 
-    return QuantumOps(*(pick(name) for name in QuantumOps._fields))
+    def step_vjp(d):
+        return (small if d <= max_d else large).step_vjp(d)
+
+    stages = {name: pick(name) for name in _SIZE_ARG}
+    return QuantumOps(**stages, step_vjp=step_vjp)

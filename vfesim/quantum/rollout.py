@@ -40,6 +40,11 @@ r + 1 times (r + 2 counting the taped replay); forward steps <= T + (r + 1) T, f
 c = 6 (r = 4), c = 8 (r = 3). The forward pass that computes the loss stores the first
 descent's checkpoints, so it is not repeated. c = 1 replays from t = 0 for every step (T (T + 1)/2).
 
+Kernel backends (``ops.step_vjp(d)`` not None, Jacobi order): every forward step is the backend's channel
+step kernel and every reverse step its adjoint kernel, which recomputes each agent's step from the state
+before it: no tapes (memory O((c + s) N d^2) uniform, O(c N d^2) binomial), and without mirror steps no
+step is replayed for its tape (forward steps 2T - c uniform, T fewer binomial). ``stats["step_adjoint"]``.
+
 Gradient conventions (as :mod:`.energy`): ``rho`` traceless Hermitian (dL = tr(G d rho) on the tangent
 space of S_d), ``hamiltonian`` Hermitian, the rest plain partial derivatives; a rate given as a number
 gets the derivative with respect to that number (the sum over agents).
@@ -58,10 +63,12 @@ import xarray as xr
 from ..arrays import array_module as _xp
 from ..config import ConfigError, _check_real
 from .channels import (
+    add_incoming,
     coupling_strengths_vjp,
     dephase_energy_vjp,
     dephase_vjp,
     dephasing_strength_vjp,
+    incoming_slots,
     mix_vjp,
     pinch_mix_vjp,
     transports_vjp,
@@ -78,6 +85,8 @@ from .unitary import gibbs_vjp, relative_entropy_gibbs_vjp, soft_gate_vjp, unita
 __all__ = ["Schedule", "RolloutResult", "LOSS_TERMS", "rollout", "binomial", "repetitions"]
 
 LOSS_TERMS = ("born", "free_energy")
+# The tape of a step the kernels' adjoint differentiates (it reads only the state before the step).
+_NO_TAPE = {"step": None, "pre": None, "mirror": ()}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -117,7 +126,10 @@ class Schedule:
 
 class RolloutResult(NamedTuple):
     """loss (float); terms: the weighted loss terms; grads (None without grad); final: the state after T
-    steps; stats: ``checkpoints`` (c), ``segment`` (s), ``forward_steps`` (steps computed, 2T with grad)."""
+    steps; stats: ``checkpoints`` (c), ``segment`` (s), ``forward_steps`` (steps computed: 2T with grad and
+    uniform checkpointing on the tape path, module docstring), ``max_stored``, ``step_adjoint``
+    ("kernels": the backend's channel step kernels forward and their adjoint in reverse, no tapes;
+    "tape": the array code's step and its taped adjoint)."""
 
     loss: float
     terms: dict
@@ -181,43 +193,32 @@ def _zeros_acc(P: Prepared, xp, cdt):
 
 def _update_vjp(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynamics, acc):
     """Adjoint of :func:`.evolve.agent_update` for the batch ``sel`` -> (x0_bar, R_bar, dt_bar); parameter
-    cotangents are added into ``acc``.
+    cotangents are added into ``acc`` (:func:`_update_terms`, then :func:`_accumulate`)."""
+    return _accumulate(P, sel, _update_terms(P, sel, R, tape, out_bar, dt, dyn), dt, dyn, acc)
 
-    dt enters through t = g dt (t_bar from R1) and the strengths eps = 1 - exp(-rate dt)
-    (d eps/d dt = rate exp(-rate dt)); the soft gate g = sigmoid((D - theta)/tau) gives
-    theta_bar = -sum D_bar and tau_bar = -sum D_bar (D - theta)/tau with D_bar = g_bar g (1 - g)/tau.
-    """
+
+def _update_terms(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynamics) -> dict:
+    """The per-agent cotangents of :func:`.evolve.agent_update` for the batch ``sel`` from its tape: the
+    dict of :func:`.kernel_ops.kernel_step_vjp` (the kernels compute the same terms per agent), the gate's
+    terms only under the soft gate and the coupling's only with a coupling window."""
     xp = _xp(out_bar)
     xs, y, z = tape["xs"], tape["y"], tape["z"]
     x = xs[-1]
     lam, V = P.lam[sel], P.V[sel]
-    sigma = P.sigma[sel]
-    gamma, gamma_th = P.gamma[sel], P.gamma_th[sel]
-    z_bar, sig_bar, eps_t_bar = mix_vjp(out_bar, z, sigma, tape["eps_t"])
+    z_bar, sig_bar, eps_t_bar = mix_vjp(out_bar, z, P.sigma[sel], tape["eps_t"])
     if dyn.dephasing_basis == "computational":
         y_bar, eps_d_bar = dephase_vjp(z_bar, y, tape["eps_d"])
         H_bar = xp.zeros_like(y)
     else:
         y_bar, eps_d_bar, H_bar = dephase_energy_vjp(z_bar, y, tape["eps_d"], V, lam)
-    acc["gamma"][sel] += dephasing_strength_vjp(eps_d_bar, gamma, dt)
-    acc["gamma_th"][sel] += dephasing_strength_vjp(eps_t_bar, gamma_th, dt)
     x_bar, H_u, t_bar = unitary_step_vjp(y_bar, x, y, tape["U"], lam, V, tape["t"])
     g = tape["g"]
-    dt_bar = (
-        (t_bar * g).sum()
-        + (eps_d_bar * gamma * xp.exp(-gamma * dt)).sum()
-        + (eps_t_bar * gamma_th * xp.exp(-gamma_th * dt)).sum()
-    )
-    H_bar = H_bar + H_u
+    out = dict(H_bar=H_bar + H_u, sigma_bar=sig_bar, eps_d_bar=eps_d_bar, eps_t_bar=eps_t_bar, tg=t_bar * g)
     if dyn.gate == "soft":
         D_bar = soft_gate_vjp(t_bar * dt, g, dyn.gate_width)
-        acc["theta"] -= float(D_bar.sum())
-        acc["tau"] -= float((D_bar * (tape["D"] - dyn.gate_threshold)).sum()) / dyn.gate_width
-        rb, logsig_bar = relative_entropy_gibbs_vjp(D_bar, tape["gcache"], x.dtype)
+        rb, out["logsig_bar"] = relative_entropy_gibbs_vjp(D_bar, tape["gcache"], x.dtype)
         x_bar = x_bar + rb
-        acc["logsig"][sel] += logsig_bar
-    acc["sigma"][sel] += sig_bar  # the Gibbs adjoint is linear and H is fixed: applied once, at the end
-    acc["H"][sel] += H_bar
+        out.update(D_bar=D_bar, D=tape["D"])
     R_bar = xp.zeros_like(R)
     w = R.shape[1]
     if dyn.coupling != "none" and w:
@@ -238,20 +239,59 @@ def _update_vjp(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynam
             else:
                 x_bar, e_bar = pinch_mix_vjp(x_bar, xs[k], tape["Ws"][k], eps_c[:, k])
             eps_c_bar[:, k] = e_bar
-        acc["eps_c"][sel] += eps_c_bar
-        acc["M"][sel] += M_bar
-    return x_bar, R_bar, float(dt_bar)
+        out.update(eps_c_bar=eps_c_bar, M_bar=M_bar)
+    out.update(x_bar=x_bar, R_bar=R_bar)
+    return out
 
 
-def _step_vjp(P: Prepared, old, new, tapes, out_bar, dt: float, dyn: QuantumDynamics, acc):
+def _accumulate(P: Prepared, sel, terms: dict, dt: float, dyn: QuantumDynamics, acc):
+    """Adds the per-agent cotangents ``terms`` of one step of the batch ``sel`` (:func:`_update_terms` or
+    the kernels' :func:`.kernel_ops.kernel_step_vjp`) into ``acc`` -> (x0_bar, R_bar, dt_bar).
+
+    dt enters through t = g dt (t_bar from R1) and the strengths eps = 1 - exp(-rate dt)
+    (d eps/d dt = rate exp(-rate dt)); the soft gate g = sigmoid((D - theta)/tau) gives
+    theta_bar = -sum D_bar and tau_bar = -sum D_bar (D - theta)/tau with D_bar = g_bar g (1 - g)/tau.
+    """
+    xp = _xp(terms["x_bar"])
+    gamma, gamma_th = P.gamma[sel], P.gamma_th[sel]
+    eps_d_bar, eps_t_bar = terms["eps_d_bar"], terms["eps_t_bar"]
+    acc["gamma"][sel] += dephasing_strength_vjp(eps_d_bar, gamma, dt)
+    acc["gamma_th"][sel] += dephasing_strength_vjp(eps_t_bar, gamma_th, dt)
+    dt_bar = (
+        terms["tg"].sum()
+        + (eps_d_bar * gamma * xp.exp(-gamma * dt)).sum()
+        + (eps_t_bar * gamma_th * xp.exp(-gamma_th * dt)).sum()
+    )
+    if dyn.gate == "soft":
+        D_bar = terms["D_bar"]
+        acc["theta"] -= float(D_bar.sum())
+        acc["tau"] -= float((D_bar * (terms["D"] - dyn.gate_threshold)).sum()) / dyn.gate_width
+        acc["logsig"][sel] += terms["logsig_bar"]
+    # the Gibbs adjoint is linear and H is fixed: applied once, at the end
+    acc["sigma"][sel] += terms["sigma_bar"]
+    acc["H"][sel] += terms["H_bar"]
+    if dyn.coupling != "none" and terms["R_bar"].shape[1]:
+        acc["eps_c"][sel] += terms["eps_c_bar"]
+        acc["M"][sel] += terms["M_bar"]
+    return terms["x_bar"], terms["R_bar"], float(dt_bar)
+
+
+def _step_vjp(
+    P: Prepared, old, new, tapes, out_bar, dt: float, dyn: QuantumDynamics, acc, kernel=None, slots=None
+):
     """Cotangent of the states before a step from the cotangent ``out_bar`` of the states after it (new:
-    the states after the channels, before any mirror step) -> (bar, dt_bar)."""
+    the states after the channels, before any mirror step) -> (bar, dt_bar). Jacobi: the terms of the
+    kernel adjoint ``kernel`` (``QuantumOps.step_vjp``, from the old states, no tape) or of the array code
+    from the tape; the senders' parts go to the states they were read at through ``slots``
+    (:func:`.channels.incoming_slots` of the window)."""
     xp = _xp(old)
-    index = xp.asarray(P.index)
     if dyn.order == "jacobi":
-        x_bar, R_bar, dt_bar = _update_vjp(P, slice(None), old[index], tapes[0], out_bar, dt, dyn, acc)
-        xp.add.at(x_bar, index.reshape(-1), R_bar.reshape(-1, *old.shape[1:]))
-        return x_bar, dt_bar
+        if kernel is not None:
+            terms = kernel(P, old, out_bar, dt, dyn)
+        else:
+            terms = _update_terms(P, slice(None), old[xp.asarray(P.index)], tapes[0], out_bar, dt, dyn)
+        x_bar, R_bar, dt_bar = _accumulate(P, slice(None), terms, dt, dyn, acc)
+        return add_incoming(x_bar, R_bar, slots), dt_bar
     bar_new = out_bar.copy()
     bar_old = xp.zeros_like(out_bar)
     dt_bar = 0.0
@@ -323,7 +363,9 @@ def rollout(
     ``coupling_length``, ``dt`` (T,) (one per step), ``gate_threshold``, ``gate_width``.
     checkpoint_every: uniform checkpointing with segment length s (default ceil(sqrt(T)));
     checkpoints: binomial checkpointing with at most c >= 1 stored states (exclusive with
-    checkpoint_every). The hard gate has no gradient: with ``grad`` it raises.
+    checkpoint_every). The hard gate has no gradient: with ``grad`` it raises. ops: the backend's
+    :class:`QuantumOps` (``backend.agent_ops["quantum"]``): the free energy's and the mirror steps'
+    stages and, where ``ops.step_vjp(d)`` gives a kernel adjoint, the Jacobi steps forward and in reverse.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule: must be a Schedule, got {type(schedule).__name__}")
@@ -353,15 +395,19 @@ def rollout(
             raise ConfigError("outcomes", f"has {schedule.outcomes.shape[1]} agents, the state has {n}")
     P = prepare(arrays, qcfg, dyn)
     dts = schedule.dt
-    stats = {"forward_steps": 0, "max_stored": 1}
+    # The backend's kernel adjoint of the Jacobi step (QuantumOps.step_vjp; None: array code). With it,
+    # every forward step is the kernels' channel step and no step keeps a tape (the adjoint recomputes
+    # each agent's step from the old state); without it, the array code's step in every sweep. Either
+    # way the states a reverse sweep recomputes are bitwise those of the first sweep.
+    kernel = ops.step_vjp(rho.shape[-1]) if dyn.order == "jacobi" else None
+    step_ops = NUMPY_OPS if kernel is None else ops
+    stats = {"forward_steps": 0, "max_stored": 1, "step_adjoint": "tape" if kernel is None else "kernels"}
 
     def advance(r, t, keep=False):
         """Step t -> (state after it, tape: step tapes, state before the mirror steps, their (input,
         eta)) ."""
         stats["forward_steps"] += 1
-        # The array code's step in every sweep (ops only for F): the forward states a reverse sweep
-        # recomputes are then bitwise those of the first sweep, with or without a tape.
-        r, tapes = step(P, r, float(dts[t]), dyn, keep)
+        r, tapes = step(P, r, float(dts[t]), dyn, keep and kernel is None, ops=step_ops)
         pre, mirror = r, []
         for _ in range(dyn.mirror_steps):
             r_in = r
@@ -405,6 +451,7 @@ def rollout(
         return RolloutResult(total, terms, None, final, stats)
 
     acc = _zeros_acc(P, xp, rho.dtype)
+    slots = xp.asarray(incoming_slots(P.index, P.mask, n)) if dyn.order == "jacobi" else None
     dt_bar = np.zeros(T)
     bar = xp.zeros_like(rho)
     if w_F:
@@ -420,22 +467,33 @@ def rollout(
             acc["logsig"] += res["log_sigma"]
             if res["phi"] is not None:
                 acc["phi"] += res["phi"]
-        bar, dt_bar[t] = _step_vjp(P, old, tape["pre"], tape["step"], bar, float(dts[t]), dyn, acc)
+        bar, dt_bar[t] = _step_vjp(
+            P, old, tape["pre"], tape["step"], bar, float(dts[t]), dyn, acc, kernel, slots
+        )
         if w_born and t >= 1:
             bar = bar + _born(old, schedule.outcomes[t - 1], w_born)[1]
         return bar
 
+    # The kernels' adjoint reads only the state before a step: without mirror steps (whose adjoints need
+    # their inputs) a step is not replayed for its tape.
+    need_tape = kernel is None or dyn.mirror_steps > 0
+
+    def taped(old, t):
+        return advance(old, t, keep=True)[1] if need_tape else _NO_TAPE
+
     if binom:
-        bar = _reverse_binomial(T, checkpoints - 1, store, advance, back, bar, stats)
+        bar = _reverse_binomial(T, checkpoints - 1, store, advance, taped, back, bar, stats)
     else:
         for start in sorted(store, reverse=True):
             stop = min(start + s, T)
             states, tapes = [store[start]], []
-            for t in range(start, stop):
-                r, tp = advance(states[-1], t, keep=True)
+            for t in range(start, stop - 1):
+                r, tp = advance(states[-1], t, keep=need_tape)
                 states.append(r)
-                tapes.append(tp)
-            stats["max_stored"] = max(stats["max_stored"], len(store) + len(states) - 1)
+                tapes.append(tp or _NO_TAPE)
+            tapes.append(taped(states[-1], stop - 1))
+            held = len(states) + need_tape  # a tape holds the state after its step
+            stats["max_stored"] = max(stats["max_stored"], len(store) + held - 1)
             for t in range(stop - 1, start - 1, -1):
                 bar = back(t, states[t - start], tapes[t - start], bar)
             del states, tapes
@@ -471,10 +529,10 @@ def rollout(
     return RolloutResult(total, terms, grads, final, stats)
 
 
-def _reverse_binomial(T: int, slots: int, store: dict, advance, back, bar, stats: dict):
+def _reverse_binomial(T: int, slots: int, store: dict, advance, taped, back, bar, stats: dict):
     """Reverse sweep over [0, T) with binomial checkpointing (module docstring): ``store`` holds the state
     at 0 and the forward pass's checkpoints (:func:`_spine`); at most slots + 1 states are held at once
-    (stats["max_stored"]). Recursion depth <= slots + 1."""
+    (stats["max_stored"]). ``taped(old, t)``: the tape of step t. Recursion depth <= slots + 1."""
 
     def run(t0: int, t1: int, r):
         for t in range(t0, t1):
@@ -485,8 +543,7 @@ def _reverse_binomial(T: int, slots: int, store: dict, advance, back, bar, stats
         if t1 - t0 == 1 or free == 0:
             for t in range(t1 - 1, t0 - 1, -1):  # free == 0: replay from t0 for every step
                 old = run(t0, t, store[t0])
-                _, tape = advance(old, t, keep=True)
-                bar = back(t, old, tape, bar)
+                bar = back(t, old, taped(old, t), bar)
             return bar
         mid = t0 + _split(t1 - t0, free)
         if mid not in store:
