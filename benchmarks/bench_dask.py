@@ -241,7 +241,9 @@ def big_run(client, g: int, args) -> tuple[float, float, float, float]:
             t0 = time.perf_counter()
             with prof:
                 # --profile: progress as time-stamped log lines (one per step)
-                vfesim.simulate(scenario, out=Path(tmp) / "big.zarr", progress=None if args.profile else False)
+                vfesim.simulate(
+                    scenario, out=Path(tmp) / "big.zarr", progress=None if args.profile else False
+                )
             wall = time.perf_counter() - t0
     if args.profile:
         prof.dump_stats(Path(args.out) / "big_run.prof")

@@ -168,12 +168,6 @@ def _make_integrator(scn: Scenario, backend: str, state: xr.Dataset):
     from .integrators import make_integrator
 
     ig = scn.integrator
-    spec = scn.spec
-    if spec is not None:  # a family with its own steppers (vfesim.family.RunSpec)
-        try:
-            return spec.make_integrator(scn.model, ig, backend=backend, seed=scn.run["seed"])
-        except (TypeError, ValueError) as e:
-            raise ScenarioError("integrator", str(e)) from None
     if backend == "dask":
         from .backends import get
         from .backends.dask_backend import auto_chunk
@@ -183,6 +177,12 @@ def _make_integrator(scn: Scenario, backend: str, state: xr.Dataset):
             scn.model, n, {k: state[k].data for k in state.data_vars}
         )
         backend = dataclasses.replace(get(backend), chunks=chunks)
+    spec = scn.spec
+    if spec is not None:  # a family with its own steppers (vfesim.family.RunSpec)
+        try:
+            return spec.make_integrator(scn.model, ig, backend=backend, seed=scn.run["seed"])
+        except (TypeError, ValueError) as e:
+            raise ScenarioError("integrator", str(e)) from None
     try:
         return make_integrator(
             ig["method"],

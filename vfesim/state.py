@@ -65,6 +65,7 @@ def in_blocks(n_agents: int, draw, threads: int | None = None) -> None:
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(lambda b: draw(*b), bounds))  # list(): re-raises a block's exception
 
+
 # Numerical limits per dtype (README, "Numerics"), measured: numba and numpy energies and gradients
 # differ by about 0.25 eps cond(Sigma) (normwise), and by about 0.1-1 eps |phi| for frames far outside
 # the principal ball. Up to COND_WARN (and the family's frame limit) they agree as SPEC §4 promises

@@ -17,7 +17,8 @@ Sections of a field scenario (the ``[field]`` section selects the family; every 
                    ("overlap": supports overlapping by at least field.overlap_threshold, "dense" or
                    "ring" with half_width)
     [integrator]   method, dt, friction, options: as for Gaussian agents (every integrator)
-    [run]          as for every run; dtype "float64" (default) or "float32"; backend "numpy" or "numba"
+    [run]          as for every run; dtype "float64" (default) or "float32"; backend "numpy", "numba",
+                   "cuda" or "dask" (agent chunks, `run.chunks`)
 
 Frames hold mu_q, sigma_q, mu_p, sigma_p and phi over (agent, x[, y], ...) with the grid coordinates;
 the support is saved once. The built-in observables are support-weighted over the grid
@@ -39,7 +40,7 @@ from .state import random_state
 __all__ = ["SECTION", "DEFAULTS", "validate", "config_dict", "initial_state", "make_integrator"]
 
 SECTION = "field"
-BACKENDS = ("numpy", "numba")
+BACKENDS = ("numpy", "numba", "cuda", "dask")
 RUN_DTYPES = ("float64", "float32")
 SUPPORTS = ("bump", "disc", "full")
 PLACEMENTS = ("random", "lattice")

@@ -16,12 +16,12 @@ import xarray as xr
 from ..arrays import array_module, max_abs
 from ..config import ModelConfig
 from ..state import (
-    block_rng,
-    in_blocks,
     ConditioningWarning,
     StateError,
+    block_rng,
     check_conditioning,
     check_spd_batch,
+    in_blocks,
     precision_limit,
     state_dataset,
 )
@@ -166,7 +166,9 @@ def random_state(
             out["obs"][r0:r1] = obs_scale * rng.standard_normal((n, cfg.obs_dim))
 
     in_blocks(n_agents, draw, threads)
-    return make_state(cfg, out["mu_q"], out["sigma_q"], out["mu_p"], out["sigma_p"], out["phi"], out.get("obs"))
+    return make_state(
+        cfg, out["mu_q"], out["sigma_q"], out["mu_p"], out["sigma_p"], out["phi"], out.get("obs")
+    )
 
 
 def validate_state(

@@ -124,9 +124,14 @@ def update_ops(cfg: ModelConfig, backend) -> Any:
     """The integrator update operations of ``backend`` (a Backend) for ``cfg``'s family: the backend's
     point-agent operations (``backend.updates(K)``), adapted by the family's geometry where it has
     ``adapt_updates(ops, cfg)`` (field agents: the grid flattened into the batch)."""
+    return adapt_ops(backend.updates(cfg.K), cfg)
+
+
+def adapt_ops(ops: Any, cfg) -> Any:
+    """Point-agent update operations ``ops`` adapted to ``cfg``'s family (its geometry's
+    ``adapt_updates``, if any)."""
     from ..family import family_of
 
-    ops = backend.updates(cfg.K)
     adapt = getattr(family_of(cfg).geometry, "adapt_updates", None)
     return ops if adapt is None else adapt(ops, cfg)
 

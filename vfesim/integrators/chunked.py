@@ -36,6 +36,7 @@ import numpy as np
 import xarray as xr
 
 from ..config import ModelConfig
+from ..family import family_of
 from ..state import StateError, validate_state
 from .base import Carry, DynamicsError, Integrator, check_options, guard_state, guard_terms
 from .gradient_flow import FlowRule, flow_settings, flow_update
@@ -89,10 +90,12 @@ def _hook(n: int, r0: int) -> None:
         _TASK_HOOK(n, r0)
 
 
-def _serial(K: int):
+def _serial(cfg):
+    """The serial Numba update operations (tasks run on the scheduler's threads), for cfg's family."""
     from ..backends.numba_backend import SerialUpdates
+    from .base import adapt_ops
 
-    return SerialUpdates(K)
+    return adapt_ops(SerialUpdates(cfg.K), cfg)
 
 
 # ---- per-chunk tasks ------------------------------------------------------------------------------------
@@ -100,7 +103,7 @@ def _flow_task(rule: FlowRule, cfg, arrays, grads, aux, n: int, r0: int):
     """Gradient flow, one chunk: (moved state arrays, new aux)."""
     _hook(n, r0)
     arrays, grads, aux = _own(arrays), _own(grads), _own(aux)
-    rule = dataclasses.replace(rule, ops=_serial(cfg.K))
+    rule = dataclasses.replace(rule, ops=_serial(cfg))
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         new, aux = flow_update(rule, arrays, grads, aux, n)
     _guard(n, new, cfg, aux, r0)
@@ -113,7 +116,7 @@ def _pair_task(c, arrays, aux, grads, kick: float, drift: float, damp_first: boo
     follows)."""
     _hook(n, r0)
     arrays, aux, grads = _own(arrays), _own(aux), _own(grads)
-    c = dataclasses.replace(c, ops=_serial(c.K))
+    c = dataclasses.replace(c, ops=_serial(c.cfg))
     if damp_first and c.damp != 1.0:
         for k in c.p_names:
             aux[k] *= c.damp
@@ -158,7 +161,7 @@ def _init_task(c, arrays, r0: int):
         validate_state(arrays, c.cfg)
     except StateError as e:
         raise ChunkError.wrap(e, r0) from None
-    ops = _serial(c.K)
+    ops = _serial(c.cfg)
     theta = {f"theta_{s}": sigma_to_theta(arrays[s]) for _, s in c.blocks}
     return {s: ops.theta_to_sigma(theta[f"theta_{s}"]) for _, s in c.blocks}, theta
 
@@ -424,20 +427,28 @@ def _make_const(method, cfg, dt, layout: _Layout, friction, seed, backend, optio
 
         covs = [s for _, s in c.blocks]
         new = from_blocks(parts, 0, {s: state[s].data for s in covs}, layout.sizes)
-        n = state.sizes["agent"]
+        lead = state[covs[0]].shape[:-2]  # (agent,) or, for field agents, (agent, *grid)
         like = {}
         for s in covs:
-            like[f"theta_{s}"] = da.empty((n, T), dtype=state[s].dtype, chunks=(layout.sizes, T))
+            like[f"theta_{s}"] = da.empty(
+                (*lead, T), dtype=state[s].dtype, chunks=(layout.sizes, *lead[1:], T)
+            )
         aux = from_blocks(parts, 1, like, layout.sizes)
         rng = np.random.default_rng(seed)
+        # Points the family's geometry keeps still (field agents: outside the supports) start at rest,
+        # as in the in-memory init (the same draws, then zeros there).
+        still = getattr(family_of(cfg).geometry, "frozen", None)
+        rest = None if still is None else np.asarray(still(state))
         dtype = state[c.blocks[0][0]].dtype
         for name in c.p_names:
             field, kind = role[name]
-            shape = (n, T) if kind == "cov" else state[field].shape
+            shape = (*lead, T) if kind == "cov" else state[field].shape
             if c.opt["momenta"] == "zero":
                 aux[name] = da.zeros(shape, dtype, chunks=(layout.sizes, *shape[1:]))
                 continue
             z = rng.standard_normal(shape)
+            if rest is not None:
+                z[rest] = 0.0
             aux[name] = layout.array((math.sqrt(c.mass[field]) * z).astype(dtype))
         new, aux = _reraise(dask.persist, new, aux)
         return restore(_dataset(state, new), 0, aux, rng.bit_generator.state)

@@ -445,8 +445,13 @@ class RunStore:
             data[k] = (self.dims_of(k), _stack(values))
         region = {"time": slice(start, start + n)}
         kw = {"region": region, "write_empty_chunks": True, **_zkw()}
+        # Dask frames (chunked runs) are one chunk along time (_stack) and their agent chunks are whole
+        # Zarr agent chunks (store_chunk), so every Zarr chunk is written by one task even where the
+        # frames fill a time chunk only in part (the first frame, alone at the first checkpoint): xarray's
+        # alignment check, which assumes several tasks per partial chunk, does not apply.
+        dask_kw = {"safe_chunks": False} if any(_is_dask(v[1]) for v in data.values()) else {}
         try:
-            xr.Dataset(data).to_zarr(self.path, **kw)
+            xr.Dataset(data).to_zarr(self.path, **kw, **dask_kw)
             # Marked saved only after every variable's chunk is in place.
             xr.Dataset({"saved": (("time",), np.ones(n, bool))}).to_zarr(self.path, **kw)
         except OSError as e:
