@@ -209,7 +209,7 @@ def test_run_chunks_needs_the_dask_backend():
 @pytest.fixture(scope="module")
 def client():
     cluster = distributed.LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=logging.ERROR
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", silence_logs=logging.ERROR
     )
     client = distributed.Client(cluster, set_as_default=False)
     yield client

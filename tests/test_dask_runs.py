@@ -153,7 +153,7 @@ def client():
         n_workers=2,
         threads_per_worker=1,
         processes=True,
-        dashboard_address=None,
+        dashboard_address=":0",
         silence_logs=logging.CRITICAL,
     )
     client = distributed.Client(cluster, set_as_default=False)
@@ -213,3 +213,15 @@ def test_killed_worker_without_retries_stops_with_the_last_checkpoint(client, re
     with client.as_current():
         resume(path, progress=False)
     _same_runs(reference, path)
+
+
+def test_frames_are_rechunked_only_where_zarr_chunks_would_straddle_tasks():
+    """Before a partial-chunk write: every Zarr chunk inside one Dask chunk (else rechunked)."""
+    from vfesim.io.store import _one_task_per_chunk
+
+    aligned = da.zeros((2, 10, 3), chunks=(2, 5, 3))
+    assert _one_task_per_chunk(aligned, (2, 5, 3)) is aligned
+    coarse = da.zeros((2, 10, 3), chunks=(2, 10, 3))  # one task holds both Zarr chunks: fine as well
+    assert _one_task_per_chunk(coarse, (2, 5, 3)) is coarse
+    straddling = da.zeros((2, 10, 3), chunks=(2, (3, 7), 3))
+    assert _one_task_per_chunk(straddling, (2, 5, 3)).chunks == ((2,), (5, 5), (3,))

@@ -53,3 +53,29 @@ def test_attention_entropy_normalised():
     sparse = np.array([[1.0, 0.0], [0.5, 0.5]])  # (N, k): agent 0 has one neighbour
     H = attention_entropy(sparse, np.array([1, 2]))
     assert np.isnan(H[0]) and H[1] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("family", ["gaussian", "quantum", "field"])
+def test_runs_with_ring_neighbours_plot(tmp_path, family):
+    """Run stores record sparse lists by their shape only; plotting rebuilds the config from the run's
+    scenario, for every family."""
+    import json
+
+    from vfesim.plots import plot_run, run_config
+    from vfesim.simulate import simulate
+
+    pop = {"n_agents": 6, "seed": 1, "neighbours": "ring", "half_width": 1}
+    model = {
+        "gaussian": ("model", {"K": 3}),
+        "quantum": ("quantum", {"d": 2}),
+        "field": ("field", {"K": 3, "grid": [4, 4], "lambda_prior": 0.5}),
+    }[family]
+    integ = {"method": "mirror_descent" if family == "quantum" else "gradient_flow", "dt": 0.05}
+    sc = {model[0]: model[1], "population": pop, "integrator": integ, "run": {"n_steps": 2}}
+    run = simulate(sc, out=tmp_path / "r.zarr", progress=False)
+    ds = run.open()
+    assert "sparse" in json.loads(ds.attrs["model_config"])["neighbours"]
+    cfg = run_config(ds)
+    assert cfg.neighbours.index.shape == (6, 2)
+    paths = plot_run(tmp_path / "r.zarr", tmp_path / "plots")
+    assert paths and all(p.exists() for p in paths)

@@ -321,3 +321,19 @@ def test_random_population_drawn_in_blocks(monkeypatch):
         np.testing.assert_array_equal(serial[k].values, threaded[k].values)
         np.testing.assert_array_equal(serial[k].values[:16], one[k].values)
         assert not np.array_equal(serial[k].values[16:32], serial[k].values[:16])
+
+
+def test_random_population_seed_and_threads_are_checked(monkeypatch):
+    import vfesim.state as vs
+
+    cfg = ModelConfig(K=3)
+    monkeypatch.setattr(vs, "BLOCK", 8)
+    ss = np.random.SeedSequence(11)
+    a, b = random_state(cfg, 20, seed=ss), random_state(cfg, 20, seed=11)
+    np.testing.assert_array_equal(a.mu_q.values, b.mu_q.values)  # a SeedSequence is its integer's
+    for bad in (-1, 1.5, "7", True):
+        with pytest.raises(StateError, match="seed"):
+            random_state(cfg, 20, seed=bad)
+    for bad in (0, -2, 1.0):
+        with pytest.raises(StateError, match="threads"):
+            random_state(cfg, 20, seed=1, threads=bad)

@@ -127,10 +127,11 @@ class SparseNeighbours:
         return {"sparse": {"n_agents": self.n_agents, "width": self.width}}
 
     def __eq__(self, other: object) -> bool:
+        # Entries under mask == False are ignored, as everywhere; the slot order is part of the lists.
         return (
             isinstance(other, SparseNeighbours)
-            and np.array_equal(self.index, other.index)
             and np.array_equal(self.mask, other.mask)
+            and np.array_equal(np.where(self.mask, self.index, -1), np.where(other.mask, other.index, -1))
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -164,7 +165,8 @@ def resolve_neighbours(nb: Any) -> str | SparseNeighbours:
             raise ConfigError(
                 "neighbours",
                 f"only the shape of sparse neighbour lists is recorded here ({nb['sparse']}), not the lists: "
-                "rebuild the config from its scenario (vfesim.Scenario.from_json(attrs['scenario']).model)",
+                "give the config the lists (SparseNeighbours), or for a run store rebuild it from the run's "
+                "scenario (vfesim.plots.run_config)",
             )
         if "index" not in nb or set(nb) - {"index", "mask"}:
             raise ConfigError("neighbours", f"a dict needs 'index' and optionally 'mask', got {sorted(nb)}")

@@ -47,12 +47,20 @@ TOP = (
 )
 
 
-def run_config(ds) -> ModelConfig:
-    """The model config of a run store, from its scenario: the store's ``model_config`` records sparse
-    neighbour lists by their shape only, the scenario's ``population.neighbours`` rebuilds them."""
+def run_config(ds):
+    """The model config of a run store (any family): its ``model_config``, or, where that records sparse
+    neighbour lists by their shape only, the config of its scenario (``population.neighbours`` rebuilds
+    the lists)."""
+    from .config import ConfigError
+    from .family import family_named
     from .scenario import Scenario
 
-    return Scenario.from_json(ds.attrs["scenario"]).model
+    try:
+        return family_named(ds.attrs["agent_family"]).config_type.from_json(ds.attrs["model_config"])
+    except ConfigError as e:
+        if e.key != "neighbours":
+            raise
+        return Scenario.from_json(ds.attrs["scenario"]).model
 
 
 def plot_energy(ds, path: Path) -> Path:

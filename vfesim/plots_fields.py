@@ -25,7 +25,7 @@ from .fields import FieldConfig
 from .fields.energy import attention
 from .fields.supports import neighbour_lists
 from .observables import rotation_angle
-from .plots import _plt, plot_energy
+from .plots import _plt, plot_energy, run_config
 
 __all__ = ["figures", "frame_index", "field_maps", "plot_maps", "plot_agents", "animate"]
 
@@ -258,7 +258,7 @@ def animate(ds, cfg: FieldConfig, path: Path) -> Path | None:
 def figures(ds, outdir: Path, time: float | None = None) -> list[Path]:
     """Every figure of a field run: energy.png, maps.png and agents.png at ``time`` (default: the last
     frame) and, for a 2-D grid with several frames, animation.gif."""
-    cfg = FieldConfig.from_json(ds.attrs["model_config"])
+    cfg = run_config(ds)
     i = frame_index(ds, time)
     out = [
         plot_energy(ds, outdir / "energy.png"),

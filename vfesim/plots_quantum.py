@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .family import family_named
-from .plots import _plt, plot_energy
+from .plots import _plt, plot_energy, run_config
 from .quantum import QuantumConfig
 from .schema import term_var
 
@@ -174,7 +174,7 @@ def figures(ds, outdir: Path) -> list[Path]:
     attention.png and, for d = 2, bloch.png; a fit run: fit.png."""
     if term_var("born_loss") in ds:
         return [plot_fit(ds, outdir / "fit.png")]
-    cfg = QuantumConfig.from_json(ds.attrs["model_config"])
+    cfg = run_config(ds)
     out = [
         plot_energy(ds, outdir / "energy.png"),
         plot_purity_entropy(ds, outdir / "purity_entropy.png"),

@@ -234,7 +234,7 @@ def simulate(
     """
     name, source = "scenario", None
     if isinstance(scenario_or_config, ModelConfig):
-        model = scenario_or_config.to_dict()
+        model = scenario_or_config.to_dict(neighbour_lists=False)
         if model.pop("dtype") is not None:
             sections.setdefault("run", {}).setdefault("dtype", scenario_or_config.dtype)
         if not isinstance(model.pop("neighbours"), str):

@@ -44,10 +44,19 @@ __all__ = [
 BLOCK = 1 << 20
 
 
-def block_rng(seed: int, block: int) -> np.random.Generator:
+def block_rng(seed: int | np.random.SeedSequence, block: int) -> np.random.Generator:
     """The stream of agents [block BLOCK, (block + 1) BLOCK): block 0 is ``default_rng(seed)`` itself
-    (populations of up to BLOCK agents are those of one stream), block b the b-th spawned child."""
-    return np.random.default_rng(seed if block == 0 else np.random.SeedSequence(seed, spawn_key=(block,)))
+    (populations of up to BLOCK agents are those of one stream), block b the b-th spawned child of the
+    seed's SeedSequence. StateError naming ``seed`` for anything but an integer >= 0 or a SeedSequence."""
+    if isinstance(seed, np.random.SeedSequence):
+        ss = seed
+    elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and seed >= 0:
+        ss = np.random.SeedSequence(int(seed))
+    else:
+        raise StateError("seed", f"must be an integer >= 0 or a numpy SeedSequence, got {seed!r}")
+    if block == 0:
+        return np.random.default_rng(ss)
+    return np.random.default_rng(np.random.SeedSequence(ss.entropy, spawn_key=(*ss.spawn_key, block)))
 
 
 def in_blocks(n_agents: int, draw, threads: int | None = None) -> None:
@@ -56,8 +65,13 @@ def in_blocks(n_agents: int, draw, threads: int | None = None) -> None:
     import os
     from concurrent.futures import ThreadPoolExecutor
 
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1
+    ):
+        raise StateError("threads", f"must be an integer >= 1 (or None: one per core), got {threads!r}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     bounds = [(b, r0, min(n_agents, r0 + BLOCK)) for b, r0 in enumerate(range(0, n_agents, BLOCK))]
-    threads = min(len(bounds), threads or os.cpu_count() or 1)
+    threads = min(len(bounds), threads or cores)
     if threads == 1:
         for b in bounds:
             draw(*b)

@@ -96,6 +96,16 @@ def _stack(arrays: list):
     return np.stack(arrays)
 
 
+def _one_task_per_chunk(a, zchunks: tuple[int, ...]):
+    """Dask frames ``a`` (time first, one chunk along time) rechunked, where needed, so that every Zarr
+    chunk (``zchunks``) lies inside one of its chunks: its chunk boundaries on the other axes fall on
+    Zarr chunk boundaries (the agent chunks of a chunked run already do: ``store_chunk``)."""
+    for cs, z in zip(a.chunks[1:], zchunks[1:], strict=True):
+        if any(b % z for b in np.cumsum(cs)[:-1]):
+            return a.rechunk((a.shape[0], *zchunks[1:]))
+    return a
+
+
 class StoreError(RuntimeError):
     """The run store cannot be created, read or written; the message names the path."""
 
@@ -435,7 +445,7 @@ class RunStore:
 
     # --- trajectory --------------------------------------------------------------------------
     def write_frames(self, start: int, frames: list[dict[str, np.ndarray]]) -> None:
-        """Write frames ``start .. start+len(frames)`` (``start`` is a chunk boundary)."""
+        """Write frames ``start .. start+len(frames)`` (they may fill time chunks in part)."""
         if not frames:
             return
         n = len(frames)
@@ -445,11 +455,15 @@ class RunStore:
             data[k] = (self.dims_of(k), _stack(values))
         region = {"time": slice(start, start + n)}
         kw = {"region": region, "write_empty_chunks": True, **_zkw()}
-        # Dask frames (chunked runs) are one chunk along time (_stack) and their agent chunks are whole
-        # Zarr agent chunks (store_chunk), so every Zarr chunk is written by one task even where the
-        # frames fill a time chunk only in part (the first frame, alone at the first checkpoint): xarray's
-        # alignment check, which assumes several tasks per partial chunk, does not apply.
-        dask_kw = {"safe_chunks": False} if any(_is_dask(v[1]) for v in data.values()) else {}
+        # Dask frames (chunked runs) are one chunk along time (_stack), and _one_task_per_chunk makes
+        # every Zarr chunk lie inside one Dask chunk on the other axes: each Zarr chunk is written by one
+        # task even where the frames fill a time chunk only in part (the first frame, alone at the first
+        # checkpoint), so xarray's alignment check, which assumes several tasks per partial chunk, is off.
+        lazy = [k for k, v in data.items() if _is_dask(v[1])]
+        for k in lazy:
+            dims, a = data[k]
+            data[k] = (dims, _one_task_per_chunk(a, self._chunks(k)))
+        dask_kw = {"safe_chunks": False} if lazy else {}
         try:
             xr.Dataset(data).to_zarr(self.path, **kw, **dask_kw)
             # Marked saved only after every variable's chunk is in place.
@@ -464,6 +478,10 @@ class RunStore:
             meta = zarr.open_array(self.path / name, mode="r", zarr_format=3).metadata
             self._all_dims[name] = tuple(meta.dimension_names)
         return self._all_dims[name]
+
+    def _chunks(self, name: str) -> tuple[int, ...]:
+        """Zarr chunk shape of a time-indexed array."""
+        return tuple(zarr.open_array(self.path / name, mode="r", zarr_format=3).chunks)
 
     def agent_chunk(self) -> int | None:
         """Agents per Zarr chunk of the trajectory (None: the store has no agent-indexed trajectory)."""
