@@ -473,9 +473,11 @@ _KERNELS = {
 }
 
 
-def _kernel(name: str, N: int, K: int):
-    parallel, serial = _KERNELS[name]
-    return serial if N * K**3 < SERIAL_WORK else parallel
+def _kernel(name: str, N: int, K: int, serial: bool = False):
+    """The parallel build of kernel ``name``, or the serial one for small problems or when asked
+    (``serial``: callers on a scheduler's threads, e.g. the dask backend's tasks)."""
+    par, ser = _KERNELS[name]
+    return ser if serial or N * K**3 < SERIAL_WORK else par
 
 
 def _dtype(*arrays) -> np.dtype:
@@ -492,7 +494,7 @@ def _taylor_coefficients(dt) -> np.ndarray:
     return np.array(c, dt)
 
 
-def frames(phi: np.ndarray, G: np.ndarray, lmax: int) -> np.ndarray:
+def frames(phi: np.ndarray, G: np.ndarray, lmax: int, serial: bool = False) -> np.ndarray:
     """R = exp(phi . G): phi (N, 3), G (3, K, K), lmax the largest l of the irreps -> (N, K, K)."""
     dt = _dtype(phi)
     phi = np.ascontiguousarray(phi, dt)
@@ -500,7 +502,7 @@ def frames(phi: np.ndarray, G: np.ndarray, lmax: int) -> np.ndarray:
     N, K = phi.shape[0], G.shape[1]
     R = np.empty((N, K, K), dt)
     if N:
-        _kernel("frames", N, K)(phi, G, np.float64(lmax), _taylor_coefficients(dt), R)
+        _kernel("frames", N, K, serial)(phi, G, np.float64(lmax), _taylor_coefficients(dt), R)
     return R
 
 
@@ -510,10 +512,12 @@ class AgentCache(tuple):
     __slots__ = ()
 
 
-def features(mu: np.ndarray, sigma: np.ndarray, R: np.ndarray):
+def features(mu: np.ndarray, sigma: np.ndarray, R: np.ndarray, centre=None, serial: bool = False):
     """(mu (N, K), sigma (N, K, K), R (N, K, K)) -> (A (N, D), B (N, D), c (N,), cache, ok (N,) bool).
 
-    ok[n] is False where R_n^T sigma_n R_n is not positive definite (the outputs are then invalid).
+    nu = R^T mu is centred on its own mean, or on ``centre`` (K,) where given (a chunk of a larger
+    population: the population's mean). ok[n] is False where R_n^T sigma_n R_n is not positive definite
+    (the outputs are then invalid).
     """
     dt = _dtype(mu, sigma, R)
     mu, sigma, R = (np.ascontiguousarray(x, dt) for x in (mu, sigma, R))
@@ -527,13 +531,16 @@ def features(mu: np.ndarray, sigma: np.ndarray, R: np.ndarray):
     Pnu = np.empty((N, K), dt)
     ok = np.ones(N, np.bool_)
     if N:
-        _kernel("means", N, K)(mu, R, nu)
-        _centre(nu)
-        _kernel("features", N, K)(sigma, R, nu, dt.type(1), A, B, c, P, Pnu, ok)
+        _kernel("means", N, K, serial)(mu, R, nu)
+        if centre is None:
+            _centre(nu)
+        else:
+            nu -= np.asarray(centre, dt)
+        _kernel("features", N, K, serial)(sigma, R, nu, dt.type(1), A, B, c, P, Pnu, ok)
     return A, B, c, AgentCache((mu, sigma, R, nu, P, Pnu)), ok
 
 
-def features_vjp(gA: np.ndarray, gB: np.ndarray, gc: np.ndarray, cache: AgentCache):
+def features_vjp(gA: np.ndarray, gB: np.ndarray, gc: np.ndarray, cache: AgentCache, serial: bool = False):
     """Adjoint of :func:`features`: (gA, gB (N, D), gc (N,)) -> (g_mu (N, K), g_sigma, g_R (N, K, K))."""
     mu, sigma, R, nu, P, Pnu = cache
     dt = mu.dtype
@@ -543,11 +550,13 @@ def features_vjp(gA: np.ndarray, gB: np.ndarray, gc: np.ndarray, cache: AgentCac
     g_sigma = np.empty((N, K, K), dt)
     g_R = np.empty((N, K, K), dt)
     if N:
-        _kernel("vjp", N, K)(gA, gB, gc, mu, sigma, R, nu, P, Pnu, dt.type(1), g_mu, g_sigma, g_R)
+        _kernel("vjp", N, K, serial)(gA, gB, gc, mu, sigma, R, nu, P, Pnu, dt.type(1), g_mu, g_sigma, g_R)
     return g_mu, g_sigma, g_R
 
 
-def phi_grad(g_R: np.ndarray, R: np.ndarray, phi: np.ndarray, G: np.ndarray) -> np.ndarray:
+def phi_grad(
+    g_R: np.ndarray, R: np.ndarray, phi: np.ndarray, G: np.ndarray, serial: bool = False
+) -> np.ndarray:
     """dF/dphi (N, 3) from dF/dR (N, K, K): Jr(phi)^T h with h_b = <R^T gR, G_b> (SPEC §2.1)."""
     dt = _dtype(g_R, R, phi)
     g_R, R, phi = (np.ascontiguousarray(x, dt) for x in (g_R, R, phi))
@@ -555,11 +564,11 @@ def phi_grad(g_R: np.ndarray, R: np.ndarray, phi: np.ndarray, G: np.ndarray) -> 
     N, K = phi.shape[0], G.shape[1]
     out = np.empty((N, 3), dt)
     if N:
-        _kernel("phi", N, K)(g_R, R, phi, G, dt.type(1), out)
+        _kernel("phi", N, K, serial)(g_R, R, phi, G, dt.type(1), out)
     return out
 
 
-def self_kl(mu_q, sigma_q, mu_p, sigma_p, g):
+def self_kl(mu_q, sigma_q, mu_p, sigma_p, g, serial: bool = False):
     """KL(q_i || p_i) (N,) and its gradients times the cotangent g (N,): (kl, g_mu_q, g_sigma_q, g_mu_p,
     g_sigma_p, ok); ok[n] is False where sigma_q or sigma_p of agent n is not positive definite."""
     dt = _dtype(mu_q, sigma_q, mu_p, sigma_p)
@@ -569,5 +578,5 @@ def self_kl(mu_q, sigma_q, mu_p, sigma_p, g):
     out = (np.empty((N, K), dt), np.empty((N, K, K), dt), np.empty((N, K), dt), np.empty((N, K, K), dt))
     ok = np.ones(N, np.bool_)
     if N:
-        _kernel("self_kl", N, K)(mu_q, sigma_q, mu_p, sigma_p, g, dt.type(1), kl, *out, ok)
+        _kernel("self_kl", N, K, serial)(mu_q, sigma_q, mu_p, sigma_p, g, dt.type(1), kl, *out, ok)
     return (kl, *out, ok)

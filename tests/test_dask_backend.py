@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import tomllib
 
+import dask
 import dask.array as da
 import numpy as np
 import pytest
@@ -75,6 +76,28 @@ def test_same_chunking_is_bitwise_reproducible():
     assert t1 == t2
     for k in g1.data_vars:
         np.testing.assert_array_equal(g1[k].values, g2[k].values)
+
+
+def test_numba_tasks_run_the_serial_agent_kernels(monkeypatch):
+    """inner="numba" tasks run the Gaussian per-agent stages in the serial builds of the fused kernels
+    (Numba's parallel builds must not start from the scheduler's threads), and only those."""
+    from vfesim_kernels import agent_cpu
+
+    asked = []
+    real = agent_cpu._kernel
+    monkeypatch.setattr(
+        agent_cpu,
+        "_kernel",
+        lambda name, n, k, serial=False: asked.append((name, serial)) or real(name, n, k, serial),
+    )
+    cfg = make_obs_config(K=3, lambda_prior=0.5)
+    state = vfesim.random_state(cfg, N, seed=2)
+    asked.clear()
+    with dask.config.set(scheduler="threads"):
+        vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(9, 20, 8), validate=False)
+    names = {name for name, _ in asked}
+    assert {"frames", "means", "features", "vjp", "phi", "self_kl"} <= names
+    assert all(serial for _, serial in asked)
 
 
 @pytest.mark.parametrize("family", ["gaussian", "quantum"])

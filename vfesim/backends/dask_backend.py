@@ -22,9 +22,9 @@ rows, so an evaluation splits into tasks over agent chunks ``[r0, r1)``:
 The per-agent stages therefore run twice (steps 1 and 4): O(N K^3) beside the O(N^2 D) pairs of a dense
 term, a few per cent at N = 16 384, K = 3 (``benchmarks/bench_dask.py``). No task holds an N x N array;
 a dense pair task holds its chunk, every sender's B and one (N, D) float64 share: peak memory per task
-O(n D + N D). Per-agent stages run as the family's array-generic (NumPy) stages: the fused Numba
-per-agent kernels pick their parallel builds by problem size, and Numba's parallel kernels must not be
-launched from the scheduler's threads.
+O(n D + N D). Per-agent stages run, with inner "numba", in the serial builds of the family's fused Numba
+per-agent kernels (``numba_backend.SERIAL_OPS``: Numba's parallel builds must not be launched from the
+scheduler's threads), else as the family's array-generic stages (NumPy, or CuPy with inner "cuda").
 
 Chunks: as the state Dataset is chunked along ``agent`` (``state.chunk(agent=n)``; the gradient Dataset
 comes back chunked the same way, persisted), or ``chunks=`` (agents per chunk, or a tuple of chunk sizes)
@@ -183,9 +183,21 @@ def _population_module(cfg):
     return None if name is None else importlib.import_module(name)
 
 
-def _population_task(arrays: dict, cfg):
+def _serial_stages(cfg, inner: str):
+    """The family's per-agent stages in serial Numba kernels for inner "numba" tasks (None: the family
+    has none, or inner is "cuda"; its array-generic stages run then)."""
+    if inner != "numba":
+        return None
+    from .numba_backend import SERIAL_OPS
+
+    return SERIAL_OPS.get(family_of(cfg).name)
+
+
+def _population_task(arrays: dict, cfg, inner: str = "numba"):
     arrays = _own(arrays)
-    return _population_module(cfg).population_sum(arrays, cfg)
+    serial = _serial_stages(cfg, inner)
+    kw = {} if serial is None else {"ops": serial}
+    return _population_module(cfg).population_sum(arrays, cfg, **kw)
 
 
 def _population_mean(n: int, *sums):
@@ -199,7 +211,12 @@ def _chunk_backend(pairwise, cfg, population=None, inner: str = "numba") -> Back
     that centre), else the family's stages of the inner backend. inner "numba": host (NumPy) arrays;
     "cuda": the worker's GPU (CuPy arrays; NumPy under the CUDA simulator), the cuda backend's stages."""
     name = family_of(cfg).name
-    ops = {} if population is None else {name: _population_module(cfg).chunk_agent_ops(population)}
+    serial = _serial_stages(cfg, inner)
+    if population is None:
+        ops = {} if serial is None else {name: serial}
+    else:
+        kw = {} if serial is None else {"ops": serial}
+        ops = {name: _population_module(cfg).chunk_agent_ops(population, **kw)}
     xp, dev, host = (lambda: np), to_device, to_host
     if inner == "cuda":
         from . import cuda_backend as cb
@@ -325,16 +342,13 @@ def _dense_gB_rows(total, r0: int, r1: int):
     return [s[r0:r1] for s in _shares(total)]
 
 
-def _sparse_pairs_task(feats, sender_feats, starts, index, mask, r0: int, inner: str = "numba"):
+def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "numba"):
     """Step 2, sparse: per term (E, gA, gc, {sender chunk position: gB share (n_s, D) float64}).
 
-    sender_feats: the features of the sender chunks the lists name (ascending), starting at ``starts``;
-    index (n_r, k) global sender ids, mask (n_r, k)."""
+    sender_feats: the features of the sender chunks the lists name (ascending); local (n_r, k): the
+    senders' rows in those chunks' features concatenated (:func:`_sparse_plan`), mask (n_r, k)."""
     sizes = [len(f[0][0][1]) if f[0] else 0 for f in sender_feats]
     offs = np.cumsum([0, *sizes])
-    # Global sender id -> row of the gathered senders: chunk position by the chunk starts.
-    pos = np.searchsorted(np.asarray(starts), index, side="right") - 1
-    local = np.where(mask, index - np.asarray(starts)[np.clip(pos, 0, None)] + offs[np.clip(pos, 0, None)], 0)
     _, rows, dev, host = _rows_kernels(inner)
     out = []
     for t, (A, _, c, kappa, agg) in enumerate(feats[0]):
@@ -359,14 +373,20 @@ def _sparse_gB_rows(pos_in: list[int], *pairs):
 
 
 def _sparse_plan(cfg, bounds: tuple[int, ...]):
-    """Per receiver chunk: the sender chunks its lists name (ascending), and its (index, mask) rows."""
+    """Per receiver chunk: the sender chunks its lists name (ascending), its lists as rows of those
+    chunks' features concatenated in that order (``local``, 0 under the mask), and its mask rows. Fixed
+    by the lists and the chunking: a run computes it once (:meth:`Plan.persist`)."""
     index, mask = np.asarray(cfg.neighbours.index), np.asarray(cfg.neighbours.mask)
-    starts = np.asarray(bounds[:-1])
+    bounds_a = np.asarray(bounds)
     plan = []
     for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True):
         idx, msk = index[r0:r1].astype(np.int64), mask[r0:r1]
-        owners = np.unique(np.searchsorted(starts, idx[msk], side="right") - 1)
-        plan.append(([int(s) for s in owners], idx, msk))
+        chunk = np.searchsorted(bounds_a[:-1], idx, side="right") - 1  # each sender's chunk
+        owners = np.unique(chunk[msk])
+        offs = np.zeros(bounds_a.size - 1, np.int64)  # a named chunk's first row in the concatenation
+        offs[owners] = np.cumsum(np.concatenate([[0], np.diff(bounds_a)[owners][:-1]]))
+        local = np.where(msk, idx - bounds_a[chunk] + offs[chunk], 0)
+        plan.append(([int(s) for s in owners], local, msk))
     return plan
 
 
@@ -405,7 +425,7 @@ def plan(cfg, bounds: tuple[int, ...], inner: str = "numba") -> Plan:
     sparse = None
     if not cfg.dense:
         d = lambda a: dask.delayed(_identity, pure=False)(a)  # noqa: E731
-        sparse = tuple((owners, d(idx), d(msk)) for owners, idx, msk in _sparse_plan(cfg, bounds))
+        sparse = tuple((owners, d(local), d(msk)) for owners, local, msk in _sparse_plan(cfg, bounds))
     return Plan(tuple(bounds), cfg_d, sparse, inner)
 
 
@@ -424,7 +444,7 @@ def _graph(
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
     population = None
     if _population_module(cfg) is not None:
-        sums = [delayed(_population_task)(a, cfg_d) for a in chunk_arrays]
+        sums = [delayed(_population_task)(a, cfg_d, pl.inner) for a in chunk_arrays]
         population = delayed(_population_mean)(bounds[-1], *sums)
     feats = [
         delayed(_features_task)(a, cfg_d, population, r0, validate, pl.inner)
@@ -441,10 +461,8 @@ def _graph(
     else:
         sparse = pl.sparse
         pairs = [
-            delayed(_sparse_pairs_task)(
-                f, [feats[s] for s in owners], [bounds[s] for s in owners], idx, msk, r0, pl.inner
-            )
-            for f, (owners, idx, msk), (r0, _) in zip(feats, sparse, spans, strict=True)
+            delayed(_sparse_pairs_task)(f, [feats[s] for s in owners], local, msk, r0, pl.inner)
+            for f, (owners, local, msk), (r0, _) in zip(feats, sparse, spans, strict=True)
         ]
         gB_rows = []
         for s in range(len(spans)):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -42,32 +43,49 @@ __all__ = [
 ]
 
 
-def _frames(phi, irreps):
+def _frames(phi, irreps, *, serial: bool = False):
     """R = exp(phi . G) (N, K, K): the algorithm of vfesim.groups.expm_so3, fused per agent."""
-    return agent_cpu.frames(phi, generators(irreps), max(irreps))
+    return agent_cpu.frames(phi, generators(irreps), max(irreps), serial)
 
 
-def _features(mu, sigma, R, name: str = "sigma"):
+def _features(mu, sigma, R, name: str = "sigma", *, centre=None, serial: bool = False):
     """agent_features in one kernel (the cache holds what agent_cpu.features_vjp reads). Where a
     transported covariance is not positive definite the NumPy code takes over: it raises the StateError
     naming the agent and ``name`` (its FeatureCache has the fields of agent_cpu's cache, in order)."""
-    A, B, c, cache, ok = agent_cpu.features(mu, sigma, R)
+    A, B, c, cache, ok = agent_cpu.features(mu, sigma, R, centre, serial)
     if not ok.all():
-        return agent_features(mu, sigma, R, name)
+        return agent_features(mu, sigma, R, name, centre=centre)
     return A, B, c, cache
 
 
-def _self_kl(mu_q, sigma_q, mu_p, sigma_p, lam: float):
+def _self_kl(mu_q, sigma_q, mu_p, sigma_p, lam: float, *, serial: bool = False):
     """lam * KL(q_i || p_i) per agent and its gradient in one kernel. The batched NumPy Cholesky and two
     inv calls it replaces took ~1.5 ms of ~7 ms at N = 64, K = 21. Where a covariance is not positive
     definite the NumPy code runs to raise the StateError naming the agent and the covariance."""
-    kl, *g, ok = agent_cpu.self_kl(mu_q, sigma_q, mu_p, sigma_p, np.full(mu_q.shape[0], lam, mu_q.dtype))
+    lam_n = np.full(mu_q.shape[0], lam, mu_q.dtype)
+    kl, *g, ok = agent_cpu.self_kl(mu_q, sigma_q, mu_p, sigma_p, lam_n, serial)
     if not ok.all():
         self_kl(mu_q, sigma_q, mu_p, sigma_p)
     return (kl, *g)
 
 
-AGENT_OPS = AgentOps(_frames, _features, agent_cpu.features_vjp, agent_cpu.phi_grad, _self_kl)
+def agent_ops(serial: bool = False) -> AgentOps:
+    """The per-agent stages in the fused CPU kernels: parallel builds above a problem size, or always the
+    serial builds (``serial``: the dask backend's tasks, which run on the scheduler's threads)."""
+    if not serial:
+        return AgentOps(_frames, _features, agent_cpu.features_vjp, agent_cpu.phi_grad, _self_kl)
+    return AgentOps(
+        partial(_frames, serial=True),
+        partial(_features, serial=True),
+        partial(agent_cpu.features_vjp, serial=True),
+        partial(agent_cpu.phi_grad, serial=True),
+        partial(_self_kl, serial=True),
+    )
+
+
+AGENT_OPS = agent_ops()
+# Per family, its per-agent stages in the serial builds (the dask backend's inner "numba" tasks).
+SERIAL_OPS = {"gaussian": agent_ops(serial=True)}
 
 
 class NumbaUpdates:
