@@ -1,6 +1,7 @@
 """The dask backend against the numba backend on the CPU (issue 11): one energy + gradient evaluation.
 
-    python benchmarks/bench_dask.py [--N 16384] [--K 3] [--reps 5] [--workers 2] [--chunks ...] [--out DIR]
+    python benchmarks/bench_dask.py [--N 16384] [--K 3] [--ring H] [--reps 5] [--workers 2] [--chunks ...]
+                                    [--out DIR] [--name FILE]
 
     python benchmarks/bench_dask.py --gpu [--gpus 1 2] [--big] [--reps 3] [--out DIR]
 
@@ -9,8 +10,8 @@ core); the dask backend on the threaded scheduler; on a LocalCluster of ``--work
 thread each, from an in-memory state (the state is sent with the graph) and from a state persisted
 chunked on the workers (``state.chunk(agent=n)``, gradients stay there). Public API
 (``vfesim.energy_and_gradient``, validation off: it is the same for every backend). Medians of
-``--reps`` calls after one warm-up (which compiles and starts the workers' imports). Writes
-DIR/dask_cpu.txt.
+``--reps`` calls after one warm-up (which compiles and starts the workers' imports). ``--ring H``: sparse
+ring neighbours (2H per agent) instead of dense. Writes DIR/dask_cpu.txt (or ``--name``).
 
 ``--gpu``: inner="cuda" tasks, one worker per GPU (``dask_cuda.LocalCUDACluster``; without dask-cuda one
 GPU runs on a LocalCluster of one worker process). Energy + gradient, K = 3, float32, dense softmin:
@@ -58,6 +59,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--chunks", type=int, nargs="*", default=None, help="agents per chunk (default: auto)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--ring", type=int, default=None, help="sparse ring neighbours, this half width")
+    ap.add_argument("--name", default="dask_cpu.txt", help="results file name in --out")
     ap.add_argument("--gpu", action="store_true", help="the GPU benchmark (inner='cuda')")
     ap.add_argument("--gpus", type=int, nargs="*", default=[1, 2], help="GPU counts (--gpu)")
     ap.add_argument("--big", action="store_true", help="--gpu: also the big sparse run (--big-n agents)")
@@ -70,7 +73,8 @@ def main() -> None:
 
     from distributed import Client, LocalCluster
 
-    cfg = vfesim.ModelConfig(K=args.K, aggregator="softmin")
+    nb = "dense" if args.ring is None else vfesim.SparseNeighbours.ring(args.N, args.ring)
+    cfg = vfesim.ModelConfig(K=args.K, aggregator="softmin", neighbours=nb)
     state = vfesim.random_state(cfg, args.N, seed=0, dtype="float64")
     arrays = {k: state[k].values for k in state.data_vars}
     auto = auto_chunk(cfg, args.N, arrays)
@@ -111,7 +115,9 @@ def main() -> None:
     cluster.close()
 
     lines = [
-        f"dask backend vs numba, energy + gradient, N = {args.N}, K = {args.K}, float64, dense softmin",
+        f"dask backend vs numba, energy + gradient, N = {args.N}, K = {args.K}, float64, "
+        + ("dense" if args.ring is None else f"ring of {2 * args.ring} sparse neighbours")
+        + " softmin",
         f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; medians of {args.reps}",
         f"default chunk (auto): {auto} agents",
         "",
@@ -123,7 +129,7 @@ def main() -> None:
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dask_cpu.txt").write_text(text + "\n")
+    (out / args.name).write_text(text + "\n")
 
 
 def gpu_cluster(n_gpus: int):
