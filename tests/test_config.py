@@ -340,3 +340,11 @@ def test_sparse_lists_stay_out_of_metadata():
     assert cfg != ModelConfig(K=3)
     st = vfesim.random_state(cfg, 50, seed=0)
     assert json.loads(st.attrs["model_config"])["neighbours"] == short["neighbours"]
+
+
+@pytest.mark.parametrize(("n", "h"), [(3, 1), (7, 3), (50, 4)])
+def test_ring_is_what_the_checked_constructor_accepts(n, h):
+    ring = SparseNeighbours.ring(n, h)
+    checked = SparseNeighbours(ring.index.copy(), ring.mask.copy())
+    assert ring == checked and ring.index.dtype == np.int64 and not ring.index.flags.writeable
+    assert ring.index.shape == (n, 2 * h) and ring.mask.all()
