@@ -193,9 +193,12 @@ def _serial_stages(cfg, inner: str):
     return SERIAL_OPS.get(family_of(cfg).name)
 
 
-def _population_task(arrays: dict, cfg, inner: str = "numba"):
+def _population_task(arrays: dict, cfg):
+    """One chunk's population sums, on the host with the serial Numba stages whatever the inner kernels: the
+    sums only set a common shift of the features (any value shared by every chunk is exact), so their
+    rounding need not match the stages the chunk's features run."""
     arrays = _own(arrays)
-    serial = _serial_stages(cfg, inner)
+    serial = _serial_stages(cfg, "numba")
     kw = {} if serial is None else {"ops": serial}
     return _population_module(cfg).population_sum(arrays, cfg, **kw)
 
@@ -444,7 +447,7 @@ def _graph(
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
     population = None
     if _population_module(cfg) is not None:
-        sums = [delayed(_population_task)(a, cfg_d, pl.inner) for a in chunk_arrays]
+        sums = [delayed(_population_task)(a, cfg_d) for a in chunk_arrays]
         population = delayed(_population_mean)(bounds[-1], *sums)
     feats = [
         delayed(_features_task)(a, cfg_d, population, r0, validate, pl.inner)
