@@ -49,7 +49,11 @@ import dask
 import dask.array as da
 import numpy as np
 import xarray as xr
-from vfesim_kernels.pairwise_cpu import pairwise_dense_rows, pairwise_sparse_rows
+from vfesim_kernels.pairwise_cpu import (
+    pairwise_dense_receivers,
+    pairwise_dense_senders,
+    pairwise_sparse_rows,
+)
 
 from ..family import family_of
 from ..state import NonFiniteError, StateError, validate_state
@@ -286,7 +290,7 @@ def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows
     ]
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            dev = _rows_kernels(inner)[2]
+            dev = _rows_kernels(inner)[3]
             results = [(E, dev(gA), dev(gB), dev(gc)) for E, gA, gB, gc in results]
             backend = _chunk_backend(_Replay(results), cfg, population, inner)
             terms, grads = family_of(cfg).energy_and_gradient(backend.to_device(arrays), cfg, backend)
@@ -296,25 +300,32 @@ def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows
     return terms, {k: _host(v) for k, v in grads.items()}, feats[1]
 
 
-# ---- pair tasks and the gB reduction --------------------------------------------------------------------
+# ---- pair tasks and the gB passes -----------------------------------------------------------------------
 def _rows_kernels(inner: str):
-    """(dense_rows, sparse_rows, to the kernels' device, back to host) of ``inner``."""
+    """(dense receivers, dense senders, sparse rows, to the kernels' device, back to host) of ``inner``."""
     if inner == "cuda":
         from . import cuda_backend as cb
 
         xp = cb.array_module()
-        return cb.pairwise_dense_rows, cb.pairwise_sparse_rows, xp.asarray, _host
-    return pairwise_dense_rows, pairwise_sparse_rows, np.asarray, np.asarray
+        return (
+            cb.pairwise_dense_receivers,
+            cb.pairwise_dense_senders,
+            cb.pairwise_sparse_rows,
+            xp.asarray,
+            _host,
+        )
+    k = (pairwise_dense_receivers, pairwise_dense_senders, pairwise_sparse_rows)
+    return (*k, np.asarray, np.asarray)
 
 
-def _dense_pairs_task(feats, senders, r0: int, inner: str = "numba"):
-    """Step 2, dense: per term (E, gA, gc, gB share (N, D) float64) of the chunk's receivers (host
-    arrays; inner "cuda": computed on the worker's GPU)."""
-    rows, _, dev, host = _rows_kernels(inner)
+def _dense_receivers_task(feats, senders, r0: int, inner: str = "numba"):
+    """Step 2 (pass 1), dense: per term (E, gA, gc, (m, inv_s, abar)) of the chunk's receivers against
+    every sender (host arrays; inner "cuda": computed on the worker's GPU)."""
+    recv, _, _, dev, host = _rows_kernels(inner)
     out = []
     for (A, _, c, kappa, agg), B in zip(feats[0], senders, strict=True):
-        erow, gA, gc, share = (host(x) for x in rows(dev(A), dev(c), dev(B), r0, kappa, agg))
-        out.append((float(erow.sum()), gA, gc, share))
+        erow, gA, gc, *stats = (host(x) for x in recv(dev(A), dev(c), dev(B), r0, kappa, agg))
+        out.append((float(erow.sum()), gA, gc, tuple(stats)))
     return out
 
 
@@ -323,26 +334,28 @@ def _all_senders(*feats):
     return [np.concatenate([f[0][t][1] for f in feats]) for t in range(len(feats[0][0]))]
 
 
-def _shares(x):
-    """Per term, the gB share of a pair result, or a partial sum itself."""
-    return [t[3] for t in x] if x and isinstance(x[0], tuple) else x
+def _all_receivers(n_chunks: int, *parts):
+    """Per term, every receiver's (A, c, m, inv_s, abar) in chunk order: ``parts`` is every chunk's
+    features, then every chunk's pass-1 results."""
+    feats, pairs = parts[:n_chunks], parts[n_chunks:]
+    out = []
+    for t in range(len(feats[0][0])):
+        A = np.concatenate([f[0][t][0] for f in feats])
+        c = np.concatenate([f[0][t][2] for f in feats])
+        stats = [np.concatenate([p[t][3][k] for p in pairs]) for k in range(3)]
+        out.append((A, c, *stats))
+    return out
 
 
-def _add_shares(x, y):
-    return [a + b for a, b in zip(_shares(x), _shares(y), strict=True)]
-
-
-def _tree(items: list, combine) -> Any:
-    """Pairwise sums of adjacent items, level by level, in ascending order (a fixed tree for a given
-    number of items)."""
-    while len(items) > 1:
-        nxt = [dask.delayed(combine, pure=False)(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
-        items = nxt + ([items[-1]] if len(items) % 2 else [])
-    return items[0]
-
-
-def _dense_gB_rows(total, r0: int, r1: int):
-    return [s[r0:r1] for s in _shares(total)]
+def _dense_senders_task(feats, receivers, s0: int, inner: str = "numba"):
+    """Step 3 (pass 2), dense: per term the float64 gB of the chunk's agents as senders (agents s0 ..),
+    from every receiver's features and row statistics (host arrays)."""
+    _, send, _, dev, host = _rows_kernels(inner)
+    out = []
+    for (_, B, _, kappa, agg), (A, c, m, inv_s, abar) in zip(feats[0], receivers, strict=True):
+        args = (dev(A), dev(c), dev(m), dev(inv_s), dev(abar), dev(B))
+        out.append(host(send(*args, s0, kappa, agg)))
+    return out
 
 
 def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "numba"):
@@ -352,7 +365,7 @@ def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "
     senders' rows in those chunks' features concatenated (:func:`_sparse_plan`), mask (n_r, k)."""
     sizes = [len(f[0][0][1]) if f[0] else 0 for f in sender_feats]
     offs = np.cumsum([0, *sizes])
-    _, rows, dev, host = _rows_kernels(inner)
+    _, _, rows, dev, host = _rows_kernels(inner)
     out = []
     for t, (A, _, c, kappa, agg) in enumerate(feats[0]):
         B = np.concatenate([f[0][t][1] for f in sender_feats]) if sender_feats else A[:0]
@@ -456,11 +469,14 @@ def _graph(
     if cfg.dense:
         senders = delayed(_all_senders)(*feats)
         pairs = [
-            delayed(_dense_pairs_task)(f, senders, r0, pl.inner)
+            delayed(_dense_receivers_task)(f, senders, r0, pl.inner)
             for f, (r0, _) in zip(feats, spans, strict=True)
         ]
-        total = _tree(list(pairs), _add_shares)
-        gB_rows = [delayed(_dense_gB_rows)(total, r0, r1) for r0, r1 in spans]
+        receivers = delayed(_all_receivers)(len(feats), *feats, *pairs)
+        gB_rows = [
+            delayed(_dense_senders_task)(f, receivers, s0, pl.inner)
+            for f, (s0, _) in zip(feats, spans, strict=True)
+        ]
     else:
         sparse = pl.sparse
         pairs = [
