@@ -20,10 +20,14 @@ calling thread; sweep 1 keeps whole KL rows of a receiver block (T x N per threa
 log-sum-exp and no second KL pass) and sweep 2 recomputes tiles per sender block for gB.
 Every sum runs in a fixed order within fixed-size tiles and chunks (functions of N and D only); no thread
 shares an output row and there are no atomics, so results are bitwise identical run to run and do not
-depend on Numba's or OpenBLAS's thread count. Sparse: per receiver over its (N, k) list; senders
-through a CSC reverse index built by a stable counting sort, parallel over senders, each summing its
-receivers in ascending order. Weighted pairs batched over grid points (:func:`pairwise_points`, field
-agents): parallel over points, each point's receivers and senders owned by one thread.
+depend on Numba's or OpenBLAS's thread count. For schedulers, :func:`pairwise_dense_rows` runs one
+receiver range with its share of gB, and :func:`pairwise_dense_receivers` / :func:`pairwise_dense_senders`
+split the pairs in two passes (receiver ranges with their row statistics, then sender ranges whose gB the
+statistics of every receiver give: :func:`_tiled_senders` or the BLAS sender kernel). Sparse: per receiver
+over its (N, k) list; senders through a CSC reverse index built by a stable counting sort, parallel over
+senders, each summing its receivers in ascending order. Weighted pairs batched over grid points
+(:func:`pairwise_points`, field agents): parallel over points, each point's receivers and senders owned by
+one thread.
 
 The scalar per-pair math (online LSE, weights) is :mod:`vfesim_kernels.pair_math`, compiled here with
 ``numba.njit(inline="always")``; only the tile loops are CPU-specific.

@@ -9,22 +9,29 @@ rows, so an evaluation splits into tasks over agent chunks ``[r0, r1)``:
    function that records each term's (A, B, c, kappa, aggregator) and returns zero energy and zero
    cotangents (the per-agent work of the chunk, O(n K^3), nothing pairwise);
 2. *pairs* (one task per receiver chunk): the chunk's receivers against every sender (dense) or against
-   the sender chunks its neighbour lists name (sparse), with the online log-sum-exp of
-   :func:`vfesim_kernels.pairwise_cpu.pairwise_dense_rows` / ``pairwise_sparse_rows`` (serial Numba
-   kernels, ``nogil``): row energies, the receivers' gA, gc and their share of the senders' gB;
-3. *gB reduction*: dense shares (N, D) float64 are summed in a binary tree over receiver chunks in
-   ascending order (fixed by the chunking, so deterministic); sparse shares are split by sender chunk and
-   each sender chunk sums the shares of the receiver chunks that name it, in ascending order;
+   the sender chunks its neighbour lists name (sparse), serial Numba kernels (``nogil``) of
+   :mod:`vfesim_kernels.pairwise_cpu`, or with inner "cuda" their device twins in ``cuda_backend``.
+   Dense, :func:`~vfesim_kernels.pairwise_cpu.pairwise_dense_receivers`: row energies, the receivers'
+   gA, gc and row statistics (m, inv_s, abar: 3 numbers per receiver), no gB. Sparse,
+   ``pairwise_sparse_rows``: row energies, gA, gc and float64 shares of the named senders' gB;
+3. *gB*: dense, one task per sender chunk (:func:`~vfesim_kernels.pairwise_cpu.pairwise_dense_senders`)
+   recomputes its senders' weights against every receiver from every chunk's A, c and the gathered
+   statistics (one gather task) and sums gB_j = sum_i W_ij A_i / 2 in a fixed order, as float64 (pass 2 of
+   two: no (N, D) share per task and no reduction tree; the same pair work as the fused kernels but on the
+   CPU's tiled path, D < 32, which evaluates each weight once more); sparse, the shares are split by
+   sender chunk and each sender chunk sums the shares of the receiver chunks that name it, in ascending
+   order. Both fixed by the chunking: deterministic;
 4. *assembly* (one task per chunk): the family's assembly again on the chunk's arrays, with a pairwise
    function that returns the chunk's precomputed (E, gA, gB, gc): the chain rule back to the state
    variables and the per-agent terms. Terms are summed over chunks in float64 in chunk order.
 
 The per-agent stages therefore run twice (steps 1 and 4): O(N K^3) beside the O(N^2 D) pairs of a dense
 term, a few per cent at N = 16 384, K = 3 (``benchmarks/bench_dask.py``). No task holds an N x N array;
-a dense pair task holds its chunk, every sender's B and one (N, D) float64 share: peak memory per task
-O(n D + N D). Per-agent stages run, with inner "numba", in the serial builds of the family's fused Numba
-per-agent kernels (``numba_backend.SERIAL_OPS``: Numba's parallel builds must not be launched from the
-scheduler's threads), else as the family's array-generic stages (NumPy, or CuPy with inner "cuda").
+a dense receiver task holds its chunk and every sender's B, a dense sender task its chunk's B and every
+receiver's A, c and statistics: peak memory per task O(n D + N D), with no (N, D) share. Per-agent
+stages run, with inner "numba", in the serial builds of the family's fused Numba per-agent kernels
+(``numba_backend.SERIAL_OPS``: Numba's parallel builds must not be launched from the scheduler's
+threads), else as the family's array-generic stages (NumPy, or CuPy with inner "cuda").
 
 Chunks: as the state Dataset is chunked along ``agent`` (``state.chunk(agent=n)``; the gradient Dataset
 comes back chunked the same way, persisted), or ``chunks=`` (agents per chunk, or a tuple of chunk sizes)
