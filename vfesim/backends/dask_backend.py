@@ -11,14 +11,18 @@ rows, so an evaluation splits into tasks over agent chunks ``[r0, r1)``:
 2. *pairs* (one task per receiver chunk): the chunk's receivers against every sender (dense) or against
    the sender chunks its neighbour lists name (sparse), serial Numba kernels (``nogil``) of
    :mod:`vfesim_kernels.pairwise_cpu`, or with inner "cuda" their device twins in ``cuda_backend``.
-   Dense, :func:`~vfesim_kernels.pairwise_cpu.pairwise_dense_receivers`: row energies, the receivers'
-   gA, gc and row statistics (m, inv_s, abar: 3 numbers per receiver), no gB. Sparse,
+   Dense with inner "numba": :func:`~vfesim_kernels.pairwise_cpu.pairwise_dense_rows`, the fused serial
+   kernel: row energies, gA, gc and these receivers' float64 share (N, D) of every sender's gB. Dense
+   with inner "cuda": ``cuda_backend.pairwise_dense_receivers``: row energies, the receivers' gA, gc and
+   row statistics (m, inv_s, abar: 3 numbers per receiver), no gB. Sparse,
    ``pairwise_sparse_rows``: row energies, gA, gc and float64 shares of the named senders' gB;
-3. *gB*: dense, one task per sender chunk (:func:`~vfesim_kernels.pairwise_cpu.pairwise_dense_senders`)
+3. *gB*: dense with inner "numba", the shares summed in a binary tree over receiver chunks in ascending
+   order; dense with inner "cuda", one task per sender chunk (``cuda_backend.pairwise_dense_senders``)
    recomputes its senders' weights against every receiver from every chunk's A, c and the gathered
    statistics (one gather task) and sums gB_j = sum_i W_ij A_i / 2 in a fixed order, as float64 (pass 2 of
-   two: no (N, D) share per task and no reduction tree; the same pair work as the fused kernels but on the
-   CPU's tiled path, D < 32, which evaluates each weight once more); sparse, the shares are split by
+   two: no (N, D) share per task and no reduction tree, the same pair work on the GPU; on the CPU's tiled
+   path, D < 32, it would evaluate each weight once more than the fused kernel, so inner "numba" keeps
+   the one pass); sparse, the shares are split by
    sender chunk and each sender chunk sums the shares of the receiver chunks that name it, in ascending
    order. Both fixed by the chunking: deterministic;
 4. *assembly* (one task per chunk): the family's assembly again on the chunk's arrays, with a pairwise
@@ -58,6 +62,7 @@ import numpy as np
 import xarray as xr
 from vfesim_kernels.pairwise_cpu import (
     pairwise_dense_receivers,
+    pairwise_dense_rows,
     pairwise_dense_senders,
     pairwise_sparse_rows,
 )
@@ -341,6 +346,38 @@ def _all_senders(*feats):
     return [np.concatenate([f[0][t][1] for f in feats]) for t in range(len(feats[0][0]))]
 
 
+def _dense_pairs_task(feats, senders, r0: int):
+    """Step 2, dense, one pass (inner "numba"): per term (E, gA, gc, gB share (N, D) float64) of the
+    chunk's receivers against every sender, from the fused serial kernel."""
+    out = []
+    for (A, _, c, kappa, agg), B in zip(feats[0], senders, strict=True):
+        erow, gA, gc, share = pairwise_dense_rows(A, c, B, r0, kappa, agg)
+        out.append((float(erow.sum()), gA, gc, share))
+    return out
+
+
+def _shares(x):
+    """Per term, the gB share of a one-pass pair result, or a partial sum itself."""
+    return [t[3] for t in x] if x and isinstance(x[0], tuple) else x
+
+
+def _add_shares(x, y):
+    return [a + b for a, b in zip(_shares(x), _shares(y), strict=True)]
+
+
+def _tree(items: list, combine) -> Any:
+    """Pairwise sums of adjacent items, level by level, in ascending order (a fixed tree for a given
+    number of items)."""
+    while len(items) > 1:
+        nxt = [dask.delayed(combine, pure=False)(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
+        items = nxt + ([items[-1]] if len(items) % 2 else [])
+    return items[0]
+
+
+def _dense_gB_rows(total, r0: int, r1: int):
+    return [s[r0:r1] for s in _shares(total)]
+
+
 def _all_receivers(n_chunks: int, *parts):
     """Per term, every receiver's (A, c, m, inv_s, abar) in chunk order: ``parts`` is every chunk's
     features, then every chunk's pass-1 results."""
@@ -473,7 +510,12 @@ def _graph(
         delayed(_features_task)(a, cfg_d, population, r0, validate, pl.inner)
         for a, (r0, _) in zip(chunk_arrays, spans, strict=True)
     ]
-    if cfg.dense:
+    if cfg.dense and pl.inner == "numba":  # one pass: the fused CPU kernel, float64 shares in a tree
+        senders = delayed(_all_senders)(*feats)
+        pairs = [delayed(_dense_pairs_task)(f, senders, r0) for f, (r0, _) in zip(feats, spans, strict=True)]
+        total = _tree(list(pairs), _add_shares)
+        gB_rows = [delayed(_dense_gB_rows)(total, r0, r1) for r0, r1 in spans]
+    elif cfg.dense:  # two passes (inner "cuda"): receivers, then senders from the gathered statistics
         senders = delayed(_all_senders)(*feats)
         pairs = [
             delayed(_dense_receivers_task)(f, senders, r0, pl.inner)
