@@ -20,10 +20,14 @@ calling thread; sweep 1 keeps whole KL rows of a receiver block (T x N per threa
 log-sum-exp and no second KL pass) and sweep 2 recomputes tiles per sender block for gB.
 Every sum runs in a fixed order within fixed-size tiles and chunks (functions of N and D only); no thread
 shares an output row and there are no atomics, so results are bitwise identical run to run and do not
-depend on Numba's or OpenBLAS's thread count. Sparse: per receiver over its (N, k) list; senders
-through a CSC reverse index built by a stable counting sort, parallel over senders, each summing its
-receivers in ascending order. Weighted pairs batched over grid points (:func:`pairwise_points`, field
-agents): parallel over points, each point's receivers and senders owned by one thread.
+depend on Numba's or OpenBLAS's thread count. For schedulers, :func:`pairwise_dense_rows` runs one
+receiver range with its share of gB, and :func:`pairwise_dense_receivers` / :func:`pairwise_dense_senders`
+split the pairs in two passes (receiver ranges with their row statistics, then sender ranges whose gB the
+statistics of every receiver give: :func:`_tiled_senders` or the BLAS sender kernel). Sparse: per receiver
+over its (N, k) list; senders through a CSC reverse index built by a stable counting sort, parallel over
+senders, each summing its receivers in ascending order. Weighted pairs batched over grid points
+(:func:`pairwise_points`, field agents): parallel over points, each point's receivers and senders owned by
+one thread.
 
 The scalar per-pair math (online LSE, weights) is :mod:`vfesim_kernels.pair_math`, compiled here with
 ``numba.njit(inline="always")``; only the tile loops are CPU-specific.
@@ -44,6 +48,8 @@ __all__ = [
     "pairwise_dense",
     "pairwise_sparse",
     "pairwise_dense_rows",
+    "pairwise_dense_receivers",
+    "pairwise_dense_senders",
     "pairwise_sparse_rows",
     "pairwise_points",
     "SENDER_TILE",
@@ -288,7 +294,7 @@ def _row_weights(Ah, Bt, ch, i, gi, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, 
 
 
 @_kernel
-def _dense_chunks(Ah, B, Bt, ch, r0, kappa, agg, P, m, inv_s, abar, erow, gA, gc, gBp):
+def _dense_chunks(Ah, B, Bt, ch, r0, kappa, agg, P, m, inv_s, abar, erow, gA, gc, sends, gBp):
     """Sweeps 1-2 over P chunks of receiver blocks (parallel over chunks).
 
     Receivers are the rows of Ah, ch (n_r, D), (n_r,): global agents r0 .. r0 + n_r - 1 (the pair with
@@ -299,7 +305,8 @@ def _dense_chunks(Ah, B, Bt, ch, r0, kappa, agg, P, m, inv_s, abar, erow, gA, gc
     over sender tiles, sweep 2 recomputes the tiles as weights W_ij and accumulates both gA_i and
     gc_i (per receiver) and this chunk's share of gB_j in gBp[chunk] (D, N). Row statistics, erow, gA,
     gc and gBp are float64: each float32 partial sum spans at most one tile (SENDER_TILE senders or
-    RECEIVER_TILE receivers) and the tiles are summed in float64.
+    RECEIVER_TILE receivers) and the tiles are summed in float64. ``sends`` False: no gB share (gBp is
+    not touched; the receiver pass of a two-pass split, see :func:`pairwise_dense_receivers`).
     """
     NR, D = Ah.shape
     N = Bt.shape[1]
@@ -359,9 +366,10 @@ def _dense_chunks(Ah, B, Bt, ch, r0, kappa, agg, P, m, inv_s, abar, erow, gA, gc
             # accumulator (contiguous over senders: the loop vectorises) carries ROW_GROUP multiply-adds.
             for j0 in range(0, N, TS):
                 nj = min(TS, N - j0)
-                for d in range(D):
-                    for jj in range(nj):
-                        accB[d, jj] = zero
+                if sends:
+                    for d in range(D):
+                        for jj in range(nj):
+                            accB[d, jj] = zero
                 for g0 in range(0, ni, RB):
                     for r in range(RB):
                         if g0 + r < ni:
@@ -409,18 +417,72 @@ def _dense_chunks(Ah, B, Bt, ch, r0, kappa, agg, P, m, inv_s, abar, erow, gA, gc
                             accA[g0 + 2, d] += b2
                         if g0 + 3 < ni:
                             accA[g0 + 3, d] += b3
-                        a0, a1 = Ah[i, d], Ah[min(i + 1, last), d]
-                        a2, a3 = Ah[min(i + 2, last), d], Ah[min(i + 3, last), d]
+                        if sends:
+                            a0, a1 = Ah[i, d], Ah[min(i + 1, last), d]
+                            a2, a3 = Ah[min(i + 2, last), d], Ah[min(i + 3, last), d]
+                            for jj in range(nj):
+                                accB[d, jj] += W[0, jj] * a0 + W[1, jj] * a1 + W[2, jj] * a2 + W[3, jj] * a3
+                if sends:
+                    for d in range(D):
+                        part = gBp[c, d, j0 : j0 + nj]
                         for jj in range(nj):
-                            accB[d, jj] += W[0, jj] * a0 + W[1, jj] * a1 + W[2, jj] * a2 + W[3, jj] * a3
-                for d in range(D):
-                    part = gBp[c, d, j0 : j0 + nj]
-                    for jj in range(nj):
-                        part[jj] += accB[d, jj]
+                            part[jj] += accB[d, jj]
             for ii in range(ni):
                 gc[i0 + ii] = wsum[ii]
                 for d in range(D):
                     gA[i0 + ii, d] = accA[ii, d]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def _tiled_senders(Ah, Bt, ch, r0, kappa, agg, m, inv_s, abar, gB):
+    """Sender pass of the tiled path given the receivers' row statistics (serial): gB (n_s, D) float64,
+    gB_j = sum_i W_ij Ah_i over every receiver i (rows of Ah, ch with statistics m, inv_s, abar from
+    _dense_chunks; global index r0 + i) for the senders j, the columns of Bt (D, n_s); the pair with
+    sender r0 + i is excluded (r0 may be negative: -s0 for senders s0 .. s0 + n_s - 1 of all agents).
+    The weights are those of _dense_chunks' sweep 2 (_row_weights) and gB sums them as its gB share
+    does: per sender tile, receiver tiles of RECEIVER_TILE in the dtype, added in float64 in ascending
+    order."""
+    NR, D = Ah.shape
+    NS = Bt.shape[1]
+    TR, TS, RB = RECEIVER_TILE, SENDER_TILE, ROW_GROUP
+    dt = Ah.dtype
+    zero = kappa - kappa
+    kl, xs = np.empty(TS, dt), np.empty(TS, dt)
+    W = np.empty((RB, TS), dt)
+    accB = np.empty((D, TS), dt)
+    acc = np.zeros((D, TS))
+    for j0 in range(0, NS, TS):
+        nj = min(TS, NS - j0)
+        for d in range(D):
+            for jj in range(nj):
+                acc[d, jj] = 0.0
+        for i0 in range(0, NR, TR):
+            ni = min(TR, NR - i0)
+            for d in range(D):
+                for jj in range(nj):
+                    accB[d, jj] = zero
+            for g0 in range(0, ni, RB):
+                for r in range(RB):
+                    i = i0 + g0 + r
+                    if g0 + r < ni:
+                        w = W[r]
+                        _row_weights(Ah, Bt, ch, i, r0 + i, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, w)
+                    else:
+                        for jj in range(nj):
+                            W[r, jj] = zero
+                i = i0 + g0
+                last = min(i0 + ni - 1, i + RB - 1)  # padding rows of W are 0: any valid Ah row does
+                for d in range(D):
+                    a0, a1 = Ah[i, d], Ah[min(i + 1, last), d]
+                    a2, a3 = Ah[min(i + 2, last), d], Ah[min(i + 3, last), d]
+                    for jj in range(nj):
+                        accB[d, jj] += W[0, jj] * a0 + W[1, jj] * a1 + W[2, jj] * a2 + W[3, jj] * a3
+            for d in range(D):
+                for jj in range(nj):
+                    acc[d, jj] += accB[d, jj]
+        for jj in range(nj):
+            for d in range(D):
+                gB[j0 + jj, d] = acc[d, jj]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -645,7 +707,7 @@ def pairwise_dense(A, B, c, kappa: float, aggregator: str):
     P = chunks(N, D)
     gBp = np.zeros((P, D, N))
     kernel = _dense_chunks_serial if N * N * D < SERIAL_WORK else _dense_chunks
-    kernel(Ah, B, Bt, ch, 0, kappa, agg, P, m, inv_s, abar, erow, gA64, gc64, gBp)
+    kernel(Ah, B, Bt, ch, 0, kappa, agg, P, m, inv_s, abar, erow, gA64, gc64, True, gBp)
     gB = np.empty((N, D), dt)
     _sum_chunks(gBp, gB)
     # The halvings are exact; the float64 sums are rounded to the dtype once, here.
@@ -682,8 +744,68 @@ def pairwise_dense_rows(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
     erow, gc64 = np.empty(NR), np.empty(NR)
     gA64 = np.empty((NR, D))
     gBp = np.zeros((1, D, N))
-    _dense_chunks_serial(Ah, B, Bt, ch, r0, kappa, agg, 1, m, inv_s, abar, erow, gA64, gc64, gBp)
+    _dense_chunks_serial(Ah, B, Bt, ch, r0, kappa, agg, 1, m, inv_s, abar, erow, gA64, gc64, True, gBp)
     return erow, (0.5 * gA64).astype(dt), (0.5 * gc64).astype(dt), np.ascontiguousarray(gBp[0].T)
+
+
+def pairwise_dense_receivers(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
+    """Pass 1 of a two-pass split of the dense pairs (a scheduler task per receiver range): receivers
+    r0 .. r0 + n_r - 1 (A_r (n_r, D), c_r (n_r,)) against every sender B (N, D), j != i, without any gB.
+
+    Returns (erow (n_r,) float64, gA_r (n_r, D), gc_r (n_r,) in the input dtype, m, inv_s, abar (n_r,):
+    the receivers' row statistics in the input dtype). :func:`pairwise_dense_senders` turns every
+    receiver's statistics into the senders' gB. erow, gA_r, gc_r are those of :func:`pairwise_dense_rows`
+    (the same kernels); serial builds only (``nogil``), as there. Memory O(n_r D + N D): no (N, D) share.
+    """
+    agg = _pm.aggregator_code(aggregator)
+    dt, Ah, B, ch, kappa = _prepare(A_r, B, c_r, kappa)
+    NR, D = Ah.shape
+    N = B.shape[0]
+    if not (0 <= r0 and r0 + NR <= N):
+        raise ValueError(f"receivers r0={r0} .. {r0 + NR - 1} are not agents of the {N} senders")
+    m, inv_s, abar = np.zeros(NR, dt), np.zeros(NR, dt), np.zeros(NR, dt)
+    if N < 2 or NR == 0:
+        return np.zeros(NR), np.zeros((NR, D), dt), np.zeros(NR, dt), m, inv_s, abar
+    if D >= DOT_MIN_D:
+        erow, gc = np.empty(NR, dt), np.empty(NR, dt)
+        gA = np.empty((NR, D), dt)
+        T = blas_tile(D)
+        _blas_receivers_serial(Ah, B, ch, r0, kappa, dt.type(1), agg, T, m, inv_s, abar, erow, gA, gc)
+        return erow.astype(np.float64), gA * dt.type(0.5), gc * dt.type(0.5), m, inv_s, abar
+    Bt = np.ascontiguousarray(B.T)
+    erow, gc64 = np.empty(NR), np.empty(NR)
+    gA64 = np.empty((NR, D))
+    none = np.zeros((1, D, 0))
+    _dense_chunks_serial(Ah, B, Bt, ch, r0, kappa, agg, 1, m, inv_s, abar, erow, gA64, gc64, False, none)
+    return erow, (0.5 * gA64).astype(dt), (0.5 * gc64).astype(dt), m, inv_s, abar
+
+
+def pairwise_dense_senders(A, c, m, inv_s, abar, B_s, s0: int, kappa: float, aggregator: str):
+    """Pass 2 of the two-pass split (a scheduler task per sender range): gB of senders s0 .. s0 + n_s - 1
+    (B_s (n_s, D)) from every receiver's A (N, D), c (N,) and row statistics m, inv_s, abar (N,) (pass
+    1's, :func:`pairwise_dense_receivers`, over any receiver ranges). Returns gB_s (n_s, D) float64: the
+    sum over all receivers i != j of W_ij A_i / 2 in a fixed order (receiver tiles in ascending order;
+    on the BLAS path gemm tiles, summed in the dtype). Serial builds only (``nogil``)."""
+    agg = _pm.aggregator_code(aggregator)
+    dt, Ah, B_s, ch, kappa = _prepare(A, B_s, c, kappa)
+    N, D = Ah.shape
+    NS = B_s.shape[0]
+    if not (0 <= s0 and s0 + NS <= N):
+        raise ValueError(f"senders s0={s0} .. {s0 + NS - 1} are not agents of the {N} receivers")
+    if not (m.shape == inv_s.shape == abar.shape == (N,)):
+        raise ValueError(f"row statistics m, inv_s, abar must have shape ({N},) (one per receiver)")
+    m, inv_s, abar = (np.ascontiguousarray(a, dt) for a in (m, inv_s, abar))
+    gB = np.zeros((NS, D))
+    if N < 2 or NS == 0:
+        return gB
+    # Receivers are all agents and senders a range: receiver i meets itself as sender i - s0, which is
+    # what a receiver offset of -s0 says (global receiver index r0 + i compared with the local sender).
+    if D >= DOT_MIN_D:
+        gBd = np.empty((NS, D), dt)
+        _blas_senders_serial(Ah, B_s, ch, -s0, kappa, agg, blas_tile(D), m, inv_s, abar, gBd)
+        return gBd.astype(np.float64)
+    _tiled_senders(Ah, np.ascontiguousarray(B_s.T), ch, -s0, kappa, agg, m, inv_s, abar, gB)
+    return gB
 
 
 @_kernel

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 from conftest import make_obs_config
 from dask.core import flatten
-from vfesim_kernels.pairwise_cpu import pairwise_dense, pairwise_dense_rows
+from vfesim_kernels.pairwise_cpu import (
+    DOT_MIN_D,
+    pairwise_dense,
+    pairwise_dense_receivers,
+    pairwise_dense_rows,
+    pairwise_dense_senders,
+)
 
 import vfesim
 from vfesim.backends.dask_backend import chunk_bounds, default_chunk
@@ -133,6 +139,59 @@ def test_receiver_ranges_sum_to_the_full_kernel(D):
     np.testing.assert_allclose(np.concatenate([p[1] for p in parts]), gA, rtol=1e-13, atol=1e-14)
     np.testing.assert_allclose(np.concatenate([p[2] for p in parts]), gc, rtol=1e-13, atol=1e-14)
     np.testing.assert_allclose(sum(p[3] for p in parts), gB, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("aggregator", ["softmin", "expected"])
+@pytest.mark.parametrize("D", [10, 40])  # the tiled and the BLAS paths
+def test_two_passes_over_ranges_equal_the_full_kernel(D, aggregator):
+    """Pass 1 (receiver ranges: energies, gA, gc, row statistics) and pass 2 (sender ranges: gB from
+    every receiver's statistics) over a chunking add up to pairwise_dense; pass 1's rows are bitwise
+    those of pairwise_dense_rows (the same kernels). Ranges of one agent test the excluded diagonal
+    at both ends."""
+    rng = np.random.default_rng(1)
+    n = 70
+    A, B, c = rng.normal(size=(n, D)), rng.normal(size=(n, D)), rng.normal(size=n)
+    E, gA, gB, gc = pairwise_dense(A, B, c, 1.3, aggregator)
+    spans = list(zip((0, 1, 3, 40, 69), (1, 3, 40, 69, 70), strict=True))
+    p1 = [pairwise_dense_receivers(A[a:b], c[a:b], B, a, 1.3, aggregator) for a, b in spans]
+    for (a, b), p in zip(spans, p1, strict=True):
+        erow, gA_r, gc_r, _ = pairwise_dense_rows(A[a:b], c[a:b], B, a, 1.3, aggregator)
+        for x, y in [(p[0], erow), (p[1], gA_r), (p[2], gc_r)]:
+            np.testing.assert_array_equal(x, y)
+    assert abs(sum(p[0].sum() for p in p1) - E) <= 1e-13 * abs(E)
+    np.testing.assert_allclose(np.concatenate([p[1] for p in p1]), gA, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(np.concatenate([p[2] for p in p1]), gc, rtol=1e-13, atol=1e-14)
+    m, inv_s, abar = (np.concatenate([p[k] for p in p1]) for k in (3, 4, 5))
+    parts = [pairwise_dense_senders(A, c, m, inv_s, abar, B[a:b], a, 1.3, aggregator) for a, b in spans]
+    assert all(p.dtype == np.float64 for p in parts)
+    np.testing.assert_allclose(np.concatenate(parts), gB, rtol=1e-13, atol=1e-14)
+    # Other sender ranges: the same gB rows, bitwise on the tiled path (each pair's weight and each
+    # receiver tile's sum do not depend on the range); on the BLAS path the gemm tiles follow the range.
+    again = pairwise_dense_senders(A, c, m, inv_s, abar, B[3:69], 3, 1.3, aggregator)
+    if D < DOT_MIN_D:
+        np.testing.assert_array_equal(again, np.concatenate(parts[2:4]))
+    np.testing.assert_allclose(again, gB[3:69], rtol=1e-13, atol=1e-14)
+    with pytest.raises(ValueError, match="s0=60"):
+        pairwise_dense_senders(A, c, m, inv_s, abar, B[:20], 60, 1.3, aggregator)
+    with pytest.raises(ValueError, match="row statistics"):
+        pairwise_dense_senders(A, c, m[:5], inv_s, abar, B[:20], 0, 1.3, aggregator)
+    with pytest.raises(ValueError, match="r0=60"):
+        pairwise_dense_receivers(A[:20], c[:20], B, 60, 1.3, aggregator)
+
+
+def test_two_passes_float32_sum_in_float64():
+    """float32 features: gA, gc in float32 as pairwise_dense_rows gives them, gB in float64 close to
+    pairwise_dense's float32 gB (rounding of the dtype only)."""
+    rng = np.random.default_rng(2)
+    n, D = 50, 10
+    A, B, c = (rng.normal(size=s).astype(np.float32) for s in ((n, D), (n, D), n))
+    _, gA, gB, gc = pairwise_dense(A, B, c, 0.9, "expected")
+    p1 = pairwise_dense_receivers(A, c, B, 0, 0.9, "expected")
+    assert p1[1].dtype == p1[2].dtype == p1[3].dtype == np.float32
+    gB2 = pairwise_dense_senders(A, c, *p1[3:], B, 0, 0.9, "expected")
+    assert gB2.dtype == np.float64
+    np.testing.assert_allclose(gB2, gB, rtol=1e-5, atol=1e-6 * np.abs(gB).max())
+    np.testing.assert_allclose(p1[1], gA, rtol=1e-5, atol=1e-6 * np.abs(gA).max())
 
 
 def test_chunk_bounds_and_default_chunk():

@@ -297,6 +297,36 @@ def test_dense_rows_sum_to_all_pairs(aggregator):
         cb.pairwise_dense_rows(A[:5], c[:5], B, 10, kappa, aggregator)
 
 
+@pytest.mark.parametrize("aggregator", ["softmin", "expected"])
+def test_dense_two_passes_sum_to_all_pairs(aggregator):
+    """pairwise_dense_receivers over receiver ranges (energies, gA, gc, row statistics) and
+    pairwise_dense_senders over other sender ranges (gB from every receiver's statistics, the grads
+    kernel with receiver offset -s0) equal the all-pairs reference; one-agent ranges at both ends test
+    the excluded diagonal. The grads launch splits the 40 receivers in two slices (simulator sizes)."""
+    from vfesim.pairwise.reference import pairwise_dense
+
+    rng = np.random.default_rng(5)
+    N, D, kappa = 40, 5, 0.7
+    A, B = rng.normal(size=(N, D)), rng.normal(size=(N, D))
+    c = rng.uniform(1.0, 2.0, N)
+    E, gA, gB, gc = pairwise_dense(A, B, c, kappa, aggregator)
+    p1 = [
+        cb.pairwise_dense_receivers(A[a:b], c[a:b], B, a, kappa, aggregator) for a, b in [(0, 13), (13, 40)]
+    ]
+    np.testing.assert_allclose(sum(float(p[0].sum()) for p in p1), E, rtol=1e-12)
+    for k, want in [(1, gA), (2, gc)]:
+        np.testing.assert_allclose(np.concatenate([p[k] for p in p1]), want, rtol=1e-12, atol=1e-14)
+    m, inv_s, abar = (np.concatenate([p[k] for p in p1]) for k in (3, 4, 5))
+    spans = [(0, 1), (1, 22), (22, 39), (39, 40)]
+    parts = [cb.pairwise_dense_senders(A, c, m, inv_s, abar, B[a:b], a, kappa, aggregator) for a, b in spans]
+    assert all(p.dtype == np.float64 for p in parts)
+    np.testing.assert_allclose(np.concatenate(parts), gB, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="s0=30"):
+        cb.pairwise_dense_senders(A, c, m, inv_s, abar, B[:20], 30, kappa, aggregator)
+    with pytest.raises(ValueError, match="r0=30"):
+        cb.pairwise_dense_receivers(A[:20], c[:20], B, 30, kappa, aggregator)
+
+
 @pytest.mark.parametrize("N", [16, 37])
 @pytest.mark.parametrize("order", ["rising", "falling", "random"])
 @pytest.mark.parametrize("aggregator", ["softmin", "expected"])

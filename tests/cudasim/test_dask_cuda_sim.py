@@ -38,7 +38,9 @@ def test_sparse_rows_match_the_cpu_kernel():
     assert got[0].dtype == got[3].dtype == np.float64 and got[3].shape == (n_s, D)
 
 
-@pytest.mark.parametrize(("neighbours", "aggregator"), [("dense", "softmin"), ("ring", "expected")])
+@pytest.mark.parametrize(
+    ("neighbours", "aggregator"), [("dense", "softmin"), ("dense", "expected"), ("ring", "expected")]
+)
 def test_cuda_chunks_match_numpy(neighbours, aggregator):
     nb = "dense" if neighbours == "dense" else vfesim.SparseNeighbours.ring(N, 1)
     cfg = vfesim.ModelConfig(K=3, lambda_prior=0.6, kappa_beta=0.8, aggregator=aggregator, neighbours=nb)

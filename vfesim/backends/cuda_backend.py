@@ -470,40 +470,77 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
 
 
-def _dense_streaming(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
-    """Receivers r0 .. r0 + n_r - 1 (features A_r, c_r) against all senders B in the streaming kernels:
-    (row energies (n_r,), gA_r, gc_r, gB (N, D)) in the dtype, each sum over slices in slice order."""
+def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str):
+    """The receiver pass of the streaming kernels (``stats`` then ``merge``) on pre-scaled features Ah,
+    Bb, ch (1, n, D) (vfesim_kernels.cuda.pairwise: A and c times 1 / (2 kappa)), receivers r0 .. r0 +
+    n_r - 1 against all senders: (row energies / kappa, sum_j W_ij B_j, sum_j W_ij, m, inv_s, abar),
+    each (n_r, ...) in the dtype, the first three summed over sender slices in slice order."""
     xp = array_module()
-    NR, D = A_r.shape
-    N = B.shape[0]
-    dt = A_r.dtype
+    NR, D = Ah.shape[1:]
+    N = Bb.shape[1]
+    dt = Ah.dtype
     k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
     nt = k["threads"]
     S, chunk_s = kc.dense_splits(N, kc.PAIR_OPT, nt)
-    chunk_r = _cdiv(_cdiv(NR, S), nt) * nt
-    scale = dt.type(0.5 / kappa)
-    # Receiver features pre-scaled by 1 / (2 kappa): logits -KL / kappa (vfesim_kernels.cuda.pairwise).
-    Ah, Bb, ch = (xp.ascontiguousarray(a[None]) for a in (A_r * scale, B, c_r * scale))
     pm, ps, pt = (xp.empty((S, 1, NR), dt) for _ in range(3))
     m, inv_s, abar, energy = (xp.empty((1, NR), dt) for _ in range(4))
     gAr = xp.empty((S, 1, NR, D + 1), dt)
     gAx = xp.empty((S, 1, NR, D + 1) if aggregator == "expected" else (1, 1, 1, 1), dt)
-    gBs = xp.empty((S, 1, N, D), dt)
     kap = xp.ones(1, dt)
     v = kc.as_device_view
-    dA, dB, dc, dgA, dgx = v(Ah), v(Bb), v(ch), v(gAr), v(gAx)
-    nb_r, nb_s = _cdiv(NR, nt * k["opt"]), _cdiv(N, nt * k["opt"])
-    k["stats"][(nb_r, S, 1), nt](dA, dB, dc, r0, 0, chunk_s, v(pm), v(ps), v(pt), dgA, dgx)
+    dgA, dgx = v(gAr), v(gAx)
+    nb_r = _cdiv(NR, nt * k["opt"])
+    k["stats"][(nb_r, S, 1), nt](v(Ah), v(Bb), v(ch), r0, 0, chunk_s, v(pm), v(ps), v(pt), dgA, dgx)
     k["merge"][(_cdiv(NR, kc.BLOCK), 1), kc.BLOCK](
         v(pm), v(ps), v(pt), v(kap), 0, v(m), v(inv_s), v(abar), v(energy), dgA, dgx
     )
-    k["grads"][(nb_s, S, 1), nt](dA, dB, dc, v(m), v(inv_s), v(abar), r0, 0, chunk_r, v(gBs))
-    gA, gB = gAr[0, 0], gBs[0, 0]
+    gA = gAr[0, 0]
     for sl in range(1, S):  # the slices in order: a fixed summation order
         gA = gA + gAr[sl, 0]
+    return energy[0], gA[:, :-1], gA[:, -1], m, inv_s, abar
+
+
+def _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0: int, aggregator: str):
+    """The sender pass of the streaming kernels (``grads``) on pre-scaled features (see _dense_stats):
+    every receiver (rows of Ah, ch (1, n_r, D) with statistics m, inv_s, abar (1, n_r), global index r0 +
+    i) against the senders Bb (1, n_s, D), the pair with sender r0 + i excluded (r0 may be negative:
+    -s0 for senders s0 .. of all agents). Returns sum_i W_ij Ah_i (n_s, D) in the dtype, summed over
+    receiver slices in slice order."""
+    xp = array_module()
+    NR, D = Ah.shape[1:]
+    NS = Bb.shape[1]
+    dt = Ah.dtype
+    k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+    nt = k["threads"]
+    S, _ = kc.dense_splits(NS, kc.PAIR_OPT, nt)  # slices of receivers: enough blocks for the senders
+    chunk_r = _cdiv(_cdiv(NR, S), nt) * nt
+    gBs = xp.empty((S, 1, NS, D), dt)
+    v = kc.as_device_view
+    nb_s = _cdiv(NS, nt * k["opt"])
+    k["grads"][(nb_s, S, 1), nt](v(Ah), v(Bb), v(ch), v(m), v(inv_s), v(abar), r0, 0, chunk_r, v(gBs))
+    gB = gBs[0, 0]
+    for sl in range(1, S):
         gB = gB + gBs[sl, 0]
+    return gB
+
+
+def _scaled(A, c, kappa: float):
+    """A, c as (1, n, ...) arrays times 1 / (2 kappa): logits -KL / kappa (vfesim_kernels.cuda.pairwise)."""
+    xp = array_module()
+    scale = A.dtype.type(0.5 / kappa)
+    return xp.ascontiguousarray((A * scale)[None]), xp.ascontiguousarray((c * scale)[None])
+
+
+def _dense_streaming(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
+    """Receivers r0 .. r0 + n_r - 1 (features A_r, c_r) against all senders B in the streaming kernels:
+    (row energies (n_r,), gA_r, gc_r, gB (N, D)) in the dtype, each sum over slices in slice order."""
+    xp = array_module()
+    Ah, ch = _scaled(A_r, c_r, kappa)
+    Bb = xp.ascontiguousarray(B[None])
+    energy, gA, gc, m, inv_s, abar = _dense_stats(Ah, Bb, ch, r0, aggregator)
+    gB = _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0, aggregator)
     # gA = 1/2 sum_j W B_j, gc = 1/2 sum_j W, gB = 1/2 sum_i W A_i = kappa sum_i W Ah_i
-    return kappa * energy[0], 0.5 * gA[:, :-1], 0.5 * gA[:, -1], kappa * gB
+    return kappa * energy, 0.5 * gA, 0.5 * gc, kappa * gB
 
 
 def _pairwise_dense(A, B, c, kappa: float, aggregator: str):
@@ -529,6 +566,48 @@ def pairwise_dense_rows(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
         return xp.zeros(NR), xp.zeros((NR, D), A_r.dtype), xp.zeros(NR, A_r.dtype), xp.zeros((N, D))
     erow, gA, gc, gB = _dense_streaming(A_r, c_r, B, r0, kappa, aggregator)
     return erow.astype(np.float64), gA, gc, gB.astype(np.float64)
+
+
+def pairwise_dense_receivers(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
+    """Pass 1 of the two-pass dense split on the device (the contract of
+    :func:`vfesim_kernels.pairwise_cpu.pairwise_dense_receivers`): receivers r0 .. r0 + n_r - 1 (A_r,
+    c_r) against every sender B (N, D), the ``stats`` and ``merge`` kernels only. Returns (row energies
+    (n_r,) float64, gA_r (n_r, D), gc_r (n_r,), m, inv_s, abar (n_r,) in the dtype). The statistics are
+    those of logits -KL / kappa (the kernels' scaling): only :func:`pairwise_dense_senders` reads them."""
+    N, D = B.shape
+    NR = A_r.shape[0]
+    if not (0 <= r0 and r0 + NR <= N):
+        raise ValueError(f"receivers r0={r0} .. {r0 + NR - 1} are not agents of the {N} senders")
+    xp = array_module()
+    dt = A_r.dtype
+    if N < 2 or NR == 0:
+        zeros = (xp.zeros(NR, dt) for _ in range(3))
+        return xp.zeros(NR), xp.zeros((NR, D), dt), xp.zeros(NR, dt), *zeros
+    Ah, ch = _scaled(A_r, c_r, kappa)
+    energy, gA, gc, m, inv_s, abar = _dense_stats(Ah, xp.ascontiguousarray(B[None]), ch, r0, aggregator)
+    erow = kappa * energy.astype(np.float64)
+    return erow, 0.5 * gA, 0.5 * gc, m[0], inv_s[0], abar[0]
+
+
+def pairwise_dense_senders(A, c, m, inv_s, abar, B_s, s0: int, kappa: float, aggregator: str):
+    """Pass 2 of the two-pass dense split on the device (the contract of
+    :func:`vfesim_kernels.pairwise_cpu.pairwise_dense_senders`): gB (n_s, D) float64 of senders s0 ..
+    s0 + n_s - 1 (B_s) from every receiver's A (N, D), c (N,) and the statistics of
+    :func:`pairwise_dense_receivers`, in the ``grads`` kernel with receiver offset -s0 (receiver i meets
+    itself as local sender i - s0)."""
+    N, D = A.shape
+    NS = B_s.shape[0]
+    if not (0 <= s0 and s0 + NS <= N):
+        raise ValueError(f"senders s0={s0} .. {s0 + NS - 1} are not agents of the {N} receivers")
+    if not (m.shape == inv_s.shape == abar.shape == (N,)):
+        raise ValueError(f"row statistics m, inv_s, abar must have shape ({N},) (one per receiver)")
+    xp = array_module()
+    if N < 2 or NS == 0:
+        return xp.zeros((NS, D))
+    Ah, ch = _scaled(A, c, kappa)
+    stats = (xp.ascontiguousarray(xp.asarray(a, A.dtype)[None]) for a in (m, inv_s, abar))
+    gB = _dense_grads(Ah, xp.ascontiguousarray(B_s[None]), ch, *stats, -s0, aggregator)
+    return kappa * gB.astype(np.float64)
 
 
 def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:

@@ -9,22 +9,33 @@ rows, so an evaluation splits into tasks over agent chunks ``[r0, r1)``:
    function that records each term's (A, B, c, kappa, aggregator) and returns zero energy and zero
    cotangents (the per-agent work of the chunk, O(n K^3), nothing pairwise);
 2. *pairs* (one task per receiver chunk): the chunk's receivers against every sender (dense) or against
-   the sender chunks its neighbour lists name (sparse), with the online log-sum-exp of
-   :func:`vfesim_kernels.pairwise_cpu.pairwise_dense_rows` / ``pairwise_sparse_rows`` (serial Numba
-   kernels, ``nogil``): row energies, the receivers' gA, gc and their share of the senders' gB;
-3. *gB reduction*: dense shares (N, D) float64 are summed in a binary tree over receiver chunks in
-   ascending order (fixed by the chunking, so deterministic); sparse shares are split by sender chunk and
-   each sender chunk sums the shares of the receiver chunks that name it, in ascending order;
+   the sender chunks its neighbour lists name (sparse), serial Numba kernels (``nogil``) of
+   :mod:`vfesim_kernels.pairwise_cpu`, or with inner "cuda" their device twins in ``cuda_backend``.
+   Dense with inner "numba": :func:`~vfesim_kernels.pairwise_cpu.pairwise_dense_rows`, the fused serial
+   kernel: row energies, gA, gc and these receivers' float64 share (N, D) of every sender's gB. Dense
+   with inner "cuda": ``cuda_backend.pairwise_dense_receivers``: row energies, the receivers' gA, gc and
+   row statistics (m, inv_s, abar: 3 numbers per receiver), no gB. Sparse,
+   ``pairwise_sparse_rows``: row energies, gA, gc and float64 shares of the named senders' gB;
+3. *gB*: dense with inner "numba", the shares summed in a binary tree over receiver chunks in ascending
+   order; dense with inner "cuda", one task per sender chunk (``cuda_backend.pairwise_dense_senders``)
+   recomputes its senders' weights against every receiver from every chunk's A, c and the gathered
+   statistics (one gather task) and sums gB_j = sum_i W_ij A_i / 2 in a fixed order, as float64 (pass 2 of
+   two: no (N, D) share per task and no reduction tree, the same pair work on the GPU; on the CPU's tiled
+   path, D < 32, it would evaluate each weight once more than the fused kernel, so inner "numba" keeps
+   the one pass); sparse, the shares are split by
+   sender chunk and each sender chunk sums the shares of the receiver chunks that name it, in ascending
+   order. Both fixed by the chunking: deterministic;
 4. *assembly* (one task per chunk): the family's assembly again on the chunk's arrays, with a pairwise
    function that returns the chunk's precomputed (E, gA, gB, gc): the chain rule back to the state
    variables and the per-agent terms. Terms are summed over chunks in float64 in chunk order.
 
 The per-agent stages therefore run twice (steps 1 and 4): O(N K^3) beside the O(N^2 D) pairs of a dense
 term, a few per cent at N = 16 384, K = 3 (``benchmarks/bench_dask.py``). No task holds an N x N array;
-a dense pair task holds its chunk, every sender's B and one (N, D) float64 share: peak memory per task
-O(n D + N D). Per-agent stages run, with inner "numba", in the serial builds of the family's fused Numba
-per-agent kernels (``numba_backend.SERIAL_OPS``: Numba's parallel builds must not be launched from the
-scheduler's threads), else as the family's array-generic stages (NumPy, or CuPy with inner "cuda").
+a dense receiver task holds its chunk and every sender's B, a dense sender task its chunk's B and every
+receiver's A, c and statistics: peak memory per task O(n D + N D), with no (N, D) share. Per-agent
+stages run, with inner "numba", in the serial builds of the family's fused Numba per-agent kernels
+(``numba_backend.SERIAL_OPS``: Numba's parallel builds must not be launched from the scheduler's
+threads), else as the family's array-generic stages (NumPy, or CuPy with inner "cuda").
 
 Chunks: as the state Dataset is chunked along ``agent`` (``state.chunk(agent=n)``; the gradient Dataset
 comes back chunked the same way, persisted), or ``chunks=`` (agents per chunk, or a tuple of chunk sizes)
@@ -49,7 +60,12 @@ import dask
 import dask.array as da
 import numpy as np
 import xarray as xr
-from vfesim_kernels.pairwise_cpu import pairwise_dense_rows, pairwise_sparse_rows
+from vfesim_kernels.pairwise_cpu import (
+    pairwise_dense_receivers,
+    pairwise_dense_rows,
+    pairwise_dense_senders,
+    pairwise_sparse_rows,
+)
 
 from ..family import family_of
 from ..state import NonFiniteError, StateError, validate_state
@@ -286,7 +302,7 @@ def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows
     ]
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            dev = _rows_kernels(inner)[2]
+            dev = _rows_kernels(inner)[3]
             results = [(E, dev(gA), dev(gB), dev(gc)) for E, gA, gB, gc in results]
             backend = _chunk_backend(_Replay(results), cfg, population, inner)
             terms, grads = family_of(cfg).energy_and_gradient(backend.to_device(arrays), cfg, backend)
@@ -296,25 +312,32 @@ def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows
     return terms, {k: _host(v) for k, v in grads.items()}, feats[1]
 
 
-# ---- pair tasks and the gB reduction --------------------------------------------------------------------
+# ---- pair tasks and the gB passes -----------------------------------------------------------------------
 def _rows_kernels(inner: str):
-    """(dense_rows, sparse_rows, to the kernels' device, back to host) of ``inner``."""
+    """(dense receivers, dense senders, sparse rows, to the kernels' device, back to host) of ``inner``."""
     if inner == "cuda":
         from . import cuda_backend as cb
 
         xp = cb.array_module()
-        return cb.pairwise_dense_rows, cb.pairwise_sparse_rows, xp.asarray, _host
-    return pairwise_dense_rows, pairwise_sparse_rows, np.asarray, np.asarray
+        return (
+            cb.pairwise_dense_receivers,
+            cb.pairwise_dense_senders,
+            cb.pairwise_sparse_rows,
+            xp.asarray,
+            _host,
+        )
+    k = (pairwise_dense_receivers, pairwise_dense_senders, pairwise_sparse_rows)
+    return (*k, np.asarray, np.asarray)
 
 
-def _dense_pairs_task(feats, senders, r0: int, inner: str = "numba"):
-    """Step 2, dense: per term (E, gA, gc, gB share (N, D) float64) of the chunk's receivers (host
-    arrays; inner "cuda": computed on the worker's GPU)."""
-    rows, _, dev, host = _rows_kernels(inner)
+def _dense_receivers_task(feats, senders, r0: int, inner: str = "numba"):
+    """Step 2 (pass 1), dense: per term (E, gA, gc, (m, inv_s, abar)) of the chunk's receivers against
+    every sender (host arrays; inner "cuda": computed on the worker's GPU)."""
+    recv, _, _, dev, host = _rows_kernels(inner)
     out = []
     for (A, _, c, kappa, agg), B in zip(feats[0], senders, strict=True):
-        erow, gA, gc, share = (host(x) for x in rows(dev(A), dev(c), dev(B), r0, kappa, agg))
-        out.append((float(erow.sum()), gA, gc, share))
+        erow, gA, gc, *stats = (host(x) for x in recv(dev(A), dev(c), dev(B), r0, kappa, agg))
+        out.append((float(erow.sum()), gA, gc, tuple(stats)))
     return out
 
 
@@ -323,8 +346,18 @@ def _all_senders(*feats):
     return [np.concatenate([f[0][t][1] for f in feats]) for t in range(len(feats[0][0]))]
 
 
+def _dense_pairs_task(feats, senders, r0: int):
+    """Step 2, dense, one pass (inner "numba"): per term (E, gA, gc, gB share (N, D) float64) of the
+    chunk's receivers against every sender, from the fused serial kernel."""
+    out = []
+    for (A, _, c, kappa, agg), B in zip(feats[0], senders, strict=True):
+        erow, gA, gc, share = pairwise_dense_rows(A, c, B, r0, kappa, agg)
+        out.append((float(erow.sum()), gA, gc, share))
+    return out
+
+
 def _shares(x):
-    """Per term, the gB share of a pair result, or a partial sum itself."""
+    """Per term, the gB share of a one-pass pair result, or a partial sum itself."""
     return [t[3] for t in x] if x and isinstance(x[0], tuple) else x
 
 
@@ -345,6 +378,30 @@ def _dense_gB_rows(total, r0: int, r1: int):
     return [s[r0:r1] for s in _shares(total)]
 
 
+def _all_receivers(n_chunks: int, *parts):
+    """Per term, every receiver's (A, c, m, inv_s, abar) in chunk order: ``parts`` is every chunk's
+    features, then every chunk's pass-1 results."""
+    feats, pairs = parts[:n_chunks], parts[n_chunks:]
+    out = []
+    for t in range(len(feats[0][0])):
+        A = np.concatenate([f[0][t][0] for f in feats])
+        c = np.concatenate([f[0][t][2] for f in feats])
+        stats = [np.concatenate([p[t][3][k] for p in pairs]) for k in range(3)]
+        out.append((A, c, *stats))
+    return out
+
+
+def _dense_senders_task(feats, receivers, s0: int, inner: str = "numba"):
+    """Step 3 (pass 2), dense: per term the float64 gB of the chunk's agents as senders (agents s0 ..),
+    from every receiver's features and row statistics (host arrays)."""
+    _, send, _, dev, host = _rows_kernels(inner)
+    out = []
+    for (_, B, _, kappa, agg), (A, c, m, inv_s, abar) in zip(feats[0], receivers, strict=True):
+        args = (dev(A), dev(c), dev(m), dev(inv_s), dev(abar), dev(B))
+        out.append(host(send(*args, s0, kappa, agg)))
+    return out
+
+
 def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "numba"):
     """Step 2, sparse: per term (E, gA, gc, {sender chunk position: gB share (n_s, D) float64}).
 
@@ -352,7 +409,7 @@ def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "
     senders' rows in those chunks' features concatenated (:func:`_sparse_plan`), mask (n_r, k)."""
     sizes = [len(f[0][0][1]) if f[0] else 0 for f in sender_feats]
     offs = np.cumsum([0, *sizes])
-    _, rows, dev, host = _rows_kernels(inner)
+    _, _, rows, dev, host = _rows_kernels(inner)
     out = []
     for t, (A, _, c, kappa, agg) in enumerate(feats[0]):
         B = np.concatenate([f[0][t][1] for f in sender_feats]) if sender_feats else A[:0]
@@ -453,14 +510,22 @@ def _graph(
         delayed(_features_task)(a, cfg_d, population, r0, validate, pl.inner)
         for a, (r0, _) in zip(chunk_arrays, spans, strict=True)
     ]
-    if cfg.dense:
+    if cfg.dense and pl.inner == "numba":  # one pass: the fused CPU kernel, float64 shares in a tree
         senders = delayed(_all_senders)(*feats)
-        pairs = [
-            delayed(_dense_pairs_task)(f, senders, r0, pl.inner)
-            for f, (r0, _) in zip(feats, spans, strict=True)
-        ]
+        pairs = [delayed(_dense_pairs_task)(f, senders, r0) for f, (r0, _) in zip(feats, spans, strict=True)]
         total = _tree(list(pairs), _add_shares)
         gB_rows = [delayed(_dense_gB_rows)(total, r0, r1) for r0, r1 in spans]
+    elif cfg.dense:  # two passes (inner "cuda"): receivers, then senders from the gathered statistics
+        senders = delayed(_all_senders)(*feats)
+        pairs = [
+            delayed(_dense_receivers_task)(f, senders, r0, pl.inner)
+            for f, (r0, _) in zip(feats, spans, strict=True)
+        ]
+        receivers = delayed(_all_receivers)(len(feats), *feats, *pairs)
+        gB_rows = [
+            delayed(_dense_senders_task)(f, receivers, s0, pl.inner)
+            for f, (s0, _) in zip(feats, spans, strict=True)
+        ]
     else:
         sparse = pl.sparse
         pairs = [
