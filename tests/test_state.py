@@ -337,3 +337,26 @@ def test_random_population_seed_and_threads_are_checked(monkeypatch):
     for bad in (0, -2, 1.0):
         with pytest.raises(StateError, match="threads"):
             random_state(cfg, 20, seed=1, threads=bad)
+
+
+def test_large_population_checked_in_blocks_names_the_global_agent(monkeypatch):
+    """Populations of several blocks are checked block by block in the drawing threads; a failure names
+    the agent by its index in the whole population."""
+    import vfesim.gaussian.state as gs
+    import vfesim.state as vs
+
+    monkeypatch.setattr(vs, "BLOCK", 8)
+    real = gs._random_spd
+
+    def spd(rng, n, K, eig_range):  # the last block (agents 16..19) draws one indefinite covariance
+        S = real(rng, n, K, eig_range)
+        if n == 4:
+            S[1] = -S[1]
+        return S
+
+    monkeypatch.setattr(gs, "_random_spd", spd)
+    with pytest.raises(StateError, match=r"sigma_[qp]\[agent=17\]"):
+        random_state(ModelConfig(K=3), 20, seed=0, threads=2)
+    monkeypatch.setattr(gs, "_random_spd", real)
+    ok = random_state(ModelConfig(K=3), 20, seed=0, threads=2)
+    validate_state(ok, ModelConfig(K=3))  # what was checked in blocks passes the whole check

@@ -13,9 +13,11 @@ from collections.abc import Mapping
 import numpy as np
 import xarray as xr
 
+from .. import state as _core
 from ..arrays import array_module, max_abs
 from ..config import ModelConfig
 from ..state import (
+    COND_WARN,
     ConditioningWarning,
     StateError,
     block_rng,
@@ -151,6 +153,18 @@ def random_state(
     if cfg.obs_dim:
         shapes["obs"] = (cfg.obs_dim,)
     out = {k: np.empty((n_agents, *s), dtype) for k, s in shapes.items()}
+    # Several blocks are checked in their threads when no check can warn (a warning would name an agent
+    # of its block): condition numbers <= hi/lo well below COND_WARN, |phi| <= phi_radius < pi.
+    ratio = max(hi / lo for lo, hi in (eig_range, prior_eig_range or eig_range))
+    in_threads = n_agents > _core.BLOCK and ratio <= COND_WARN[np.dtype(dtype).name] / 4
+    block_cfg = cfg.replace(neighbours="dense") if in_threads else None
+
+    def check(r0: int, r1: int) -> None:
+        try:
+            validate_state({k: v[r0:r1] for k, v in out.items()}, block_cfg)
+        except StateError as e:
+            message = str(e).split(": ", 1)[-1]
+            raise StateError(e.variable, message, agent=None if e.agent is None else e.agent + r0) from None
 
     def draw(b: int, r0: int, r1: int) -> None:
         """Agents [r0, r1) (block b) from the block's own stream, into ``out``."""
@@ -164,11 +178,12 @@ def random_state(
         out["phi"][r0:r1] = direction * (phi_radius * rng.uniform(size=(n, 1)) ** (1 / 3))
         if cfg.obs_dim:
             out["obs"][r0:r1] = obs_scale * rng.standard_normal((n, cfg.obs_dim))
+        if in_threads:
+            check(r0, r1)
 
     in_blocks(n_agents, draw, threads)
-    return make_state(
-        cfg, out["mu_q"], out["sigma_q"], out["mu_p"], out["sigma_p"], out["phi"], out.get("obs")
-    )
+    arrays = (out["mu_q"], out["sigma_q"], out["mu_p"], out["sigma_p"], out["phi"], out.get("obs"))
+    return make_state(cfg, *arrays, validate=not in_threads)
 
 
 def validate_state(
