@@ -293,6 +293,16 @@ def _row_weights(Ah, Bt, ch, i, gi, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, 
         w[gi - j0] = kappa - kappa
 
 
+@_inline
+def _add_group(accB, W, Ah, i, last, d, nj):
+    """accB[d, :nj] += sum_r W[r, :nj] Ah[i + r, d] over a group of ROW_GROUP = 4 receivers from row i
+    (rows past ``last`` are padding: their W rows are 0, so any valid row of Ah stands in)."""
+    a0, a1 = Ah[i, d], Ah[min(i + 1, last), d]
+    a2, a3 = Ah[min(i + 2, last), d], Ah[min(i + 3, last), d]
+    for jj in range(nj):
+        accB[d, jj] += W[0, jj] * a0 + W[1, jj] * a1 + W[2, jj] * a2 + W[3, jj] * a3
+
+
 @_kernel
 def _dense_chunks(Ah, B, Bt, ch, r0, kappa, agg, P, m, inv_s, abar, erow, gA, gc, sends, gBp):
     """Sweeps 1-2 over P chunks of receiver blocks (parallel over chunks).
@@ -418,10 +428,7 @@ def _dense_chunks(Ah, B, Bt, ch, r0, kappa, agg, P, m, inv_s, abar, erow, gA, gc
                         if g0 + 3 < ni:
                             accA[g0 + 3, d] += b3
                         if sends:
-                            a0, a1 = Ah[i, d], Ah[min(i + 1, last), d]
-                            a2, a3 = Ah[min(i + 2, last), d], Ah[min(i + 3, last), d]
-                            for jj in range(nj):
-                                accB[d, jj] += W[0, jj] * a0 + W[1, jj] * a1 + W[2, jj] * a2 + W[3, jj] * a3
+                            _add_group(accB, W, Ah, i, last, d, nj)
                 if sends:
                     for d in range(D):
                         part = gBp[c, d, j0 : j0 + nj]
@@ -473,10 +480,7 @@ def _tiled_senders(Ah, Bt, ch, r0, kappa, agg, m, inv_s, abar, gB):
                 i = i0 + g0
                 last = min(i0 + ni - 1, i + RB - 1)  # padding rows of W are 0: any valid Ah row does
                 for d in range(D):
-                    a0, a1 = Ah[i, d], Ah[min(i + 1, last), d]
-                    a2, a3 = Ah[min(i + 2, last), d], Ah[min(i + 3, last), d]
-                    for jj in range(nj):
-                        accB[d, jj] += W[0, jj] * a0 + W[1, jj] * a1 + W[2, jj] * a2 + W[3, jj] * a3
+                    _add_group(accB, W, Ah, i, last, d, nj)
             for d in range(D):
                 for jj in range(nj):
                     acc[d, jj] += accB[d, jj]
@@ -685,6 +689,12 @@ def _dense_blas(Ah, B, ch, r0, kappa, agg, dt, serial):
     return erow, gA, gB, gc
 
 
+def range_error(side: str, start: int, n: int, N: int) -> str:
+    """The message for a receiver or sender range that is not one of the N agents."""
+    first, other = ("r0", "senders") if side == "receivers" else ("s0", "receivers")
+    return f"{side} {first}={start} .. {start + n - 1} are not agents of the {N} {other}"
+
+
 def pairwise_dense(A, B, c, kappa: float, aggregator: str):
     """All pairs j != i. A, B (N, D), c (N,) -> (E, gA (N, D), gB (N, D), gc (N,)); see module doc."""
     agg = _pm.aggregator_code(aggregator)
@@ -733,7 +743,7 @@ def pairwise_dense_rows(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
     NR, D = Ah.shape
     N = B.shape[0]
     if not (0 <= r0 and r0 + NR <= N):
-        raise ValueError(f"receivers r0={r0} .. {r0 + NR - 1} are not agents of the {N} senders")
+        raise ValueError(range_error("receivers", r0, NR, N))
     if N < 2 or NR == 0:
         return np.zeros(NR), np.zeros((NR, D), dt), np.zeros(NR, dt), np.zeros((N, D))
     if D >= DOT_MIN_D:
@@ -762,7 +772,7 @@ def pairwise_dense_receivers(A_r, c_r, B, r0: int, kappa: float, aggregator: str
     NR, D = Ah.shape
     N = B.shape[0]
     if not (0 <= r0 and r0 + NR <= N):
-        raise ValueError(f"receivers r0={r0} .. {r0 + NR - 1} are not agents of the {N} senders")
+        raise ValueError(range_error("receivers", r0, NR, N))
     m, inv_s, abar = np.zeros(NR, dt), np.zeros(NR, dt), np.zeros(NR, dt)
     if N < 2 or NR == 0:
         return np.zeros(NR), np.zeros((NR, D), dt), np.zeros(NR, dt), m, inv_s, abar
@@ -791,7 +801,7 @@ def pairwise_dense_senders(A, c, m, inv_s, abar, B_s, s0: int, kappa: float, agg
     N, D = Ah.shape
     NS = B_s.shape[0]
     if not (0 <= s0 and s0 + NS <= N):
-        raise ValueError(f"senders s0={s0} .. {s0 + NS - 1} are not agents of the {N} receivers")
+        raise ValueError(range_error("senders", s0, NS, N))
     if not (m.shape == inv_s.shape == abar.shape == (N,)):
         raise ValueError(f"row statistics m, inv_s, abar must have shape ({N},) (one per receiver)")
     m, inv_s, abar = (np.ascontiguousarray(a, dt) for a in (m, inv_s, abar))

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from vfesim_kernels import cuda as kc
 from vfesim_kernels import kernel_cache_dir
+from vfesim_kernels.pairwise_cpu import range_error
 
 from ..config import ModelConfig
 from ..gaussian.energy import NUMPY_AGENT_OPS, StagedStages
@@ -560,7 +561,7 @@ def pairwise_dense_rows(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
     N, D = B.shape
     NR = A_r.shape[0]
     if not (0 <= r0 and r0 + NR <= N):
-        raise ValueError(f"receivers r0={r0} .. {r0 + NR - 1} are not agents of the {N} senders")
+        raise ValueError(range_error("receivers", r0, NR, N))
     xp = array_module()
     if N < 2 or NR == 0:
         return xp.zeros(NR), xp.zeros((NR, D), A_r.dtype), xp.zeros(NR, A_r.dtype), xp.zeros((N, D))
@@ -577,7 +578,7 @@ def pairwise_dense_receivers(A_r, c_r, B, r0: int, kappa: float, aggregator: str
     N, D = B.shape
     NR = A_r.shape[0]
     if not (0 <= r0 and r0 + NR <= N):
-        raise ValueError(f"receivers r0={r0} .. {r0 + NR - 1} are not agents of the {N} senders")
+        raise ValueError(range_error("receivers", r0, NR, N))
     xp = array_module()
     dt = A_r.dtype
     if N < 2 or NR == 0:
@@ -598,7 +599,7 @@ def pairwise_dense_senders(A, c, m, inv_s, abar, B_s, s0: int, kappa: float, agg
     N, D = A.shape
     NS = B_s.shape[0]
     if not (0 <= s0 and s0 + NS <= N):
-        raise ValueError(f"senders s0={s0} .. {s0 + NS - 1} are not agents of the {N} receivers")
+        raise ValueError(range_error("senders", s0, NS, N))
     if not (m.shape == inv_s.shape == abar.shape == (N,)):
         raise ValueError(f"row statistics m, inv_s, abar must have shape ({N},) (one per receiver)")
     xp = array_module()
