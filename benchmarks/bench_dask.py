@@ -161,6 +161,21 @@ def stream_split(stream: list[dict], n_workers: int, wall: float) -> tuple[float
     return compute, transfer, max(0.0, wall - compute - transfer)
 
 
+def task_split(stream: list[dict], n_workers: int, top: int = 8) -> str:
+    """Where the compute went, by task function: 'name seconds' for the ``top`` largest (summed over
+    workers and divided by their number), largest first."""
+    from dask.utils import key_split
+
+    acc: dict[str, float] = {}
+    for task in stream:
+        name = key_split(task["key"])
+        for ss in task.get("startstops", ()):
+            if ss["action"] == "compute":
+                acc[name] = acc.get(name, 0.0) + (ss["stop"] - ss["start"]) / n_workers
+    items = sorted(acc.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{name} {sec:.2f}" for name, sec in items)
+
+
 def timed_eg(client, state, cfg, reps: int) -> tuple[float, tuple[float, float, float]]:
     """Median wall time of energy + gradient of a state persisted on the workers (inner="cuda"), and the
     task-stream split of the median call."""
@@ -176,9 +191,11 @@ def timed_eg(client, state, cfg, reps: int) -> tuple[float, tuple[float, float, 
                 t0 = time.perf_counter()
                 eg(state, cfg, backend="dask", inner="cuda", validate=False)
                 wall = time.perf_counter() - t0
-            runs.append((wall, stream_split(ts.data, n_workers, wall)))
+            runs.append((wall, stream_split(ts.data, n_workers, wall), task_split(ts.data, n_workers)))
     runs.sort(key=lambda r: r[0])
-    return runs[len(runs) // 2]
+    wall, split, tasks = runs[len(runs) // 2]
+    print(f"  N = {state.sizes['agent']}, {n_workers} workers, {wall:.3f} s; compute by task: {tasks}")
+    return wall, split
 
 
 def gpu_main(args) -> None:
@@ -251,9 +268,11 @@ def big_run(client, g: int, args) -> tuple[float, float, float, float]:
                     scenario, out=Path(tmp) / "big.zarr", progress=None if args.profile else False
                 )
             wall = time.perf_counter() - t0
+    n_workers = len(client.scheduler_info()["workers"])
+    print(f"big run, N = {args.big_n}: compute by task (s per worker): {task_split(ts.data, n_workers, 12)}")
     if args.profile:
         prof.dump_stats(Path(args.out) / "big_run.prof")
-    return (wall, *stream_split(ts.data, len(client.scheduler_info()["workers"]), wall))
+    return (wall, *stream_split(ts.data, n_workers, wall))
 
 
 def gpu_name() -> str:

@@ -52,6 +52,7 @@ __all__ = [
     "pairwise_dense_senders",
     "pairwise_sparse_rows",
     "pairwise_points",
+    "incoming_csr",
     "SENDER_TILE",
     "RECEIVER_TILE",
 ]
@@ -846,7 +847,7 @@ def _sparse_receivers(Ah, B, ch, index, mask, kappa, one, ninf, agg, erow, W, gA
 
 
 @_serial
-def _csc(index, mask, n_senders):
+def incoming_csr(index, mask, n_senders):
     """Reverse index by a stable counting sort: entries of sender j < n_senders are flat[ptr[j]:ptr[j+1]]
     (flat positions i * k + q of the (N, k) lists), in ascending receiver order."""
     N, k = index.shape
@@ -904,7 +905,7 @@ def _sparse(A, B, c, index, mask, kappa: float, aggregator: str, serial: bool):
             else (_sparse_receivers, _sparse_senders)
         )
         recv(Ah, B, ch, index, mask, kappa, dt.type(1), dt.type(-np.inf), agg, erow, W, gA, gc)
-        ptr, flat = _csc(index, mask, B.shape[0])
+        ptr, flat = incoming_csr(index, mask, B.shape[0])
         send(Ah, W.reshape(-1), k, ptr, flat, gB)
     gA *= dt.type(0.5)
     gc *= dt.type(0.5)

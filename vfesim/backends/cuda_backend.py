@@ -30,13 +30,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 from vfesim_kernels import cuda as kc
 from vfesim_kernels import kernel_cache_dir
-from vfesim_kernels.pairwise_cpu import range_error
+from vfesim_kernels.pairwise_cpu import incoming_csr, range_error
 
 from ..config import ModelConfig
 from ..gaussian.energy import NUMPY_AGENT_OPS, StagedStages
@@ -208,32 +207,26 @@ class _Workspace:
 
 
 class _Neighbours:
-    """A sparse neighbour list on the device, with its transpose (incoming edges per sender)."""
+    """Sparse neighbour lists (n_r, k) into ``n_senders`` sender rows on the device, with their transpose
+    (incoming edges per sender, :func:`_incoming`). Built once per list object (see :data:`_neighbours`)."""
 
-    def __init__(self, nb):
+    def __init__(self, index, mask, n_senders: int):
         xp = array_module()
-        # Writable copies: the config holds read-only arrays.
-        index = np.array(nb.index, dtype=np.int64, order="C")
-        mask = np.array(nb.mask, dtype=bool, order="C")
-        N, k = index.shape
-        valid = mask.ravel()
-        senders = index.ravel()[valid]
-        rows = np.repeat(np.arange(N, dtype=np.int64), k)[valid]
-        slots = np.tile(np.arange(k, dtype=np.int64), N)[valid]
-        # Stable sort: each sender's incoming edges stay ordered by (receiver, slot), a fixed sum order.
-        order = np.argsort(senders, kind="stable")
-        ptr = np.zeros(N + 1, np.int64)
-        ptr[1:] = np.cumsum(np.bincount(senders, minlength=N))
-        # One padding entry keeps the edge arrays non-empty when no edge is listed.
-        pad = lambda a: np.concatenate([a, np.zeros(1, np.int64)])
-        host = {"index": index, "mask": mask, "ptr": ptr, "row": pad(rows[order]), "slot": pad(slots[order])}
+        # Writable copies: the config holds read-only arrays (the simulator writes kernel arguments back).
+        index = np.array(index, dtype=np.int64, order="C")
+        mask = np.array(mask, dtype=bool, order="C")
+        host = {"index": index, "mask": mask, **_incoming(index, mask, n_senders)}
         self.buf = {k: xp.asarray(v) for k, v in host.items()}
         self.dev = {k: kc.as_device_view(v) for k, v in self.buf.items()}
-        self.width = k
+        self.width = index.shape[1]
 
 
 _workspaces: OrderedDict = OrderedDict()
+# Device lists keyed by the identity of the host list objects (each entry keeps them, so their ids cannot
+# be reused meanwhile): a config's lists, or a dask run's per-chunk lists, which the workers keep for the
+# run, so each chunk's lists and transpose reach its GPU once per run, not once per evaluation.
 _neighbours: OrderedDict = OrderedDict()
+MAX_LISTS = 8
 
 
 def clear_cache() -> None:
@@ -256,7 +249,8 @@ def _lru(cache: OrderedDict, key, make, limit: int = MAX_WORKSPACES):
 
 def _neighbour_lists(nb) -> _Neighbours:
     # Keyed by identity; the config object is kept in the entry so its id cannot be reused meanwhile.
-    return _lru(_neighbours, id(nb), lambda: (nb, _Neighbours(nb)))[1]
+    n = nb.index.shape[0]
+    return _lru(_neighbours, id(nb), lambda: (nb, _Neighbours(nb.index, nb.mask, n)), MAX_LISTS)[1]
 
 
 def _check_arrays(arrays: dict, cfg: ModelConfig, xp) -> np.dtype:
@@ -454,8 +448,8 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     host = lambda a: a if isinstance(a, np.ndarray) else a.get()
     # Keyed by identity like _neighbour_lists (the assembly passes the config's arrays every call); the
     # entry keeps the arrays, so their ids cannot be reused meanwhile.
-    make = lambda: ((index, mask), _Neighbours(SimpleNamespace(index=host(index), mask=host(mask))))
-    nbr = _lru(_neighbours, (id(index), id(mask)), make)[1].dev
+    make = lambda: ((index, mask), _Neighbours(host(index), host(mask), N))
+    nbr = _lru(_neighbours, (id(index), id(mask)), make, MAX_LISTS)[1].dev
     k = kc.make_sparse_kernels(D, dt.name, aggregator)
     Ah, Bb, ch = (kc.as_device_view(xp.ascontiguousarray(a[None])) for a in (A * scale, B, c * scale))
     W = xp.zeros((1, N, index.shape[1]), dt)
@@ -722,17 +716,13 @@ BACKEND = Backend(
 def _incoming(index: np.ndarray, mask: np.ndarray, n_senders: int) -> dict:
     """The transpose of neighbour lists (n_r, k) into ``n_senders`` rows: per sender its incoming edges
     (receiver row, slot), ordered by receiver then slot (a fixed summation order), as CSR (ptr, row,
-    slot) host arrays; one padding entry keeps the edge arrays non-empty."""
-    n_r, k = index.shape
-    valid = mask.ravel()
-    senders = index.ravel()[valid]
-    rows = np.repeat(np.arange(n_r, dtype=np.int64), k)[valid]
-    slots = np.tile(np.arange(k, dtype=np.int64), n_r)[valid]
-    order = np.argsort(senders, kind="stable")
-    ptr = np.zeros(n_senders + 1, np.int64)
-    ptr[1:] = np.cumsum(np.bincount(senders, minlength=n_senders))
+    slot) host arrays (the CPU kernels' stable counting sort); one padding entry keeps the edge arrays
+    non-empty."""
+    index = np.ascontiguousarray(index, np.int64)
+    k = max(index.shape[1], 1)
+    ptr, flat = incoming_csr(index, np.ascontiguousarray(mask, np.bool_), n_senders)
     pad = lambda a: np.concatenate([a, np.zeros(1, np.int64)])
-    return {"ptr": ptr, "row": pad(rows[order]), "slot": pad(slots[order])}
+    return {"ptr": ptr, "row": pad(flat // k), "slot": pad(flat % k)}
 
 
 def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: str):
@@ -749,33 +739,37 @@ def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: s
     NR, D = A_r.shape
     NS = B_s.shape[0]
     dt = A_r.dtype
-    host = lambda a: a if isinstance(a, np.ndarray) else a.get()
-    index_h = np.array(host(index), dtype=np.int64, order="C")
-    mask_h = np.array(host(mask), dtype=bool, order="C")
-    if index_h.shape != (NR, index_h.shape[1]) or mask_h.shape != index_h.shape:
-        raise ValueError(f"index/mask: expected ({NR}, k) lists, got {index_h.shape} and {mask_h.shape}")
-    if mask_h.any() and not (0 <= index_h[mask_h].min() and index_h[mask_h].max() < NS):
-        raise ValueError(f"index: listed senders must be rows 0 .. {NS - 1} of B_s")
+
+    def make():
+        host = lambda a: a if isinstance(a, np.ndarray) else a.get()
+        index_h, mask_h = np.asarray(host(index), np.int64), np.asarray(host(mask), bool)
+        if index_h.ndim != 2 or index_h.shape[0] != NR or mask_h.shape != index_h.shape:
+            raise ValueError(f"index/mask: expected ({NR}, k) lists, got {index_h.shape} and {mask_h.shape}")
+        if mask_h.any() and not (0 <= index_h[mask_h].min() and index_h[mask_h].max() < NS):
+            raise ValueError(f"index: listed senders must be rows 0 .. {NS - 1} of B_s")
+        return (index, mask), _Neighbours(index_h, mask_h, NS)
+
+    # The lists of one receiver chunk are one object for a whole dask run: checked, transposed and moved
+    # to the device on their first use only.
+    nbr = _lru(_neighbours, (id(index), id(mask), NS), make, MAX_LISTS)[1]
     if NR == 0:
         return xp.zeros(0), xp.zeros((0, D), dt), xp.zeros(0, dt), xp.zeros((NS, D))
     k = kc.make_sparse_kernels(D, dt.name, aggregator)
     scale = dt.type(0.5 / kappa)
     Ah, Bb, ch = (kc.as_device_view(xp.ascontiguousarray(a[None])) for a in (A_r * scale, B_s, c_r * scale))
-    csr = {name: xp.asarray(a) for name, a in _incoming(index_h, mask_h, NS).items()}
-    idx, msk = xp.asarray(index_h), xp.asarray(mask_h)
-    W = xp.zeros((1, NR, index_h.shape[1]), dt)
+    W = xp.zeros((1, NR, nbr.width), dt)
     energy = xp.zeros((1, NR), dt)
     gAr = xp.zeros((1, 1, NR, D + 1), dt)
     gBs = xp.zeros((1, 1, NS, D), dt)
     kap = xp.ones(1, dt)
     v = kc.as_device_view
-    dW, dgB = v(W), v(gBs)
+    dW, dgB, lists = v(W), v(gBs), nbr.dev
     k["rows"][(_cdiv(NR, kc.BLOCK), 1), kc.BLOCK](
-        Ah, Bb, ch, v(idx), v(msk), v(kap), 0, dW, v(energy), v(gAr)
+        Ah, Bb, ch, lists["index"], lists["mask"], v(kap), 0, dW, v(energy), v(gAr)
     )
     if NS:
         k["senders"][(_cdiv(NS, kc.BLOCK), 1), kc.BLOCK](
-            Ah, dW, v(csr["ptr"]), v(csr["row"]), v(csr["slot"]), 0, dgB
+            Ah, dW, lists["ptr"], lists["row"], lists["slot"], 0, dgB
         )
     erow = (kappa * energy[0]).astype(np.float64)
     return erow, 0.5 * gAr[0, 0, :, :-1], 0.5 * gAr[0, 0, :, -1], (kappa * gBs[0, 0]).astype(np.float64)

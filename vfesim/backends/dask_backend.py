@@ -51,9 +51,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import os
 import re
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import dask
@@ -209,14 +211,20 @@ def _serial_stages(cfg, inner: str):
     return SERIAL_OPS.get(family_of(cfg).name)
 
 
-def _population_task(arrays: dict, cfg):
-    """One chunk's population sums, on the host with the serial Numba stages whatever the inner kernels: the
-    sums only set a common shift of the features (any value shared by every chunk is exact), so their
-    rounding need not match the stages the chunk's features run."""
-    arrays = _own(arrays)
+def _population_task(arrays: dict, cfg, inner: str = "numba"):
+    """One chunk's population sums: on the host with the serial Numba stages, or (inner "cuda") with
+    the array-generic stages on the worker's GPU. The sums only set a common shift of the features (any
+    value shared by every chunk is exact), so their rounding need not match the stages the chunk's
+    features run."""
+    module = _population_module(cfg)
+    if inner == "cuda":
+        from . import cuda_backend as cb
+
+        sums = module.population_sum(cb.to_device(_own(arrays)), cfg)
+        return {k: _host(v) for k, v in sums.items()}
     serial = _serial_stages(cfg, "numba")
     kw = {} if serial is None else {"ops": serial}
-    return _population_module(cfg).population_sum(arrays, cfg, **kw)
+    return module.population_sum(_own(arrays), cfg, **kw)
 
 
 def _population_mean(n: int, *sums):
@@ -435,19 +443,21 @@ def _sparse_gB_rows(pos_in: list[int], *pairs):
 def _sparse_plan(cfg, bounds: tuple[int, ...]):
     """Per receiver chunk: the sender chunks its lists name (ascending), its lists as rows of those
     chunks' features concatenated in that order (``local``, 0 under the mask), and its mask rows. Fixed
-    by the lists and the chunking: a run computes it once (:meth:`Plan.persist`)."""
+    by the lists and the chunking: a run computes it once (:meth:`Plan.persist`), a thread per chunk."""
     index, mask = np.asarray(cfg.neighbours.index), np.asarray(cfg.neighbours.mask)
     bounds_a = np.asarray(bounds)
-    plan = []
-    for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True):
+
+    def one(r0: int, r1: int):
         idx, msk = index[r0:r1].astype(np.int64), mask[r0:r1]
         chunk = np.searchsorted(bounds_a[:-1], idx, side="right") - 1  # each sender's chunk
-        owners = np.unique(chunk[msk])
+        owners = np.flatnonzero(np.bincount(chunk[msk], minlength=bounds_a.size - 1))  # ascending
         offs = np.zeros(bounds_a.size - 1, np.int64)  # a named chunk's first row in the concatenation
         offs[owners] = np.cumsum(np.concatenate([[0], np.diff(bounds_a)[owners][:-1]]))
         local = np.where(msk, idx - bounds_a[chunk] + offs[chunk], 0)
-        plan.append(([int(s) for s in owners], local, msk))
-    return plan
+        return [int(s) for s in owners], local, msk
+
+    with ThreadPoolExecutor(max(1, min(len(bounds) - 1, os.cpu_count() or 1))) as pool:
+        return list(pool.map(one, bounds[:-1], bounds[1:]))
 
 
 # ---- the graph ------------------------------------------------------------------------------------------
@@ -504,7 +514,7 @@ def _graph(
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
     population = None
     if _population_module(cfg) is not None:
-        sums = [delayed(_population_task)(a, cfg_d) for a in chunk_arrays]
+        sums = [delayed(_population_task)(a, cfg_d, pl.inner) for a in chunk_arrays]
         population = delayed(_population_mean)(bounds[-1], *sums)
     feats = [
         delayed(_features_task)(a, cfg_d, population, r0, validate, pl.inner)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -98,16 +99,66 @@ def _serial(cfg):
     return adapt_ops(SerialUpdates(cfg.K), cfg)
 
 
+_DEVICE: dict = {}
+
+
+def _device_ops(cfg):
+    """The cuda backend's update operations (fused kernels, guard flag) adapted to cfg's family: one
+    per process, thread and K (each scheduler thread raises its own flag)."""
+    key = (family_of(cfg).name, cfg.K, threading.get_ident())
+    if key not in _DEVICE:
+        from ..backends import cuda_backend as cb
+        from .base import adapt_ops
+
+        _DEVICE[key] = adapt_ops(cb.BACKEND.updates(cfg.K), cfg)
+    return _DEVICE[key]
+
+
 # ---- per-chunk tasks ------------------------------------------------------------------------------------
-def _flow_task(rule: FlowRule, cfg, arrays, grads, aux, n: int, r0: int):
-    """Gradient flow, one chunk: (moved state arrays, new aux)."""
+def _flow_task(rule: FlowRule, cfg, arrays, grads, aux, n: int, r0: int, inner: str = "numba"):
+    """Gradient flow, one chunk: (moved state arrays, new aux), host arrays. inner "cuda": the fused
+    update kernel on the worker's GPU (the cuda backend's), the guard only where its flag is raised."""
     _hook(n, r0)
     arrays, grads, aux = _own(arrays), _own(grads), _own(aux)
+    if inner == "cuda":
+        return _flow_device(rule, cfg, arrays, grads, aux, n, r0)
     rule = dataclasses.replace(rule, ops=_serial(cfg))
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         new, aux = flow_update(rule, arrays, grads, aux, n)
     _guard(n, new, cfg, aux, r0)
     return {k: new[k] for k in rule.ops_fields}, aux
+
+
+def _flow_device(rule: FlowRule, cfg, arrays, grads, aux, n: int, r0: int):
+    """:func:`_flow_task` on the device: the cuda backend's Adam and gradient-flow kernels (as its
+    in-process integrator runs them), copied back to the host. The kernels flag non-finite outputs;
+    only then does the chunk get the host guard (which names the agent). A covariance that lost SPD
+    shows as a non-finite energy term, which the step diagnoses (:func:`_guard_task`)."""
+    from .device import host_array
+
+    ops = _device_ops(cfg)
+    put = ops.put
+    dev = {k: put(v) for k, v in arrays.items()}
+    direc = {k: put(grads[k]) for k in rule.ops_fields}
+    ops.reset()
+    if rule.mode == 2:
+        moments = {}
+        for k in rule.moving:
+            m, v = put(aux[f"adam_m_{k}"]), put(aux[f"adam_v_{k}"])
+            m, v, direc[k] = ops.adam(direc[k], m, v, rule.b1, rule.b2, n, rule.eps)
+            moments[f"adam_m_{k}"], moments[f"adam_v_{k}"] = host_array(m), host_array(v)
+        aux = moments
+    out = ops.gradient_flow(dev, direc, put(rule.eta), rule.mode, rule.ops_fields)
+    new = {k: host_array(out[k]) for k in rule.ops_fields}
+    if host_array(ops.flag)[0]:
+        _guard(n, {**arrays, **new}, cfg, aux, r0)
+        raise ChunkDynamicsError(n, "state", "the update produced NaN or Inf", None)
+    return new, aux
+
+
+def _guard_task(n: int, arrays, cfg, aux, r0: int) -> None:
+    """The host guard of one chunk (after a non-finite energy term of an inner "cuda" step)."""
+    _guard(n, _own(arrays), cfg, _own(aux), r0)
 
 
 def _pair_task(c, arrays, aux, grads, kick: float, drift: float, damp_first: bool, n: int, r0: int):
@@ -326,7 +377,7 @@ def _make_flow(cfg, dt, layout: _Layout, friction: float, options) -> Integrator
         sp, gp, ap = _blocks(arrays), _blocks(grads), _blocks(carry.aux)
         task = dask.delayed(_flow_task, pure=False)
         parts = [
-            task(shipped["rule"], layout.plan.cfg, sp[j], gp[j], ap[j] if ap else {}, n, r0)
+            task(shipped["rule"], layout.plan.cfg, sp[j], gp[j], ap[j] if ap else {}, n, r0, layout.inner)
             for j, r0 in enumerate(layout.starts)
         ]
         sp = [_delayed(_merge)(sp[j], parts[j]) for j in range(len(parts))]
@@ -334,6 +385,13 @@ def _make_flow(cfg, dt, layout: _Layout, friction: float, options) -> Integrator
         summary, gp = _chunk_energy(layout, cfg, sp, False)
         sp, ap, gp, summary = _reraise(dask.persist, sp, ap, gp, summary)
         terms = _finish(_reraise(summary.compute))
+        if layout.inner == "cuda" and not all(math.isfinite(v) for v in terms.values()):
+            # the device update checks finiteness only: the host guard names what went wrong
+            guards = [
+                _delayed(_guard_task)(n, sp[j], layout.plan.cfg, ap[j] if ap else {}, r0)
+                for j, r0 in enumerate(layout.starts)
+            ]
+            _reraise(dask.compute, guards)
         guard_terms(n, terms)
         new, aux, grads = (
             _arrays(layout, sp, arrays),
