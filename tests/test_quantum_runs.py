@@ -104,7 +104,7 @@ def test_every_problem_reported_at_once_with_suggestions():
             "dephasing_basis": "energy",
             "mirror_eta": 0.0,
         },
-        "run": {"n_steps": 4, "dtype": "float64", "backend": "cuda"},
+        "run": {"n_steps": 4, "dtype": "float64", "backend": "cupy"},
     }
     with pytest.raises(ScenarioError) as exc:
         Scenario.from_dict(d)
@@ -232,8 +232,8 @@ def test_kill_9_then_resume_is_bitwise(tmp_path, monkeypatch):
 def test_guard_stops_the_run_naming_step_agent_and_variable(spoil, message, tmp_path, monkeypatch):
     real = qruns.step
 
-    def spoiled(P, rho, dt, dyn):
-        out, tape = real(P, rho, dt, dyn)
+    def spoiled(P, rho, dt, dyn, **kw):
+        out, tape = real(P, rho, dt, dyn, **kw)
         if spoiled.calls == 2:
             spoil(out)
         spoiled.calls += 1

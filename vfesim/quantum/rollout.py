@@ -75,7 +75,7 @@ from .channels import (
 )
 from .config import QuantumConfig
 from .energy import NUMPY_OPS, QuantumOps, energy_and_gradient_arrays, floor_eps
-from .evolve import Prepared, QuantumDynamics, normalised, prepare, senders, step
+from .evolve import Prepared, QuantumDynamics, normalised, prepare, senders, step, window
 from .flows import mirror_descent_step, mirror_descent_step_vjp
 from .frames import frames_vjp, spin_generators
 from .linalg import dagger, herm, traceless
@@ -289,7 +289,7 @@ def _step_vjp(
         if kernel is not None:
             terms = kernel(P, old, out_bar, dt, dyn)
         else:
-            terms = _update_terms(P, slice(None), old[xp.asarray(P.index)], tapes[0], out_bar, dt, dyn)
+            terms = _update_terms(P, slice(None), old[window(P, xp)[0]], tapes[0], out_bar, dt, dyn)
         x_bar, R_bar, dt_bar = _accumulate(P, slice(None), terms, dt, dyn, acc)
         return add_incoming(x_bar, R_bar, slots), dt_bar
     bar_new = out_bar.copy()
@@ -498,7 +498,7 @@ def rollout(
                 bar = back(t, states[t - start], tapes[t - start], bar)
             del states, tapes
 
-    U_bar = transports_vjp(acc["M"], P.U, xp.asarray(P.index))
+    U_bar = transports_vjp(acc["M"], P.U, window(P, xp)[0])
     phi_bar = frames_vjp(U_bar, P.fcache, spin_generators(rho.shape[-1])) + acc["phi"]
     H_m, T_m = gibbs_vjp(acc["sigma"], acc["logsig"], P.lam, P.V, P.T, P.sigma, P.l, P.p)
     H_bar, T_bar = acc["H"] + H_m, acc["T"] + T_m
