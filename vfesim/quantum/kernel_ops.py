@@ -148,7 +148,12 @@ def _step_args(xp, c, P, rho, dt, dyn):
     # vfesim.quantum.channels.dephasing_strength
     eps_d = resident(P, xp, ("eps_d", dt), P.gamma, lambda: -xp.expm1(-P.gamma * dt))
     eps_t = resident(P, xp, ("eps_t", dt), P.gamma_th, lambda: -xp.expm1(-P.gamma_th * dt))
-    codes = (_COUPLING[dyn.coupling], _BASIS[dyn.dephasing_basis], _GATE[dyn.gate], int(rho.dtype == np.complex64))
+    codes = (
+        _COUPLING[dyn.coupling],
+        _BASIS[dyn.dephasing_basis],
+        _GATE[dyn.gate],
+        int(rho.dtype == np.complex64),
+    )
     modes = resident(P, xp, ("modes", codes), None, lambda: xp.asarray(codes, np.int64))
     index, mask = window(P, xp)
     floor = float(floor_eps(rho.dtype))
@@ -214,8 +219,8 @@ def kernel_step_vjp(array_module: Callable, launch: Callable) -> Callable:
         prm = resident(P, xp, ("prm", values), None, lambda: xp.asarray(values, np.float64))
         launch(
             "channel_step_vjp", N, d, rho.dtype, rho, idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t,
-            modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, out["R_bar"], out["eps_c_bar"], out["M_bar"],
-            scal, gmin, flag,
+            modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, out["R_bar"], out["eps_c_bar"],
+            out["M_bar"], scal, gmin, flag,
         )  # fmt: skip
         out.update(x_bar=mats[0], H_bar=mats[1], sigma_bar=mats[2], logsig_bar=mats[3])
         if bool((flag == 1).any()):

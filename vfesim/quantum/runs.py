@@ -54,8 +54,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import xarray as xr
 
-from ..config import ConfigError, SparseNeighbours, scenario_bool, scenario_range, scenario_real
 from ..arrays import array_module as _xp
+from ..config import ConfigError, SparseNeighbours, scenario_bool, scenario_range, scenario_real
 from ..integrators.base import Carry, DynamicsError, with_arrays
 from .channels import causal_window
 from .config import AGGREGATORS, QuantumConfig
