@@ -16,8 +16,8 @@ optional except ``quantum.d``, ``population.n_agents`` and ``integrator.dt``)::
                    gate, gate_threshold, gate_width, mirror_steps, mirror_eta, armijo_c,
                    max_backtracks; rates may be one number or a list with one per agent);
                    method "fit" adds horizon, lr, perturbation, shared
-    [run]          as for every run; dtype "complex128" (default) or "complex64"; backend "numpy"
-                   or "numba"
+    [run]          as for every run; dtype "complex128" (default) or "complex64"; backend "numpy",
+                   "numba" or "cuda" ("channels" and "mirror_descent"; "fit" on numpy or numba)
 
 Methods (one run step each):
 
@@ -42,6 +42,14 @@ Methods (one run step each):
 Terms of "channels" / "mirror_descent" frames: F and its terms (:data:`.energy.TERMS`). After every
 step rho is checked: non-finite values, loss of positivity or a trace drift beyond 1000 u d stop the run
 with a DynamicsError naming the step, agent and variable.
+
+Backends: the channel step runs in the backend's kernels (``QuantumOps.channel_step``; the array code on
+numpy), F in its per-agent stages and pair kernels (:func:`.energy.energy_and_gradient`). On "cuda" the
+state and the per-run caches (:func:`.evolve.prepare`, with the kernels' constants made on the device
+once) stay on the device between steps; per step the host receives the energy terms (floats), the
+guard's verdicts and, with ``observe = "born"``, the diagonals (N, d) the outcomes are drawn from (on the
+host, from the run's RNG: the same draws as on numpy for the same probabilities); frames and checkpoints
+are copied by the run loop when saved.
 """
 
 from __future__ import annotations
