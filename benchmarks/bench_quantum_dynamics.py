@@ -7,20 +7,26 @@
     python benchmarks/bench_quantum_dynamics.py --backend cupy --sizes 4096 65536 262144 \\
         --dtypes complex128 complex64 --torch                         # GPU, + the PyTorch autograd baseline
     python benchmarks/bench_quantum_dynamics.py --backend cuda --no-rollout --sizes 4096 65536 262144
+    python benchmarks/bench_quantum_dynamics.py --backend cuda --sizes 65536 --ds 4 --dtypes complex128 \
+        --T 100 --window 8 --copy --torch                             # GPU: the issue's target, one table
 
 Problem (the issue's target): Jacobi steps of N agents with C1 coupling over a causal window of w = 8
-senders (eps0 = 0.3, ell = 1.618), the unitary step from one eigh of H_i per rollout, computational-basis
-dephasing (gamma = 0.2) and a Born loss with every agent observed at every step; dt = 0.09. "step": one
-synchronous step (evolve's inner step, arrays in, arrays out). "rollout": T = 100 steps (``--T``) with
-the exact adjoint (:func:`vfesim.quantum.rollout` with the backend's QuantumOps, uniform checkpointing,
-s = ceil(sqrt T)); includes the per-rollout eigh of H, frames and transports; "adjoint" says which step
-adjoint it ran ("kernels" or the array code's "tape"). Medians of repeated calls after one warm-up.
+(``--window``) senders (eps0 = 0.3, ell = 1.618), the unitary step from one eigh of H_i per rollout,
+computational-basis dephasing (gamma = 0.2) and a Born loss with every agent observed at every step; dt =
+0.09. "step": one synchronous step (evolve's inner step, arrays in, arrays out). "rollout": T = 100 steps
+(``--T``) with the exact adjoint (:func:`vfesim.quantum.rollout` with the backend's QuantumOps, uniform
+checkpointing, s = ceil(sqrt T)); includes the per-rollout eigh of H, frames and transports; "adjoint"
+says which step adjoint it ran ("kernels" or the array code's "tape"), "arrays" where the rollout's
+states lived (the module of its final state: "cupy" for a device-resident GPU rollout). Medians of
+repeated calls after one warm-up. Under the Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1, no GPU) backend
+"cuda" runs the same kernels on NumPy arrays: a check of the script's paths at tiny sizes, not a timing.
 
 Achieved bytes/s against a traffic model (c = bytes of one complex number; the model counts each array a
 step must read or write once): forward step (2 w + 6) N d^2 c (senders and transports, w each; state in,
 after the unitary, after the dephasing, out; U; sigma), adjoint step (3 w + 10) N d^2 c (tapes read,
 cotangents of states, senders and transports), rollout T (2 forward + 1 adjoint) (forward twice: the loss
-pass and the checkpoint replay). On the GPU compare with the copy rate printed by ``--copy``.
+pass and the checkpoint replay). On the GPU ``--copy`` measures the device copy rate and adds the
+fraction of it each row achieved (``step_of_copy``, ``rollout_of_copy``).
 
 ``--qutip`` (CPU): the same Lindblad problem per agent (H_i, L_k = sqrt(gamma)|k><k|) over T dt with
 QuTiP 5 ``mesolve`` (adams, atol 1e-10, rtol 1e-8) on ``--qutip-agents`` agents, against
@@ -60,8 +66,14 @@ DT, T_STEPS, WINDOW, EPS0, ELL, GAMMA = 0.09, 100, 8, 0.3, 1.618, 0.2
 
 
 def array_module(name: str):
+    """The arrays of a backend: NumPy on the CPU; CuPy on the GPU ("cuda": the backend's own, NumPy under
+    the CUDA simulator)."""
     if name in ("numpy", "numba"):
         return np
+    if name == "cuda":
+        from vfesim.backends.cuda_backend import array_module as cuda_arrays
+
+        return cuda_arrays()
     import cupy
 
     return cupy
@@ -99,7 +111,7 @@ def timeit(fn, xp, *, min_reps=3, max_reps=20, target_s=1.0) -> tuple[float, int
     return float(np.median(times)), len(times)
 
 
-def problem(N: int, d: int, dtype: str, xp, seed: int = 0, T: int = T_STEPS):
+def problem(N: int, d: int, dtype: str, xp, seed: int = 0, T: int = T_STEPS, window: int = WINDOW):
     """(cfg, state Dataset on the device, dynamics, schedule) of the module docstring's problem."""
     cfg = vfesim.QuantumConfig(d=d, lambda_belief=0.0)
     host = vfesim.random_state(cfg, N, seed=seed, dtype=dtype)
@@ -107,32 +119,40 @@ def problem(N: int, d: int, dtype: str, xp, seed: int = 0, T: int = T_STEPS):
     dyn = QuantumDynamics(
         coupling_strength=EPS0,
         coupling_length=ELL,
-        neighbours=causal_window(N, WINDOW),
+        neighbours=causal_window(N, window),
         dephasing_rate=GAMMA,
     )
     y = np.random.default_rng(seed).integers(0, d, size=(T, N))
     return cfg, st, dyn, Schedule(dyn, DT, T, y)
 
 
-def traffic(N: int, d: int, dtype: str, T: int = T_STEPS) -> tuple[float, float]:
+def traffic(N: int, d: int, dtype: str, T: int = T_STEPS, window: int = WINDOW) -> tuple[float, float]:
     c = np.dtype(dtype).itemsize
-    fwd = (2 * WINDOW + 6) * N * d * d * c
-    adj = (3 * WINDOW + 10) * N * d * d * c
+    fwd = (2 * window + 6) * N * d * d * c
+    adj = (3 * window + 10) * N * d * d * c
     return fwd, T * (2 * fwd + adj)
 
 
-def bench(N: int, d: int, dtype: str, rollout_too: bool, backend: str = "numpy", T: int = T_STEPS) -> dict:
+def bench(
+    N: int,
+    d: int,
+    dtype: str,
+    rollout_too: bool,
+    backend: str = "numpy",
+    T: int = T_STEPS,
+    window: int = WINDOW,
+) -> dict:
     from vfesim.quantum.rollout import _update_vjp, _zeros_acc
 
     xp = array_module(backend)
-    cfg, st, dyn, sched = problem(N, d, dtype, xp, T=T)
+    cfg, st, dyn, sched = problem(N, d, dtype, xp, T=T, window=window)
     arrays = {k: st[k].data for k in st.data_vars}
     P = prepare(arrays, cfg, dyn)
     rho = arrays["rho"]
     ops = backend_ops(backend)
     vjp = ops.step_vjp(d)
     t_step, n_step = timeit(lambda: step(P, rho, DT, dyn, ops=ops), xp)
-    b_step, b_roll = traffic(N, d, dtype, T)
+    b_step, b_roll = traffic(N, d, dtype, T, window)
     row = dict(backend=backend, N=N, d=d, dtype=dtype, step_s=t_step, step_GBps=b_step / t_step / 1e9)
     row["step_reps"] = n_step
     ob = rho + 0.5  # a cotangent
@@ -154,6 +174,7 @@ def bench(N: int, d: int, dtype: str, rollout_too: bool, backend: str = "numpy",
         )
         row.update(rollout_s=t_roll, rollout_GBps=b_roll / t_roll / 1e9, rollout_reps=n_roll)
         row["adjoint"] = res[-1].stats["step_adjoint"]
+        row["arrays"] = type(res[-1].final["rho"].data).__module__.split(".")[0]
     return row
 
 
@@ -218,6 +239,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtypes", nargs="*", default=["complex128", "complex64"])
     ap.add_argument("--no-rollout", action="store_true", help="time the step only")
     ap.add_argument("--T", type=int, default=T_STEPS, help="rollout steps")
+    ap.add_argument("--window", type=int, default=WINDOW, help="senders per agent (causal window)")
     ap.add_argument("--copy", action="store_true", help="also print the device copy rate (GPU)")
     ap.add_argument("--qutip", action="store_true", help="Lindblad vs QuTiP mesolve (CPU)")
     ap.add_argument("--qutip-agents", type=int, default=16)
@@ -228,19 +250,31 @@ def main(argv=None) -> None:
     sizes = args.sizes or ([4096, 65536, 262144] if gpu else [1024])
     backends = " ".join(args.backend)
     print(f"# {platform.node()} {platform.processor()} numpy {np.__version__} backends {backends}")
-    print(f"# T = {args.T}, window = {WINDOW}, dt = {DT}; medians; GB/s of the traffic model (docstring)")
-    if args.copy and gpu:
-        print(f"# device copy rate {copy_rate(array_module(gpu[0])):.0f} GB/s")
+    print(
+        f"# T = {args.T}, window = {args.window}, dt = {DT}; medians; GB/s of the traffic model (docstring)"
+    )
+    copy = copy_rate(array_module(gpu[0])) if args.copy and gpu else None
+    if copy is not None:
+        print(f"# device copy rate {copy:.0f} GB/s")
     rows = []
     for N in sizes:
         for d in args.ds:
             for dtype in args.dtypes:
                 for backend in args.backend:
-                    rows.append(bench(N, d, dtype, not args.no_rollout, backend, args.T))
+                    row = bench(N, d, dtype, not args.no_rollout, backend, args.T, args.window)
+                    row.update(T=args.T, window=args.window)
+                    if copy is not None and array_module(backend) is not np:
+                        row["copy_GBps"] = copy
+                        for k in ("step", "rollout"):
+                            if f"{k}_GBps" in row:
+                                row[f"{k}_of_copy"] = row[f"{k}_GBps"] / copy
+                    rows.append(row)
                     print(table(rows[-1:], list(rows[-1])), flush=True)
     keys = ["backend", "N", "d", "dtype", "step_s", "step_GBps", "step_vjp_s"] + (
-        [] if args.no_rollout else ["rollout_s", "rollout_GBps", "adjoint"]
+        [] if args.no_rollout else ["rollout_s", "rollout_GBps", "adjoint", "arrays"]
     )
+    if copy is not None:
+        keys += ["step_of_copy"] + ([] if args.no_rollout else ["rollout_of_copy"])
     if args.torch:
         import importlib.util
 
@@ -250,10 +284,14 @@ def main(argv=None) -> None:
         torch_quantum_rollout = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(torch_quantum_rollout)
 
+        for b in gpu:  # CuPy's pool keeps the rollouts' memory: hand it back before PyTorch allocates
+            xp = array_module(b)
+            if xp is not np:
+                xp.get_default_memory_pool().free_all_blocks()
         for r in rows:
-            r.update(torch_quantum_rollout.bench(r["N"], r["d"], r["dtype"], args.T, WINDOW))
+            r.update(torch_quantum_rollout.bench(r["N"], r["d"], r["dtype"], args.T, args.window))
             r["speedup_vs_torch"] = r.get("torch_rollout_s", math.nan) / r.get("rollout_s", math.nan)
-        keys += ["torch_rollout_s", "speedup_vs_torch"]
+        keys += ["torch_rollout_s", "speedup_vs_torch", "torch_note"]
     print("\n" + table(rows, keys))
     if args.qutip:
         qrows = [bench_qutip(args.qutip_agents, d, sizes[0]) for d in args.ds]

@@ -104,7 +104,7 @@ def test_every_problem_reported_at_once_with_suggestions():
             "dephasing_basis": "energy",
             "mirror_eta": 0.0,
         },
-        "run": {"n_steps": 4, "dtype": "float64", "backend": "cuda"},
+        "run": {"n_steps": 4, "dtype": "float64", "backend": "cupy"},
     }
     with pytest.raises(ScenarioError) as exc:
         Scenario.from_dict(d)
@@ -232,8 +232,8 @@ def test_kill_9_then_resume_is_bitwise(tmp_path, monkeypatch):
 def test_guard_stops_the_run_naming_step_agent_and_variable(spoil, message, tmp_path, monkeypatch):
     real = qruns.step
 
-    def spoiled(P, rho, dt, dyn):
-        out, tape = real(P, rho, dt, dyn)
+    def spoiled(P, rho, dt, dyn, **kw):
+        out, tape = real(P, rho, dt, dyn, **kw)
         if spoiled.calls == 2:
             spoil(out)
         spoiled.calls += 1
@@ -246,6 +246,35 @@ def test_guard_stops_the_run_naming_step_agent_and_variable(spoil, message, tmp_
     with pytest.raises(DynamicsError, match=message):
         simulate(d, out=tmp_path / "r.zarr", progress=False)
     assert open_run(tmp_path / "r.zarr").attrs["status"].startswith("failed: step 3: rho[agent=")
+
+
+def test_a_state_the_kernels_refuse_stops_the_run_like_the_guard(tmp_path, monkeypatch):
+    """The channel step kernels refuse a coupled state the gate cannot take (ValueError naming the agent,
+    where the array code gives NaN): the run stops with a DynamicsError naming step, agent and variable."""
+    real = qruns.step
+
+    def refusing(P, rho, dt, dyn, **kw):
+        refusing.calls += 1
+        if refusing.calls == 3:
+            raise ValueError("rho[agent=2]: not positive semidefinite (floored eigenvalue -1e-13)")
+        return real(P, rho, dt, dyn, **kw)
+
+    refusing.calls = 0
+    monkeypatch.setattr(qruns, "step", refusing)
+    with pytest.raises(DynamicsError, match=r"^step 3: rho\[agent=2\]: not positive semidefinite") as e:
+        simulate(read_toml(_toml(tmp_path, SMALL)), out=tmp_path / "r.zarr", progress=False)
+    assert e.value.agent == 2 and e.value.variable == "rho"
+
+
+def test_numba_run_follows_the_numpy_run(tmp_path):
+    """Backend numba: the channel step in the CPU kernels, F in the per-agent kernels and pair kernels."""
+    d = read_toml(_toml(tmp_path, SMALL))
+    d["run"]["n_steps"] = 4
+    runs = {b: simulate(d, out=tmp_path / f"{b}.zarr", backend=b, progress=False) for b in ("numpy", "numba")}
+    a, b = (open_run(runs[k].path).load() for k in ("numba", "numpy"))
+    assert a.attrs["backend"] == "numba"
+    for k in b.data_vars:
+        np.testing.assert_allclose(a[k].values, b[k].values, rtol=1e-12, atol=1e-12, err_msg=k)
 
 
 # ------------------------------------------------------------------------------------ CLI and plots

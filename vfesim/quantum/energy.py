@@ -159,9 +159,9 @@ class QuantumOps(NamedTuple):
 
 
 def _channel_step(P, rho, dt, dyn):
-    from .evolve import agent_update  # evolve imports this module
+    from .evolve import agent_update, window  # evolve imports this module
 
-    return agent_update(P, slice(None), rho, rho[_xp(rho).asarray(P.index)], dt, dyn)[0]
+    return agent_update(P, slice(None), rho, rho[window(P, _xp(rho))[0]], dt, dyn)[0]
 
 
 NUMPY_OPS = QuantumOps(

@@ -174,6 +174,26 @@ class Prepared(NamedTuple):
     eps_c: Any  # (N, w) coupling strengths
     gamma: Any  # (N,) dephasing rates
     gamma_th: Any  # (N,) thermal rates
+    consts: dict  # constant arrays made on the state's device once (:func:`resident`)
+
+
+def resident(P: Prepared, xp, key, source, make):
+    """The array ``make()`` derived from ``source`` (a constant of the run: the coupling window, the kernels'
+    mode codes), made once per cache ``P`` and array module ``xp``: per-step calls reuse it instead of
+    copying it to the device again. ``source`` is kept with it (so its id is not reused)."""
+    k = (key, xp.__name__, id(source))
+    hit = P.consts.get(k)
+    if hit is None:
+        hit = P.consts[k] = (source, make())
+    return hit[1]
+
+
+def window(P: Prepared, xp) -> tuple[Any, Any]:
+    """The coupling window (index int64, mask bool) (N, w) as C-contiguous writable arrays of ``xp`` (the
+    kernels' arguments: the CUDA simulator writes arguments back), made once per cache."""
+    index = resident(P, xp, "index", P.index, lambda: xp.asarray(np.array(P.index, np.int64, order="C")))
+    mask = resident(P, xp, "mask", P.mask, lambda: xp.asarray(np.array(P.mask, bool, order="C")))
+    return index, mask
 
 
 def _per_agent(key: str, v, n: int, xp, dtype):
@@ -205,7 +225,7 @@ def prepare(arrays: dict[str, Any], qcfg: QuantumConfig, dyn: QuantumDynamics) -
     rdt = lam.dtype
     gamma = _per_agent("dephasing_rate", dyn.dephasing_rate, n, xp, rdt)
     gamma_th = _per_agent("thermal_rate", dyn.thermal_rate, n, xp, rdt)
-    return Prepared(lam, V, T, sigma, l, p, U, fcache, index, mask, dist, M, eps_c, gamma, gamma_th)
+    return Prepared(lam, V, T, sigma, l, p, U, fcache, index, mask, dist, M, eps_c, gamma, gamma_th, {})
 
 
 def agent_update(P: Prepared, sel, x0, R, dt: float, dyn: QuantumDynamics, keep: bool = False):
@@ -283,7 +303,7 @@ def step(P: Prepared, rho, dt: float, dyn: QuantumDynamics, keep: bool = False, 
     if dyn.order == "jacobi":
         if not keep:
             return ops.channel_step(P, rho, dt, dyn), None
-        out, tape = agent_update(P, slice(None), rho, rho[xp.asarray(P.index)], dt, dyn, keep)
+        out, tape = agent_update(P, slice(None), rho, rho[window(P, xp)[0]], dt, dyn, keep)
         return out, ([tape] if keep else None)
     new = rho.copy()
     tapes = []

@@ -36,6 +36,7 @@ exact wherever eta does not jump. The Hessian-vector product and the cross terms
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..arrays import array_module as _xp
@@ -72,19 +73,24 @@ def mirror_descent_step(
     ops: QuantumOps = NUMPY_OPS,
     terms: dict | None = None,
     grads: dict | None = None,
+    energy: Callable | None = None,
 ) -> tuple[Any, dict[str, float]]:
     """One Armijo mirror-descent step on rho (module docstring) -> (rho_new (N, d, d), info).
 
     info: ``eta`` (accepted step, 0 if none), ``backtracks``, ``F_old``, ``F_new``. ``terms``/``grads``:
-    F and its gradient at ``arrays`` when already known (saves one evaluation).
+    F and its gradient at ``arrays`` when already known (saves one evaluation). ``energy``: arrays ->
+    (terms, grads) of cfg (default :func:`.energy.energy_and_gradient_arrays` with ``ops``; a run passes
+    its backend's, e.g. with the backend's pair kernels).
     """
+    if energy is None:
+        energy = lambda a: energy_and_gradient_arrays(a, cfg, ops=ops)
     if not eta0 > 0:
         raise ValueError(f"eta0: must be > 0, got {eta0}")
     if not 0 < armijo_c < 1:
         raise ValueError(f"armijo_c: must be in (0, 1), got {armijo_c}")
     xp = _xp(arrays["rho"])
     if terms is None or grads is None:
-        terms, grads = energy_and_gradient_arrays(arrays, cfg, ops=ops)
+        terms, grads = energy(arrays)
     F0 = terms["total"]
     G = grads["rho"]
     rho = arrays["rho"]
@@ -92,7 +98,7 @@ def mirror_descent_step(
     eta = float(eta0)
     for k in range(max_backtracks + 1):
         new = _exp_normalised(log_x - eta * G)
-        F1 = energy_and_gradient_arrays({**arrays, "rho": new}, cfg, ops=ops)[0]["total"]
+        F1 = energy({**arrays, "rho": new})[0]["total"]
         decrease = float(xp.einsum("nkl,nlk->", G, new - rho).real)
         if F1 <= F0 + armijo_c * decrease:
             return new, {"eta": eta, "backtracks": k, "F_old": F0, "F_new": F1}

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .energy import QuantumOps, floor_eps
+from .evolve import resident, window
 
 __all__ = ["kernel_ops", "kernel_step_vjp", "sized_ops", "jacobi_tol2"]
 
@@ -140,16 +141,25 @@ def kernel_ops(array_module: Callable, launch: Callable) -> QuantumOps:
 
 
 def _step_args(xp, c, P, rho, dt, dyn):
-    """The channel step kernels' leading arguments (after rho) for Prepared caches P, and a gmin array."""
-    eps_d = -xp.expm1(-P.gamma * dt)  # vfesim.quantum.channels.dephasing_strength
-    eps_t = -xp.expm1(-P.gamma_th * dt)
-    newton = int(rho.dtype == np.complex64)
-    modes = xp.asarray([_COUPLING[dyn.coupling], _BASIS[dyn.dephasing_basis], _GATE[dyn.gate], newton])
-    index, mask = xp.asarray(P.index, np.int64), xp.asarray(P.mask)
+    """The channel step kernels' leading arguments (after rho) for Prepared caches P, and a gmin array. The
+    run's constants (coupling window, strengths of the rates at this dt, mode codes) are made on the
+    device once per cache (:func:`.evolve.resident`), not copied again every step."""
+    dt = float(dt)
+    # vfesim.quantum.channels.dephasing_strength
+    eps_d = resident(P, xp, ("eps_d", dt), P.gamma, lambda: -xp.expm1(-P.gamma * dt))
+    eps_t = resident(P, xp, ("eps_t", dt), P.gamma_th, lambda: -xp.expm1(-P.gamma_th * dt))
+    codes = (
+        _COUPLING[dyn.coupling],
+        _BASIS[dyn.dephasing_basis],
+        _GATE[dyn.gate],
+        int(rho.dtype == np.complex64),
+    )
+    modes = resident(P, xp, ("modes", codes), None, lambda: xp.asarray(codes, np.int64))
+    index, mask = window(P, xp)
     floor = float(floor_eps(rho.dtype))
     args = (
-        c(index),
-        c(mask),
+        index,
+        mask,
         c(P.U),
         c(P.eps_c),
         c(P.lam),
@@ -161,7 +171,7 @@ def _step_args(xp, c, P, rho, dt, dyn):
         modes,
         float(dyn.gate_threshold),
         float(dyn.gate_width),
-        float(dt),
+        dt,
         floor,
         jacobi_tol2(rho.dtype),
     )
@@ -205,11 +215,12 @@ def kernel_step_vjp(array_module: Callable, launch: Callable) -> Callable:
         scal = xp.empty((N, 5), rdt)
         flag = xp.zeros(N, np.int64)
         idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, *scalars = args
-        prm = xp.asarray([*scalars, float(gap_tol)], np.float64)  # thr, width, dt, floor, tol2, gap_tol
+        values = (*scalars, float(gap_tol))  # thr, width, dt, floor, tol2, gap_tol
+        prm = resident(P, xp, ("prm", values), None, lambda: xp.asarray(values, np.float64))
         launch(
             "channel_step_vjp", N, d, rho.dtype, rho, idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t,
-            modes, prm, c(out_bar.astype(rho.dtype)), xs, mats, out["R_bar"], out["eps_c_bar"], out["M_bar"],
-            scal, gmin, flag,
+            modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, out["R_bar"], out["eps_c_bar"],
+            out["M_bar"], scal, gmin, flag,
         )  # fmt: skip
         out.update(x_bar=mats[0], H_bar=mats[1], sigma_bar=mats[2], logsig_bar=mats[3])
         if bool((flag == 1).any()):

@@ -75,7 +75,7 @@ from .channels import (
 )
 from .config import QuantumConfig
 from .energy import NUMPY_OPS, QuantumOps, energy_and_gradient_arrays, floor_eps
-from .evolve import Prepared, QuantumDynamics, normalised, prepare, senders, step
+from .evolve import Prepared, QuantumDynamics, normalised, prepare, senders, step, window
 from .flows import mirror_descent_step, mirror_descent_step_vjp
 from .frames import frames_vjp, spin_generators
 from .linalg import dagger, herm, traceless
@@ -153,23 +153,40 @@ def _weights(loss) -> dict[str, float]:
     return out
 
 
-def _born(rho, y, weight: float):
-    """(value, cotangent) of weight sum_i -log x_i[y_i, y_i] over observed agents (y_i >= 0), rule R7."""
+def _observed(outcomes, d: int, xp) -> list:
+    """Per step the observed agents (y_ti >= 0) and their outcomes as index arrays of ``xp`` (None where
+    no agent is observed), copied to the state's device once per rollout; steps observing every agent
+    share one index array."""
+    y = np.asarray(outcomes)
+    bad = np.argwhere(y >= d)
+    if bad.size:
+        t, i = bad[0]
+        raise ConfigError("outcomes", f"agent {i} has outcome {int(y[t, i])}, outside [0, {d})")
+    everyone, out = None, []
+    for row in y:
+        obs = np.flatnonzero(row >= 0)
+        if obs.size == 0:
+            out.append(None)
+            continue
+        if obs.size == row.size:
+            everyone = xp.arange(row.size, dtype=np.int64) if everyone is None else everyone
+        out.append((everyone if obs.size == row.size else xp.asarray(obs), xp.asarray(row[obs])))
+    return out
+
+
+def _born(rho, obs, weight: float):
+    """(value, cotangent) of weight sum_i -log x_i[y_i, y_i] over the observed agents ``obs`` (a pair of
+    :func:`_observed`), rule R7. The value is a float64 scalar of the state's array module (no transfer)."""
     xp = _xp(rho)
     e = floor_eps(rho.dtype)
     d = rho.shape[-1]
-    obs = np.flatnonzero(y >= 0)
-    if np.any(y[obs] >= d):
-        i = int(obs[np.argmax(y[obs] >= d)])
-        raise ConfigError("outcomes", f"agent {i} has outcome {int(y[i])}, outside [0, {d})")
     bar = xp.zeros_like(rho)
-    if obs.size == 0 or weight == 0:
+    if obs is None or weight == 0:
         return 0.0, bar
-    yy = xp.asarray(y[obs])
-    oo = xp.asarray(obs)
+    oo, yy = obs
     prob = (1.0 - e) * rho[oo, yy, yy].real + e / d
     bar[oo, yy, yy] = -weight * (1.0 - e) / prob
-    return float(-weight * xp.log(prob).sum()), bar
+    return (-weight * xp.log(prob).sum()).astype(np.float64), bar
 
 
 def _zeros_acc(P: Prepared, xp, cdt):
@@ -289,7 +306,7 @@ def _step_vjp(
         if kernel is not None:
             terms = kernel(P, old, out_bar, dt, dyn)
         else:
-            terms = _update_terms(P, slice(None), old[xp.asarray(P.index)], tapes[0], out_bar, dt, dyn)
+            terms = _update_terms(P, slice(None), old[window(P, xp)[0]], tapes[0], out_bar, dt, dyn)
         x_bar, R_bar, dt_bar = _accumulate(P, slice(None), terms, dt, dyn, acc)
         return add_incoming(x_bar, R_bar, slots), dt_bar
     bar_new = out_bar.copy()
@@ -393,6 +410,7 @@ def rollout(
             raise ConfigError("outcomes", "the Born loss needs schedule.outcomes (n_steps, N)")
         if schedule.outcomes.shape[1] != n:
             raise ConfigError("outcomes", f"has {schedule.outcomes.shape[1]} agents, the state has {n}")
+    observed = _observed(schedule.outcomes, rho.shape[-1], xp) if w_born else None
     P = prepare(arrays, qcfg, dyn)
     dts = schedule.dt
     # The backend's kernel adjoint of the Jacobi step (QuantumOps.step_vjp; None: array code). With it,
@@ -429,13 +447,13 @@ def rollout(
     for t in range(T):
         rho, _ = advance(rho, t)
         if w_born:
-            born += _born(rho, schedule.outcomes[t], w_born)[0]
+            born = born + _born(rho, observed[t], w_born)[0]  # summed on the device: no sync per step
         if t + 1 in keep_at:
             store[t + 1] = rho
     stats["max_stored"] = len(store)
     terms = {}
     if "born" in weights:
-        terms["born"] = born
+        terms["born"] = float(born)
     w_F = weights.get("free_energy", 0.0)
     if "free_energy" in weights:
         Fterms, Fgrads = energy_and_gradient_arrays({**arrays, "rho": rho}, qcfg, ops=ops)
@@ -457,7 +475,7 @@ def rollout(
     if w_F:
         bar = bar + w_F * Fgrads["rho"]
     if w_born:
-        bar = bar + _born(rho, schedule.outcomes[T - 1], w_born)[1]
+        bar = bar + _born(rho, observed[T - 1], w_born)[1]
 
     def back(t, old, tape, bar):
         """Cotangent of the state at t from that at t + 1 (mirror steps in reverse, then the step)."""
@@ -471,7 +489,7 @@ def rollout(
             P, old, tape["pre"], tape["step"], bar, float(dts[t]), dyn, acc, kernel, slots
         )
         if w_born and t >= 1:
-            bar = bar + _born(old, schedule.outcomes[t - 1], w_born)[1]
+            bar = bar + _born(old, observed[t - 1], w_born)[1]
         return bar
 
     # The kernels' adjoint reads only the state before a step: without mirror steps (whose adjoints need
@@ -498,7 +516,7 @@ def rollout(
                 bar = back(t, states[t - start], tapes[t - start], bar)
             del states, tapes
 
-    U_bar = transports_vjp(acc["M"], P.U, xp.asarray(P.index))
+    U_bar = transports_vjp(acc["M"], P.U, window(P, xp)[0])
     phi_bar = frames_vjp(U_bar, P.fcache, spin_generators(rho.shape[-1])) + acc["phi"]
     H_m, T_m = gibbs_vjp(acc["sigma"], acc["logsig"], P.lam, P.V, P.T, P.sigma, P.l, P.p)
     H_bar, T_bar = acc["H"] + H_m, acc["T"] + T_m

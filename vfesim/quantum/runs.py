@@ -16,8 +16,8 @@ optional except ``quantum.d``, ``population.n_agents`` and ``integrator.dt``)::
                    gate, gate_threshold, gate_width, mirror_steps, mirror_eta, armijo_c,
                    max_backtracks; rates may be one number or a list with one per agent);
                    method "fit" adds horizon, lr, perturbation, shared
-    [run]          as for every run; dtype "complex128" (default) or "complex64"; backend "numpy"
-                   or "numba"
+    [run]          as for every run; dtype "complex128" (default) or "complex64"; backend "numpy",
+                   "numba" or "cuda" ("channels" and "mirror_descent"; "fit" on numpy or numba)
 
 Methods (one run step each):
 
@@ -42,22 +42,32 @@ Methods (one run step each):
 Terms of "channels" / "mirror_descent" frames: F and its terms (:data:`.energy.TERMS`). After every
 step rho is checked: non-finite values, loss of positivity or a trace drift beyond 1000 u d stop the run
 with a DynamicsError naming the step, agent and variable.
+
+Backends: the channel step runs in the backend's kernels (``QuantumOps.channel_step``; the array code on
+numpy), F in its per-agent stages and pair kernels (:func:`.energy.energy_and_gradient`). On "cuda" the
+state and the per-run caches (:func:`.evolve.prepare`, with the kernels' constants made on the device
+once) stay on the device between steps; per step the host receives the energy terms (floats), the
+guard's verdicts and, with ``observe = "born"``, the diagonals (N, d) the outcomes are drawn from (on the
+host, from the run's RNG: the same draws as on numpy for the same probabilities); frames and checkpoints
+are copied by the run loop when saved.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 import xarray as xr
 
+from ..arrays import array_module as _xp
 from ..config import ConfigError, SparseNeighbours, scenario_bool, scenario_range, scenario_real
-from ..integrators.base import Carry, DynamicsError
+from ..integrators.base import Carry, DynamicsError, with_arrays
 from .channels import causal_window
 from .config import AGGREGATORS, QuantumConfig
-from .energy import NUMPY_OPS, energy_and_gradient_arrays
+from .energy import NUMPY_OPS, energy_and_gradient
 from .evolve import COUPLINGS, DEPHASING_BASES, GATES, ORDERS, QuantumDynamics, _check, prepare, step
 from .fit import objective
 from .flows import mirror_descent_step
@@ -72,7 +82,7 @@ METHODS = ("channels", "mirror_descent", "fit")
 OBSERVE = ("none", "born")
 HAMILTONIANS = ("random", "shared", "zero")
 NEIGHBOURS = ("dense", "ring", "causal")
-BACKENDS = ("numpy", "numba")
+BACKENDS = ("numpy", "numba", "cuda")
 
 CONFIG = {
     f.name: f.default for f in dataclasses.fields(QuantumConfig) if f.name not in ("dtype", "neighbours")
@@ -380,27 +390,44 @@ def _arrays(state: xr.Dataset) -> dict[str, Any]:
     return {k: state[k].data for k in state.data_vars}
 
 
-def _born_sample(rng: np.random.Generator, rho: np.ndarray) -> np.ndarray:
-    """One computational-basis outcome per agent, y_i ~ <k|rho_i|k> (inverse CDF of one uniform each)."""
-    p = np.maximum(np.asarray(rho).diagonal(axis1=1, axis2=2).real, 0.0)
+def _host(a: Any) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _born_sample(rng: np.random.Generator, rho) -> np.ndarray:
+    """One computational-basis outcome per agent, y_i ~ <k|rho_i|k> (inverse CDF of one uniform each),
+    drawn on the host: only the diagonals (N, d) of device states are copied."""
+    xp = _xp(rho)
+    p = np.maximum(_host(xp.ascontiguousarray(rho.diagonal(axis1=1, axis2=2).real)), 0.0)
     cdf = np.cumsum(p, axis=1)
     u = rng.random(p.shape[0]) * cdf[:, -1]
     return np.minimum((cdf <= u[:, None]).sum(axis=1), p.shape[1] - 1).astype(np.int64)
 
 
-def _channels(cfg: QuantumConfig, integ: dict, ops, seed: int) -> QuantumIntegrator:
+def _channels(cfg: QuantumConfig, integ: dict, be, seed: int) -> QuantumIntegrator:
+    """The stepper of "channels" / "mirror_descent" on backend ``be``; on a device backend (cuda) the state
+    and the per-run caches stay on the device, the host sees the energy terms (floats), the diagonals for
+    Born draws and the guard's verdicts; frames are copied by the run loop when saved."""
     dyn = dynamics(integ)
     dt = integ["dt"]
     observe = integ["observe"] == "born"
+    ops = be.agent_ops.get("quantum", NUMPY_OPS)
+
+    def energy(arrays):  # F with the backend's per-agent stages and pair kernels
+        return energy_and_gradient(arrays, cfg, be)
 
     def terms_of(arrays) -> dict[str, float]:
-        return {k: float(v) for k, v in energy_and_gradient_arrays(arrays, cfg, ops=ops)[0].items()}
+        return {k: float(v) for k, v in energy(arrays)[0].items()}
+
+    def placed(state: xr.Dataset) -> xr.Dataset:  # checkpoints and initial states arrive on the host
+        return with_arrays(state, be.to_device(_arrays(state))) if be.on_device else state
 
     def restore(state: xr.Dataset, step_no: int, aux: dict, rng_state: dict | None = None) -> Carry:
         if aux:
             raise ValueError(f"{integ['method']} restore: no aux arrays expected, got {sorted(aux)}")
         if observe and rng_state is None:
             raise ValueError("observe = 'born' needs the run's RNG state")
+        state = placed(state)
         validate_state(state, cfg)
         arrays = _arrays(state)
         P = prepare(arrays, cfg, dyn)
@@ -418,13 +445,14 @@ def _channels(cfg: QuantumConfig, integ: dict, ops, seed: int) -> QuantumIntegra
         k = carry.step + 1
         rng_state = carry.rng_state
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # the guard reports instead
-            rho = step(P, arrays["rho"], dt, dyn)[0]
+            rho = _kernel_guard(k, lambda: step(P, arrays["rho"], dt, dyn, ops=ops)[0])
             if observe or dyn.mirror_steps:
                 _check(rho, k)  # sampling and mirror steps need a valid state
             if observe:
                 rng = np.random.Generator(np.random.PCG64())  # the run's generator (default_rng's)
                 rng.bit_generator.state = rng_state
-                arrays["outcome"] = _born_sample(rng, rho)
+                y = _born_sample(rng, rho)
+                arrays["outcome"] = be.to_device({"y": y})["y"] if be.on_device else y
                 rng_state = rng.bit_generator.state
             for _ in range(dyn.mirror_steps):
                 rho, _ = mirror_descent_step(
@@ -433,11 +461,11 @@ def _channels(cfg: QuantumConfig, integ: dict, ops, seed: int) -> QuantumIntegra
                     eta0=dyn.mirror_eta,
                     armijo_c=dyn.armijo_c,
                     max_backtracks=dyn.max_backtracks,
-                    ops=ops,
+                    energy=energy,
                 )
         _check(rho, k)
         arrays["rho"] = rho
-        state = carry.state.copy(data={k: arrays[k] for k in carry.state.data_vars})
+        state = with_arrays(carry.state, arrays)
         terms = terms_of(arrays)
         bad = [t for t, v in terms.items() if not np.isfinite(v)]
         if bad:
@@ -446,6 +474,18 @@ def _channels(cfg: QuantumConfig, integ: dict, ops, seed: int) -> QuantumIntegra
 
     traj = ("rho", "outcome") if observe else ("rho",)
     return QuantumIntegrator(integ["method"], init, step_fn, restore, traj)
+
+
+def _kernel_guard(step_no: int, fn: Callable):
+    """``fn()``; a state the kernels refuse (ValueError "var[agent=i]: ...", e.g. a coupled state the gate's
+    relative entropy cannot take, where the array code gives NaN) stops the run as the guard does."""
+    try:
+        return fn()
+    except ValueError as e:
+        m = re.fullmatch(r"(\w+)\[agent=(\d+)\]: (.*)", str(e), re.S)
+        if m is None:
+            raise
+        raise DynamicsError(step_no, m[1], m[3], int(m[2])) from None
 
 
 def _hamiltonian_error(H, H_true) -> float:
@@ -547,8 +587,11 @@ def make_integrator(cfg: QuantumConfig, integ: dict, *, backend: str = "numpy", 
     be = get(backend)
     if be.name not in BACKENDS:
         raise ValueError(f"backend: density-matrix runs take {list(BACKENDS)}, got {be.name!r}")
-    ops = be.agent_ops.get("quantum", NUMPY_OPS)
-    return (_fit if integ["method"] == "fit" else _channels)(cfg, integ, ops, seed)
+    if integ["method"] != "fit":
+        return _channels(cfg, integ, be, seed)
+    if be.on_device:
+        raise ValueError(f"backend: method 'fit' runs on 'numpy' or 'numba', got {be.name!r}")
+    return _fit(cfg, integ, be.agent_ops.get("quantum", NUMPY_OPS), seed)
 
 
 DEFAULTS = {SECTION: CONFIG, "population": POPULATION, "integrator": INTEGRATOR}
