@@ -72,7 +72,7 @@ METHODS = ("channels", "mirror_descent", "fit")
 OBSERVE = ("none", "born")
 HAMILTONIANS = ("random", "shared", "zero")
 NEIGHBOURS = ("dense", "ring", "causal")
-BACKENDS = ("numpy", "numba")
+BACKENDS = ("numpy", "numba", "dask")
 
 CONFIG = {
     f.name: f.default for f in dataclasses.fields(QuantumConfig) if f.name not in ("dtype", "neighbours")
@@ -382,9 +382,14 @@ def _arrays(state: xr.Dataset) -> dict[str, Any]:
 
 def _born_sample(rng: np.random.Generator, rho: np.ndarray) -> np.ndarray:
     """One computational-basis outcome per agent, y_i ~ <k|rho_i|k> (inverse CDF of one uniform each)."""
+    return born_outcomes(rho, rng.random(rho.shape[0]))
+
+
+def born_outcomes(rho: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The outcomes of :func:`_born_sample` from the agents' uniforms u (N,) in [0, 1): per agent."""
     p = np.maximum(np.asarray(rho).diagonal(axis1=1, axis2=2).real, 0.0)
     cdf = np.cumsum(p, axis=1)
-    u = rng.random(p.shape[0]) * cdf[:, -1]
+    u = u * cdf[:, -1]
     return np.minimum((cdf <= u[:, None]).sum(axis=1), p.shape[1] - 1).astype(np.int64)
 
 
@@ -547,6 +552,10 @@ def make_integrator(cfg: QuantumConfig, integ: dict, *, backend: str = "numpy", 
     be = get(backend)
     if be.name not in BACKENDS:
         raise ValueError(f"backend: density-matrix runs take {list(BACKENDS)}, got {be.name!r}")
+    if be.name == "dask":  # agent chunks on the workers (vfesim.quantum.chunked)
+        from .chunked import make_chunked
+
+        return make_chunked(cfg, integ, be, seed)
     ops = be.agent_ops.get("quantum", NUMPY_OPS)
     return (_fit if integ["method"] == "fit" else _channels)(cfg, integ, ops, seed)
 
