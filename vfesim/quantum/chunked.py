@@ -96,6 +96,12 @@ def _item(x, key):
     return x[key]
 
 
+def _merge(arrays: dict, moved: dict) -> dict:
+    """A chunk's state arrays with those a step moved replaced. (Chunk states travel as one Delayed
+    dict each: a persisted Delayed nested in a container argument would not keep its future alive.)"""
+    return {**arrays, **moved}
+
+
 def _rows(win: _Window, n: int, r0: int, nc: int):
     """(global senders, their rows in the gathered sender states, mask), each (nc, w), of agents
     r0 .. r0 + nc - 1 (:func:`.channels.coupling_window`'s rows)."""
@@ -182,13 +188,15 @@ def _gauss_seidel_task(dt: float, dyn, prep, rho, olds: list, news: list, own: i
     return _finish_chunk(new, n_step, r0, u)
 
 
-def _log_task(rho):
-    return _log_floored(_own(rho))
+def _log_task(arrays: dict):
+    return _log_floored(_own(arrays["rho"]))
 
 
-def _trial_task(log_x, G, rho, eta: float, n_step: int, r0: int):
-    """One trial of the line search on a chunk: (state, its share of sum_i tr(G_i (new_i - rho_i)),
-    the guard's report (step, variable, message, global agent) or None)."""
+def _trial_task(log_x, G, arrays: dict, eta: float, n_step: int, r0: int):
+    """One trial of the line search on a chunk: (its state arrays with the trial rho, the chunk's share
+    of sum_i tr(G_i (new_i - rho_i)), the guard's report (step, variable, message, global agent) or
+    None)."""
+    rho = arrays["rho"]
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         new = _exp_normalised(_own(log_x) - eta * _own(G))
         decrease = float(np.einsum("nkl,nlk->", G, new - rho).real)
@@ -197,7 +205,7 @@ def _trial_task(log_x, G, rho, eta: float, n_step: int, r0: int):
         report = None
     except ch.ChunkDynamicsError as e:
         report = e.args
-    return new, decrease, report
+    return {**arrays, "rho": new}, decrease, report
 
 
 def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> QuantumChunked:
@@ -294,7 +302,7 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
         return out
 
     def mirror(parts: list, n_step: int) -> tuple[list, Any]:
-        """``dyn.mirror_steps`` Armijo steps from the Delayed chunk states ``parts`` (not yet
+        """``dyn.mirror_steps`` Armijo steps from the chunk states ``parts`` (Delayed dicts, not yet
         persisted) -> (persisted parts, the computed summary of the final state)."""
         known = None  # (computed summary, grads) of the current parts when already evaluated
         for _ in range(dyn.mirror_steps):
@@ -303,16 +311,16 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
             else:
                 summary0, grads0 = known
             G = [_delayed(_item)(g, "rho") for g in grads0]
-            log_x = [_delayed(_log_task)(p["rho"]) for p in parts]
+            log_x = [_delayed(_log_task)(p) for p in parts]
             parts, G, log_x, summary0 = ch._reraise(dask.persist, parts, G, log_x, summary0)
             F0 = None
             eta = float(dyn.mirror_eta)
             for _ in range(dyn.max_backtracks + 1):
                 trials = [
-                    _delayed(_trial_task)(lx, g, p["rho"], eta, n_step, r0)
+                    _delayed(_trial_task)(lx, g, p, eta, n_step, r0)
                     for lx, g, p, r0 in zip(log_x, G, parts, layout.starts, strict=True)
                 ]
-                tparts = [{**p, "rho": _delayed(_item)(t, 0)} for p, t in zip(parts, trials, strict=True)]
+                tparts = [_delayed(_item)(t, 0) for t in trials]
                 summary1, grads1 = ch._chunk_energy(layout, cfg, tparts, False)
                 decs = [_delayed(_item)(t, 1) for t in trials]
                 reports = [_delayed(_item)(t, 2) for t in trials]
@@ -350,8 +358,7 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
             rng_state = rng.bit_generator.state
             uniforms = [u[r0:r1] for r0, r1 in zip(layout.bounds[:-1], layout.bounds[1:], strict=True)]
         moved = channels(parts, prepared, n_step, uniforms)
-        pick = _delayed(_item)
-        parts = [{**p, **{k: pick(m, k) for k in moved_names}} for p, m in zip(parts, moved, strict=True)]
+        parts = [_delayed(_merge)(p, m) for p, m in zip(parts, moved, strict=True)]
         if dyn.mirror_steps:
             parts, summary = mirror(parts, n_step)
         else:
@@ -365,5 +372,5 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
         state = ch._dataset(carry.state, ch._arrays(layout, parts, arrays))
         return carry_of(state, n_step, terms, rng_state, prepared)
 
-    moved_names = ("rho", "outcome") if observe else ("rho",)
-    return QuantumChunked(integ["method"], init, step, restore, moved_names, layout)
+    trajectory = ("rho", "outcome") if observe else ("rho",)
+    return QuantumChunked(integ["method"], init, step, restore, trajectory, layout)
