@@ -247,16 +247,14 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
         shipped["windows"] = windows
         shipped["bounds"] = layout.bounds
 
-    def prepare_parts(parts: list) -> list:
-        d, dtype = cfg.d, parts_dtype["rho"]
-        U = [_delayed(_frames_task)(p["phi"], d, dtype) for p in parts]
+    def prepare_parts(parts: list, dtype) -> list:
+        """Per chunk, the Delayed (Prepared, global senders) of :func:`_prepare_task`."""
+        U = [_delayed(_frames_task)(p["phi"], cfg.d, dtype) for p in parts]
         n = layout.bounds[-1]
         return [
             _delayed(_prepare_task)(shipped["dyn"], win, p, U[c], [U[s] for s in win.owners], n, r0)
             for c, (win, p, r0) in enumerate(zip(shipped["windows"], parts, layout.starts, strict=True))
         ]
-
-    parts_dtype: dict[str, Any] = {}
 
     def carry_of(state, step_no, terms, rng_state, prepared) -> Carry:
         c = Carry(state, step_no, {}, terms, rng_state)
@@ -272,10 +270,9 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
         ship(state.sizes["agent"])
         state = ch._dataset(state, {k: layout.array(state[k].data) for k in state.data_vars})
         arrays = {k: state[k].data for k in state.data_vars}
-        parts_dtype["rho"] = arrays["rho"].dtype
         parts = ch._blocks(arrays)
         summary, _ = ch._chunk_energy(layout, cfg, parts, True)  # validates every chunk in its task
-        prepared = prepare_parts(parts)
+        prepared = prepare_parts(parts, arrays["rho"].dtype)
         arrays, summary, prepared = ch._reraise(dask.persist, arrays, summary, prepared)
         terms = ch._finish(ch._reraise(summary.compute))
         return carry_of(ch._dataset(state, arrays), int(step_no), terms, rng_state, prepared)
@@ -324,7 +321,9 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
                 summary1, grads1 = ch._chunk_energy(layout, cfg, tparts, False)
                 decs = [_delayed(_item)(t, 1) for t in trials]
                 reports = [_delayed(_item)(t, 2) for t in trials]
-                tparts, grads1, summary1 = ch._reraise(dask.persist, tparts, grads1, summary1)
+                tparts, grads1, summary1, decs, reports = ch._reraise(
+                    dask.persist, tparts, grads1, summary1, decs, reports
+                )
                 s0, s1, decs, reports = ch._reraise(dask.compute, summary0, summary1, decs, reports)
                 F0 = s0[0]["total"] if F0 is None else F0
                 decrease = 0.0

@@ -16,8 +16,9 @@ optional except ``quantum.d``, ``population.n_agents`` and ``integrator.dt``)::
                    gate, gate_threshold, gate_width, mirror_steps, mirror_eta, armijo_c,
                    max_backtracks; rates may be one number or a list with one per agent);
                    method "fit" adds horizon, lr, perturbation, shared
-    [run]          as for every run; dtype "complex128" (default) or "complex64"; backend "numpy"
-                   or "numba"
+    [run]          as for every run; dtype "complex128" (default) or "complex64"; backend "numpy",
+                   "numba" or "dask" (agent chunks, `run.chunks`; methods "channels" and
+                   "mirror_descent": :mod:`.chunked`)
 
 Methods (one run step each):
 
