@@ -44,7 +44,7 @@ from .gradient_flow import FlowRule, flow_settings, flow_update
 from .hamiltonian import DEFAULTS as HAMILTON_DEFAULTS
 from .hamiltonian import SCHEMES, _setup, kick_drift_pair
 
-__all__ = ["make_chunked", "ChunkedIntegrator", "ChunkDynamicsError", "set_task_hook"]
+__all__ = ["make_chunked", "ChunkedIntegrator", "ChunkDynamicsError", "chunk_error", "set_task_hook"]
 
 _CACHE = "_vfesim_chunked_force"
 # Called as hook(step, r0) at the start of every per-chunk update task (fault injection in tests: a
@@ -71,13 +71,18 @@ class ChunkDynamicsError(Exception):
         return DynamicsError(*self.args)
 
 
+def chunk_error(e: DynamicsError, r0: int) -> ChunkDynamicsError:
+    """The ChunkDynamicsError of a DynamicsError raised on the chunk of agents r0, ...: the agent global."""
+    message = str(e).split(": ", 2)[-1]
+    return ChunkDynamicsError(e.step, e.variable, message, None if e.agent is None else e.agent + r0)
+
+
 def _guard(n: int, arrays, cfg, aux, r0: int) -> None:
     """The guard of SPEC §5 on one chunk: ChunkDynamicsError naming the global agent."""
     try:
         guard_state(n, arrays, cfg, aux)
     except DynamicsError as e:
-        message = str(e).split(": ", 2)[-1]
-        raise ChunkDynamicsError(n, e.variable, message, None if e.agent is None else e.agent + r0) from None
+        raise chunk_error(e, r0) from None
 
 
 def _own(d: dict) -> dict:

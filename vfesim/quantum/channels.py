@@ -190,17 +190,19 @@ def coupling_window(n_agents: int, neighbours) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(nb.index), np.asarray(nb.mask)
 
 
-def pair_distances(index, mask, positions=None) -> np.ndarray:
-    """dist(i, j) (N, w) float64 for the window (index, mask): Euclidean distance of ``positions`` (N, p)
-    or, when None, the sequence distance |i - j|. 0 under mask == False."""
+def pair_distances(index, mask, positions=None, start: int | None = None) -> np.ndarray:
+    """dist(i, j) (n, w) float64 for the window rows (index, mask) of receivers i = start .. start + n - 1
+    (start None: the whole window, n = N): Euclidean distance of ``positions`` (N, p) or, when None, the
+    sequence distance |i - j|. 0 under mask == False."""
     n = index.shape[0]
+    rows = np.arange(n) if start is None else np.arange(start, start + n)
     if positions is None:
-        dist = np.abs(index - np.arange(n)[:, None]).astype(np.float64)
+        dist = np.abs(index - rows[:, None]).astype(np.float64)
     else:
         pos = np.asarray(positions, dtype=np.float64)
-        if pos.ndim != 2 or pos.shape[0] != n:
+        if pos.ndim != 2 or (pos.shape[0] != n if start is None else pos.shape[0] < start + n):
             raise ValueError(f"positions: must have shape (N={n}, p), got {pos.shape}")
-        dist = np.linalg.norm(pos[:, None, :] - pos[index], axis=-1)
+        dist = np.linalg.norm(pos[rows][:, None, :] - pos[index], axis=-1)
     return np.where(mask, dist, 0.0)
 
 

@@ -30,7 +30,10 @@ def run_dynamics(state, cfg, method, dt, n_steps, *, record_every=1, backend="nu
         raise ValueError("friction: density-matrix dynamics have no momenta (friction must be 0)")
     be = get(backend)
     if be.name not in ("numpy", "numba"):
-        raise ValueError(f"backend: density-matrix dynamics run on 'numpy' or 'numba', got {be.name!r}")
+        raise ValueError(
+            f"backend: density-matrix dynamics run on 'numpy' or 'numba', got {be.name!r} (runs of scenario "
+            "files, vfesim.simulate and `vfesim run`, also take 'dask')"
+        )
     known = set(QuantumDynamics.__dataclass_fields__)
     unknown = sorted(set(options) - known)
     if unknown:

@@ -17,7 +17,9 @@ optional except ``quantum.d``, ``population.n_agents`` and ``integrator.dt``)::
                    max_backtracks; rates may be one number or a list with one per agent);
                    method "fit" adds horizon, lr, perturbation, shared
     [run]          as for every run; dtype "complex128" (default) or "complex64"; backend "numpy",
-                   "numba" or "cuda" ("channels" and "mirror_descent"; "fit" on numpy or numba)
+                   "numba", "cuda" ("channels" and "mirror_descent"; "fit" on numpy or numba)
+                   or "dask" (agent chunks, `run.chunks`; "channels" and "mirror_descent":
+                   :mod:`.chunked`)
 
 Methods (one run step each):
 
@@ -82,7 +84,7 @@ METHODS = ("channels", "mirror_descent", "fit")
 OBSERVE = ("none", "born")
 HAMILTONIANS = ("random", "shared", "zero")
 NEIGHBOURS = ("dense", "ring", "causal")
-BACKENDS = ("numpy", "numba", "cuda")
+BACKENDS = ("numpy", "numba", "cuda", "dask")
 
 CONFIG = {
     f.name: f.default for f in dataclasses.fields(QuantumConfig) if f.name not in ("dtype", "neighbours")
@@ -397,10 +399,15 @@ def _host(a: Any) -> np.ndarray:
 def _born_sample(rng: np.random.Generator, rho) -> np.ndarray:
     """One computational-basis outcome per agent, y_i ~ <k|rho_i|k> (inverse CDF of one uniform each),
     drawn on the host: only the diagonals (N, d) of device states are copied."""
+    return born_outcomes(rho, rng.random(rho.shape[0]))
+
+
+def born_outcomes(rho, u: np.ndarray) -> np.ndarray:
+    """The outcomes of :func:`_born_sample` from the agents' uniforms u (N,) in [0, 1): per agent."""
     xp = _xp(rho)
     p = np.maximum(_host(xp.ascontiguousarray(rho.diagonal(axis1=1, axis2=2).real)), 0.0)
     cdf = np.cumsum(p, axis=1)
-    u = rng.random(p.shape[0]) * cdf[:, -1]
+    u = u * cdf[:, -1]
     return np.minimum((cdf <= u[:, None]).sum(axis=1), p.shape[1] - 1).astype(np.int64)
 
 
@@ -587,6 +594,10 @@ def make_integrator(cfg: QuantumConfig, integ: dict, *, backend: str = "numpy", 
     be = get(backend)
     if be.name not in BACKENDS:
         raise ValueError(f"backend: density-matrix runs take {list(BACKENDS)}, got {be.name!r}")
+    if be.name == "dask":  # agent chunks on the workers (vfesim.quantum.chunked)
+        from .chunked import make_chunked
+
+        return make_chunked(cfg, integ, be, seed)
     if integ["method"] != "fit":
         return _channels(cfg, integ, be, seed)
     if be.on_device:
