@@ -134,7 +134,7 @@ def _prepare_task(dyn, win: _Window, arrays: dict, U, U_senders: list, n: int, r
     rdt = lam.dtype
     gamma = _per_agent("dephasing_rate", dyn.dephasing_rate, n, np, rdt)[r0 : r0 + nc]
     gamma_th = _per_agent("thermal_rate", dyn.thermal_rate, n, np, rdt)[r0 : r0 + nc]
-    P = Prepared(lam, V, T, sigma, l, p, U, None, local, mask, dist, M, eps_c, gamma, gamma_th)
+    P = Prepared(lam, V, T, sigma, l, p, U, None, local, mask, dist, M, eps_c, gamma, gamma_th, {})
     return P, index
 
 
