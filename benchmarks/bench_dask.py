@@ -173,7 +173,12 @@ def task_split(stream: list[dict], n_workers: int, top: int = 8) -> str:
             if ss["action"] == "compute":
                 acc[name] = acc.get(name, 0.0) + (ss["stop"] - ss["start"]) / n_workers
     items = sorted(acc.items(), key=lambda kv: -kv[1])[:top]
-    return ", ".join(f"{name} {sec:.2f}" for name, sec in items)
+    per_worker: dict[str, float] = {}
+    for task in stream:
+        busy = sum(ss["stop"] - ss["start"] for ss in task.get("startstops", ()) if ss["action"] == "compute")
+        per_worker[task.get("worker", "?")] = per_worker.get(task.get("worker", "?"), 0.0) + busy
+    workers = " ".join(f"{v:.2f}" for _, v in sorted(per_worker.items()))
+    return ", ".join(f"{name} {sec:.2f}" for name, sec in items) + f"; busy per worker (s): {workers}"
 
 
 def timed_eg(client, state, cfg, reps: int) -> tuple[float, tuple[float, float, float]]:

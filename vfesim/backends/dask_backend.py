@@ -18,8 +18,8 @@ rows, so an evaluation splits into tasks over agent chunks ``[r0, r1)``:
    ``pairwise_sparse_rows``: row energies, gA, gc and float64 shares of the named senders' gB;
 3. *gB*: dense with inner "numba", the shares summed in a binary tree over receiver chunks in ascending
    order; dense with inner "cuda", one task per sender chunk (``cuda_backend.pairwise_dense_senders``)
-   recomputes its senders' weights against every receiver from every chunk's A, c and the gathered
-   statistics (one gather task) and sums gB_j = sum_i W_ij A_i / 2 in a fixed order, as float64 (pass 2 of
+   recomputes its senders' weights against every receiver from every chunk's A, c and pass-1
+   statistics and sums gB_j = sum_i W_ij A_i / 2 in a fixed order, as float64 (pass 2 of
    two: no (N, D) share per task and no reduction tree, the same pair work on the GPU; on the CPU's tiled
    path, D < 32, it would evaluate each weight once more than the fused kernel, so inner "numba" keeps
    the one pass); sparse, the shares are split by
@@ -93,6 +93,8 @@ log = logging.getLogger("vfesim")
 
 # Kernels a task may run on its chunk ("cuda": the GPU of the worker that runs it).
 INNER = ("numba", "cuda")
+# Dense pair tasks take every chunk's features directly up to this many chunks, else one gathered copy.
+DIRECT_CHUNKS = 16
 # Pair-feature products (receivers x senders x D) per task that make >= 100 ms on one core: the serial
 # tiled kernel runs about 1.5e9 products/s at D = 10 (2 sweeps), so 2^28 products is about 180 ms.
 TASK_WORK = 1 << 28
@@ -338,14 +340,32 @@ def _rows_kernels(inner: str):
     return (*k, np.asarray, np.asarray)
 
 
-def _dense_receivers_task(feats, senders, r0: int, inner: str = "numba"):
+def _dense_receivers_task(feats, r0: int, inner: str, *every):
     """Step 2 (pass 1), dense: per term (E, gA, gc, (m, inv_s, abar)) of the chunk's receivers against
-    every sender (host arrays; inner "cuda": computed on the worker's GPU)."""
+    every sender, ``every`` chunk's features (host arrays; inner "cuda": computed on the worker's GPU)."""
     recv, _, _, dev, host = _rows_kernels(inner)
+    senders = _all_senders(*every)
     out = []
     for (A, _, c, kappa, agg), B in zip(feats[0], senders, strict=True):
         erow, gA, gc, *stats = (host(x) for x in recv(dev(A), dev(c), dev(B), r0, kappa, agg))
         out.append((float(erow.sum()), gA, gc, tuple(stats)))
+    return out
+
+
+def _gather_features(*feats):
+    """Every chunk's features as those of one chunk (the chunks' rows concatenated in order)."""
+    terms = []
+    for t, (_, _, _, kappa, agg) in enumerate(feats[0][0]):
+        A, B, c = (np.concatenate([f[0][t][i] for f in feats]) for i in range(3))
+        terms.append((A, B, c, kappa, agg))
+    return terms, []
+
+
+def _gather_stats(*pairs):
+    """Every chunk's pass-1 row statistics as those of one chunk (what pass 2 reads of them)."""
+    out = []
+    for t in range(len(pairs[0])):
+        out.append((None, None, None, tuple(np.concatenate([p[t][3][k] for p in pairs]) for k in range(3))))
     return out
 
 
@@ -354,9 +374,10 @@ def _all_senders(*feats):
     return [np.concatenate([f[0][t][1] for f in feats]) for t in range(len(feats[0][0]))]
 
 
-def _dense_pairs_task(feats, senders, r0: int):
+def _dense_pairs_task(feats, r0: int, *every):
     """Step 2, dense, one pass (inner "numba"): per term (E, gA, gc, gB share (N, D) float64) of the
-    chunk's receivers against every sender, from the fused serial kernel."""
+    chunk's receivers against every sender (``every`` chunk's features), from the fused serial kernel."""
+    senders = _all_senders(*every)
     out = []
     for (A, _, c, kappa, agg), B in zip(feats[0], senders, strict=True):
         erow, gA, gc, share = pairwise_dense_rows(A, c, B, r0, kappa, agg)
@@ -399,10 +420,12 @@ def _all_receivers(n_chunks: int, *parts):
     return out
 
 
-def _dense_senders_task(feats, receivers, s0: int, inner: str = "numba"):
+def _dense_senders_task(feats, s0: int, inner: str, *parts):
     """Step 3 (pass 2), dense: per term the float64 gB of the chunk's agents as senders (agents s0 ..),
-    from every receiver's features and row statistics (host arrays)."""
+    from every receiver's features and row statistics (``parts``: every chunk's features, then every
+    chunk's pass-1 results; host arrays)."""
     _, send, _, dev, host = _rows_kernels(inner)
+    receivers = _all_receivers(len(parts) // 2, *parts)
     out = []
     for (_, B, _, kappa, agg), (A, c, m, inv_s, abar) in zip(feats[0], receivers, strict=True):
         args = (dev(A), dev(c), dev(m), dev(inv_s), dev(abar), dev(B))
@@ -520,20 +543,23 @@ def _graph(
         delayed(_features_task)(a, cfg_d, population, r0, validate, pl.inner)
         for a, (r0, _) in zip(chunk_arrays, spans, strict=True)
     ]
+    # With few chunks (one per GPU, say) each dense pair task takes every chunk's features itself: its
+    # own are as large as any other's, so the distributed scheduler spreads the tasks by load (a gathered
+    # copy, the largest input, would draw them all to the worker that holds it). With many chunks one
+    # gather task keeps the graph O(chunks).
+    every = feats if len(feats) <= DIRECT_CHUNKS else [delayed(_gather_features)(*feats)]
     if cfg.dense and pl.inner == "numba":  # one pass: the fused CPU kernel, float64 shares in a tree
-        senders = delayed(_all_senders)(*feats)
-        pairs = [delayed(_dense_pairs_task)(f, senders, r0) for f, (r0, _) in zip(feats, spans, strict=True)]
+        pairs = [delayed(_dense_pairs_task)(f, r0, *every) for f, (r0, _) in zip(feats, spans, strict=True)]
         total = _tree(list(pairs), _add_shares)
         gB_rows = [delayed(_dense_gB_rows)(total, r0, r1) for r0, r1 in spans]
     elif cfg.dense:  # two passes (inner "cuda"): receivers, then senders from the gathered statistics
-        senders = delayed(_all_senders)(*feats)
         pairs = [
-            delayed(_dense_receivers_task)(f, senders, r0, pl.inner)
+            delayed(_dense_receivers_task)(f, r0, pl.inner, *every)
             for f, (r0, _) in zip(feats, spans, strict=True)
         ]
-        receivers = delayed(_all_receivers)(len(feats), *feats, *pairs)
+        stats = pairs if len(feats) <= DIRECT_CHUNKS else [delayed(_gather_stats)(*pairs)]
         gB_rows = [
-            delayed(_dense_senders_task)(f, receivers, s0, pl.inner)
+            delayed(_dense_senders_task)(f, s0, pl.inner, *every, *stats)
             for f, (s0, _) in zip(feats, spans, strict=True)
         ]
     else:
@@ -754,6 +780,25 @@ def from_blocks(parts: list, key, like: dict[str, da.Array], sizes) -> dict[str,
         ]
         out[k] = da.concatenate(pieces, axis=0)
     return out
+
+
+def beside_lists(arrays: dict[str, da.Array], pl: Plan, sizes) -> dict[str, da.Array]:
+    """``arrays`` (agent-chunked at ``pl``'s bounds) with each chunk computed next to its receiver
+    chunk's persisted neighbour lists (sparse plans; dense ones: ``arrays`` as they are). The
+    distributed scheduler runs a task where most of its input bytes are: a chunk whose state lives where
+    its lists (the largest per-chunk input of the pair tasks) were persisted keeps its every task there,
+    and no lists move between workers per evaluation. The same values."""
+    if pl is None or pl.sparse is None or not arrays:
+        return arrays
+    parts = [
+        dask.delayed(_beside, pure=False)(b, item[1], item[2])
+        for b, item in zip(blocks(arrays), pl.sparse, strict=True)
+    ]
+    return from_blocks(parts, None, arrays, sizes)
+
+
+def _beside(block: dict, local, mask) -> dict:
+    return block
 
 
 def _pick_item(result, key, name):
