@@ -782,25 +782,6 @@ def from_blocks(parts: list, key, like: dict[str, da.Array], sizes) -> dict[str,
     return out
 
 
-def beside_lists(arrays: dict[str, da.Array], pl: Plan, sizes) -> dict[str, da.Array]:
-    """``arrays`` (agent-chunked at ``pl``'s bounds) with each chunk computed next to its receiver
-    chunk's persisted neighbour lists (sparse plans; dense ones: ``arrays`` as they are). The
-    distributed scheduler runs a task where most of its input bytes are: a chunk whose state lives where
-    its lists (the largest per-chunk input of the pair tasks) were persisted keeps its every task there,
-    and no lists move between workers per evaluation. The same values."""
-    if pl is None or pl.sparse is None or not arrays:
-        return arrays
-    parts = [
-        dask.delayed(_beside, pure=False)(b, item[1], item[2])
-        for b, item in zip(blocks(arrays), pl.sparse, strict=True)
-    ]
-    return from_blocks(parts, None, arrays, sizes)
-
-
-def _beside(block: dict, local, mask) -> dict:
-    return block
-
-
 def _pick_item(result, key, name):
     return result[name] if key is None else result[key][name]
 

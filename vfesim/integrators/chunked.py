@@ -330,14 +330,8 @@ def _evaluate(layout: _Layout, cfg, arrays: dict, validate: bool):
 
 
 def _chunk_arrays(layout: _Layout, state: xr.Dataset, aux: dict) -> tuple[xr.Dataset, dict]:
-    """The state and aux chunked at the run's bounds; with sparse lists, each chunk computed beside its
-    receiver chunk's persisted lists (:func:`~vfesim.backends.dask_backend.beside_lists`)."""
-    from ..backends.dask_backend import beside_lists
-
-    arrays = {k: layout.array(state[k].data) for k in state.data_vars}
-    aux = {k: layout.array(v) for k, v in aux.items()}
-    placed = beside_lists({**arrays, **aux}, layout.plan, layout.sizes)
-    return _dataset(state, {k: placed[k] for k in arrays}), {k: placed[k] for k in aux}
+    state = _dataset(state, {k: layout.array(state[k].data) for k in state.data_vars})
+    return state, {k: layout.array(v) for k, v in aux.items()}
 
 
 def _finish(summary) -> dict[str, float]:
