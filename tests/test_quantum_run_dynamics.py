@@ -38,7 +38,8 @@ def test_numba_stages_agree(system):
         (dict(method="leapfrog"), "method"),
         (dict(method="channels", friction=0.1), "friction"),
         (dict(method="channels", coupling_strenght=0.1), "coupling_strenght"),
-        (dict(method="channels", backend="dask"), "backend"),
+        (dict(method="channels", backend="dask", neighbours="dense"), "neighbours"),
+        (dict(method="channels", backend="torch"), "backend"),
     ],
 )
 def test_errors_name_the_option(system, kw, match):

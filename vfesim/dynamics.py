@@ -52,7 +52,8 @@ def run_dynamics(
     Density-matrix agents (a :class:`~vfesim.QuantumConfig`) run their own dynamics (spec/quantum.md §3):
     method "channels" (coupling channels, unitary step, dephasing; ``options`` are the fields of
     :class:`vfesim.quantum.QuantumDynamics`) or "mirror_descent"; their history adds purity, entropy and
-    the trace, Hermiticity and positivity residuals (:func:`vfesim.quantum.evolve`).
+    the trace, Hermiticity and positivity residuals (:func:`vfesim.quantum.evolve`); every backend
+    (cuda and dask through the scenario runs' steppers, see :mod:`vfesim.quantum.family`).
     """
     for key, v in (("n_steps", n_steps), ("record_every", record_every)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (0 if key == "n_steps" else 1):

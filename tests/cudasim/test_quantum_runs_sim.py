@@ -118,3 +118,25 @@ def test_kernel_constants_go_to_the_device_once():
     n = len(P.consts)
     QUANTUM_OPS.step_vjp(2)(P, arrays["rho"], np.ones_like(first), 0.1, dyn)
     assert len(P.consts) == n and any(k[0][0] == "prm" for k in P.consts if isinstance(k[0], tuple))
+
+
+@pytest.mark.parametrize("method", ["channels", "mirror_descent"])
+def test_run_dynamics_on_cuda_matches_numpy(method):
+    """vfesim.run_dynamics of density-matrix agents on cuda (the runs' device stepper): the final state
+    (returned on the host, as given) and the history equal the numpy run's; mirror eta is not reported."""
+    nb = vfesim.SparseNeighbours.ring(5, 1)
+    cfg = vfesim.QuantumConfig(d=2, lambda_self=0.3, lambda_belief=1.0, lambda_prior=0.2, neighbours=nb)
+    state = vfesim.random_state(cfg, 5, seed=2)
+    kw = {"method": method, "dt": 0.1, "n_steps": 3, "record_every": 2}
+    if method == "channels":
+        kw.update(coupling="C1", coupling_strength=0.3, dephasing_rate=0.2, mirror_steps=1)
+    ref, h_ref = vfesim.run_dynamics(state, cfg, backend="numpy", **kw)
+    out, h = vfesim.run_dynamics(state, cfg, backend="cuda", **kw)
+    assert isinstance(out["rho"].data, np.ndarray)
+    np.testing.assert_allclose(out["rho"].values, ref["rho"].values, rtol=0, atol=1e-12)
+    assert h["step"].values.tolist() == h_ref["step"].values.tolist() == [0, 2, 3]
+    for k in h_ref.data_vars:
+        if k == "system_mirror_eta":
+            assert np.isnan(h[k].values).all()
+            continue
+        np.testing.assert_allclose(h[k].values, h_ref[k].values, rtol=1e-11, atol=1e-12, err_msg=k)
