@@ -145,3 +145,22 @@ def test_quantum_run_steps_with_cuda_chunks_match_numpy():
     assert np.abs(x - y).max() <= 1e-12 * np.abs(y).max()
     assert abs(b.terms["total"] - a.terms["total"]) <= 1e-12 * abs(a.terms["total"])
     np.testing.assert_array_equal(b.state["outcome"].values, a.state["outcome"].values)
+
+
+def test_sparse_rows_cache_lists_by_key():
+    """Lists named by a key are checked, transposed and copied to the device once: a moved copy of the
+    same lists under the same key reuses the entry (same results), another key makes a new one."""
+    rng = np.random.default_rng(4)
+    n_r, n_s, D = 3, 5, 4
+    A, c, B = rng.normal(size=(n_r, D)), rng.normal(size=n_r), rng.normal(size=(n_s, D))
+    index = np.array([[4, 0], [1, 1], [2, 0]])
+    mask = np.array([[True, True], [True, False], [False, True]])
+    cuda_backend.clear_cache()
+    rows = cuda_backend.pairwise_sparse_rows
+    first = rows(A, c, B, index, mask, 1.3, "softmin", key="plan:0")
+    again = rows(A, c, B, index.copy(), mask.copy(), 1.3, "softmin", key="plan:0")
+    assert len(cuda_backend._neighbours) == 1
+    for x, y in zip(first, again, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    rows(A, c, B, index, mask, 1.3, "softmin", key="plan:3")
+    assert len(cuda_backend._neighbours) == 2

@@ -725,7 +725,7 @@ def _incoming(index: np.ndarray, mask: np.ndarray, n_senders: int) -> dict:
     return {"ptr": ptr, "row": pad(flat // k), "slot": pad(flat % k)}
 
 
-def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: str):
+def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: str, key=None):
     """Receivers A_r (n_r, D), c_r (n_r,) with neighbour lists index/mask (n_r, k) into the rows of B_s
     (n_s, D), a gathered subset of the senders (local row numbers), on the device: the unit of work of a
     scheduler task (the contract of :func:`vfesim_kernels.pairwise_cpu.pairwise_sparse_rows`).
@@ -734,6 +734,10 @@ def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: s
     float64: these receivers' share of the gathered senders' gB, each sender's sum over its incoming
     edges in (receiver, slot) order). The sparse kernels of :func:`vfesim_kernels.cuda.make_sparse_kernels`:
     one thread per receiver, then one per sender. Memory: O((n_r k + n_s) D) on the device.
+
+    The lists are checked, transposed and copied to the device on their first use only: cached under
+    ``key`` (a name the caller gives these lists, e.g. a dask plan's chunk; the same name must always
+    mean the same lists), else under the identity of ``index`` and ``mask``.
     """
     xp = array_module()
     NR, D = A_r.shape
@@ -751,7 +755,8 @@ def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: s
 
     # The lists of one receiver chunk are one object for a whole dask run: checked, transposed and moved
     # to the device on their first use only.
-    nbr = _lru(_neighbours, (id(index), id(mask), NS), make, MAX_LISTS)[1]
+    name = ("lists", key, NR, NS) if key is not None else (id(index), id(mask), NS)
+    nbr = _lru(_neighbours, name, make, MAX_LISTS)[1]
     if NR == 0:
         return xp.zeros(0), xp.zeros((0, D), dt), xp.zeros(0, dt), xp.zeros((NS, D))
     k = kc.make_sparse_kernels(D, dt.name, aggregator)

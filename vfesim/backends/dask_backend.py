@@ -53,6 +53,7 @@ import importlib
 import logging
 import os
 import re
+import uuid
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -433,19 +434,22 @@ def _dense_senders_task(feats, s0: int, inner: str, *parts):
     return out
 
 
-def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "numba"):
+def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "numba", key=None):
     """Step 2, sparse: per term (E, gA, gc, {sender chunk position: gB share (n_s, D) float64}).
 
     sender_feats: the features of the sender chunks the lists name (ascending); local (n_r, k): the
-    senders' rows in those chunks' features concatenated (:func:`_sparse_plan`), mask (n_r, k)."""
+    senders' rows in those chunks' features concatenated (:func:`_sparse_plan`), mask (n_r, k). key: the
+    lists' name in the plan (inner "cuda": the worker's GPU keeps them, checked and transposed, under
+    it, also when the scheduler moved a copy of them here)."""
     sizes = [len(f[0][0][1]) if f[0] else 0 for f in sender_feats]
     offs = np.cumsum([0, *sizes])
     _, _, rows, dev, host = _rows_kernels(inner)
+    kw = {"key": key} if inner == "cuda" else {}
     out = []
     for t, (A, _, c, kappa, agg) in enumerate(feats[0]):
         B = np.concatenate([f[0][t][1] for f in sender_feats]) if sender_feats else A[:0]
         args = (dev(A), dev(c), dev(B), local, mask, kappa, agg)
-        erow, gA, gc, share = (host(x) for x in rows(*args))
+        erow, gA, gc, share = (host(x) for x in rows(*args, **kw))
         out.append((float(erow.sum()), gA, gc, [share[offs[s] : offs[s + 1]] for s in range(len(sizes))]))
     return out
 
@@ -498,15 +502,17 @@ class Plan:
     """What every evaluation of one population with one chunking shares: ``cfg`` with dense neighbours
     (the chunk tasks' config, one Delayed), and for sparse neighbours per receiver chunk the sender
     chunks its lists name and its (index, mask) rows (Delayed). :func:`plan` builds one per call;
-    a run persists one (:meth:`persist`) so that the lists travel to the workers once, not per step."""
+    a run persists one (:meth:`persist`) so that the lists travel to the workers once, not per step.
+    ``token`` names this plan's lists (unique per plan) for the device caches of the pair tasks."""
 
     bounds: tuple[int, ...]
     cfg: Any
     sparse: tuple | None
     inner: str = "numba"
+    token: str = ""
 
     def persist(self) -> Plan:
-        return Plan(self.bounds, *dask.persist(self.cfg, self.sparse), self.inner)
+        return Plan(self.bounds, *dask.persist(self.cfg, self.sparse), self.inner, self.token)
 
 
 def plan(cfg, bounds: tuple[int, ...], inner: str = "numba") -> Plan:
@@ -519,7 +525,7 @@ def plan(cfg, bounds: tuple[int, ...], inner: str = "numba") -> Plan:
     if not cfg.dense:
         d = lambda a: dask.delayed(_identity, pure=False)(a)  # noqa: E731
         sparse = tuple((owners, d(local), d(msk)) for owners, local, msk in _sparse_plan(cfg, bounds))
-    return Plan(tuple(bounds), cfg_d, sparse, inner)
+    return Plan(tuple(bounds), cfg_d, sparse, inner, uuid.uuid4().hex)
 
 
 def _graph(
@@ -563,9 +569,9 @@ def _graph(
             for f, (s0, _) in zip(feats, spans, strict=True)
         ]
     else:
-        sparse = pl.sparse
+        sparse, task = pl.sparse, delayed(_sparse_pairs_task)
         pairs = [
-            delayed(_sparse_pairs_task)(f, [feats[s] for s in owners], local, msk, r0, pl.inner)
+            task(f, [feats[s] for s in owners], local, msk, r0, pl.inner, f"{pl.token}:{r0}")
             for f, (owners, local, msk), (r0, _) in zip(feats, sparse, spans, strict=True)
         ]
         gB_rows = []

@@ -124,9 +124,9 @@ def _flow_task(rule: FlowRule, cfg, arrays, grads, aux, n: int, r0: int, inner: 
     """Gradient flow, one chunk: (moved state arrays, new aux), host arrays. inner "cuda": the fused
     update kernel on the worker's GPU (the cuda backend's), the guard only where its flag is raised."""
     _hook(n, r0)
-    arrays, grads, aux = _own(arrays), _own(grads), _own(aux)
     if inner == "cuda":
         return _flow_device(rule, cfg, arrays, grads, aux, n, r0)
+    arrays, grads, aux = _own(arrays), _own(grads), _own(aux)
     rule = dataclasses.replace(rule, ops=_serial(cfg))
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         new, aux = flow_update(rule, arrays, grads, aux, n)
@@ -142,6 +142,8 @@ def _flow_device(rule: FlowRule, cfg, arrays, grads, aux, n: int, r0: int):
     from .device import host_array
 
     ops = _device_ops(cfg)
+    if ops.xp is np:  # the CUDA simulator: kernels write their host arguments back, so own copies
+        arrays, grads, aux = _own(arrays), _own(grads), _own(aux)
     put = ops.put
     dev = {k: put(v) for k, v in arrays.items()}
     direc = {k: put(grads[k]) for k in rule.ops_fields}
