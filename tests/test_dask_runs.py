@@ -252,3 +252,22 @@ def test_quantum_run_on_worker_processes_equals_the_threaded_run(client, tmp_pat
     for k in a.data_vars:
         np.testing.assert_array_equal(a[k].values, b[k].values, err_msg=k)
     _intact(tmp_path / "p.zarr")
+
+
+def test_checkpoint_reload_does_not_validate_again(tmp_path, monkeypatch):
+    """After a checkpoint a chunked run restores from it (cutting the task lineage) without validating
+    the state again: only the initial state is validated, once per chunk (gradient flow: its first
+    evaluation; Verlet: the init tasks), however many checkpoints follow."""
+    from vfesim.backends import dask_backend
+    from vfesim.integrators import chunked
+
+    calls = []
+    for module in (dask_backend, chunked):
+        original = module.validate_state
+        monkeypatch.setattr(
+            module, "validate_state", lambda *a, _f=original, **k: (calls.append(1), _f(*a, **k))[1]
+        )
+    for method in ("gradient_flow", "verlet"):
+        calls.clear()
+        simulate(_scenario(method), out=tmp_path / f"{method}.zarr", progress=False)  # checkpoints at 2, 4
+        assert len(calls) == 3, method  # chunks of 5, 5, 3

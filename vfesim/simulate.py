@@ -410,10 +410,12 @@ def _reload(store: RunStore, integ, carry, buf: list, buf_start: int):
     """A chunked run after a checkpoint: the carry restored from the checkpoint just written, and the
     buffered frames read back from the trajectory, all as Dask arrays read by the workers. This cuts the
     task lineage there (the scheduler forgets the steps before; a lost worker's chunks are recomputed
-    from the checkpoint), and a resumed run restores from the same checkpoint the same way: bitwise."""
+    from the checkpoint), and a resumed run restores from the same checkpoint the same way: bitwise.
+    The state is not validated again: it is the one the run just checked, read back through the store's
+    checksums (a resume validates it)."""
     sizes = integ.layout.sizes
     ckpt = store.load_checkpoint(carry.step, sizes)
-    carry = integ.restore(ckpt.state, ckpt.step, ckpt.aux, ckpt.rng_state)
+    carry = integ.restore(ckpt.state, ckpt.step, ckpt.aux, ckpt.rng_state, validate=False)
     return carry, store.read_frames(buf_start, buf_start + len(buf), sizes)
 
 

@@ -353,7 +353,9 @@ def _make_flow(cfg, dt, layout: _Layout, friction: float, options) -> Integrator
         object.__setattr__(c, _CACHE, grads)
         return c
 
-    def restore(state: xr.Dataset, step: int, aux: dict, rng_state: dict | None = None) -> Carry:
+    def restore(
+        state: xr.Dataset, step: int, aux: dict, rng_state: dict | None = None, *, validate: bool = True
+    ) -> Carry:
         if set(aux) != set(aux_names):
             raise ValueError(f"gradient_flow restore: aux keys {sorted(aux)} != expected {sorted(aux_names)}")
         layout.fix(state)
@@ -361,7 +363,7 @@ def _make_flow(cfg, dt, layout: _Layout, friction: float, options) -> Integrator
             (shipped["rule"],) = dask.persist(dask.delayed(rule, traverse=False))
         state, aux = _chunk_arrays(layout, state, aux)
         arrays = {k: state[k].data for k in state.data_vars}
-        summary, grads = _evaluate(layout, cfg, arrays, True)
+        summary, grads = _evaluate(layout, cfg, arrays, validate)
         arrays, aux, grads, summary = _reraise(dask.persist, arrays, aux, grads, summary)
         terms = _finish(_reraise(summary.compute))
         return _carry(_dataset(state, arrays), int(step), aux, terms, grads, rng_state)
@@ -466,14 +468,16 @@ def _make_const(method, cfg, dt, layout: _Layout, friction, seed, backend, optio
         object.__setattr__(carry, _CACHE, (eterms, grads))
         return carry
 
-    def restore(state: xr.Dataset, step: int, aux: dict, rng_state: dict | None = None) -> Carry:
+    def restore(
+        state: xr.Dataset, step: int, aux: dict, rng_state: dict | None = None, *, validate: bool = True
+    ) -> Carry:
         if set(aux) != set(c.aux_names):
             raise ValueError(f"{method} restore: aux keys {sorted(aux)} != expected {sorted(c.aux_names)}")
         layout.fix(state)
         ship()
         state, aux = _chunk_arrays(layout, state, aux)
         arrays = {k: state[k].data for k in state.data_vars}
-        summary, grads = _evaluate(layout, cfg, arrays, True)
+        summary, grads = _evaluate(layout, cfg, arrays, validate)
         sums = [dask.delayed(_kinetic_task, pure=False)(c.p_names, a) for a in _blocks(aux)]
         arrays, aux, grads, summary, sums = _reraise(dask.persist, arrays, aux, grads, summary, sums)
         summary, sums = _reraise(dask.compute, summary, sums)
@@ -516,7 +520,8 @@ def _make_const(method, cfg, dt, layout: _Layout, friction, seed, backend, optio
                 z[rest] = 0.0
             aux[name] = layout.array((math.sqrt(c.mass[field]) * z).astype(dtype))
         new, aux = _reraise(dask.persist, new, aux)
-        return restore(_dataset(state, new), 0, aux, rng.bit_generator.state)
+        # every chunk was validated by its init task
+        return restore(_dataset(state, new), 0, aux, rng.bit_generator.state, validate=False)
 
     def step(carry: Carry) -> Carry:
 

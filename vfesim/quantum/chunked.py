@@ -261,7 +261,9 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
         object.__setattr__(c, _CACHE, prepared)
         return c
 
-    def restore(state: xr.Dataset, step_no: int, aux: dict, rng_state: dict | None = None) -> Carry:
+    def restore(
+        state: xr.Dataset, step_no: int, aux: dict, rng_state: dict | None = None, *, validate: bool = True
+    ) -> Carry:
         if aux:
             raise ValueError(f"{integ['method']} restore: no aux arrays expected, got {sorted(aux)}")
         if observe and rng_state is None:
@@ -271,7 +273,7 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
         state = ch._dataset(state, {k: layout.array(state[k].data) for k in state.data_vars})
         arrays = {k: state[k].data for k in state.data_vars}
         parts = ch._blocks(arrays)
-        summary, _ = ch._chunk_energy(layout, cfg, parts, True)  # validates every chunk in its task
+        summary, _ = ch._chunk_energy(layout, cfg, parts, validate)  # validates every chunk in its task
         prepared = prepare_parts(parts, arrays["rho"].dtype)
         arrays, summary, prepared = ch._reraise(dask.persist, arrays, summary, prepared)
         terms = ch._finish(ch._reraise(summary.compute))
