@@ -91,6 +91,7 @@ def test_gathered_features_give_the_same_bits_as_direct_inputs(monkeypatch):
 
     cfg = make_obs_config(K=3, lambda_prior=0.5, aggregator="softmin")
     state = vfesim.random_state(cfg, N, seed=2)
+    monkeypatch.setattr(dask_backend, "_distributed", lambda: True)  # direct inputs, as on a cluster
     t1, g1 = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(9, 20, 8))
     monkeypatch.setattr(dask_backend, "DIRECT_CHUNKS", 1)
     t2, g2 = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(9, 20, 8))

@@ -256,8 +256,9 @@ def test_quantum_run_on_worker_processes_equals_the_threaded_run(client, tmp_pat
 
 def test_checkpoint_reload_does_not_validate_again(tmp_path, monkeypatch):
     """After a checkpoint a chunked run restores from it (cutting the task lineage) without validating
-    the state again: only the initial state is validated, once per chunk (gradient flow: its first
-    evaluation; Verlet: the init tasks), however many checkpoints follow."""
+    the state again: only the initial state is validated, per chunk (gradient flow: in its first
+    evaluation; Verlet: in the init tasks, errors only, and in the first evaluation), however many
+    checkpoints follow."""
     from vfesim.backends import dask_backend
     from vfesim.integrators import chunked
 
@@ -267,7 +268,25 @@ def test_checkpoint_reload_does_not_validate_again(tmp_path, monkeypatch):
         monkeypatch.setattr(
             module, "validate_state", lambda *a, _f=original, **k: (calls.append(1), _f(*a, **k))[1]
         )
-    for method in ("gradient_flow", "verlet"):
+    for method, per_chunk in (("gradient_flow", 1), ("verlet", 2)):
         calls.clear()
         simulate(_scenario(method), out=tmp_path / f"{method}.zarr", progress=False)  # checkpoints at 2, 4
-        assert len(calls) == 3, method  # chunks of 5, 5, 3
+        assert len(calls) == 3 * per_chunk, method  # chunks of 5, 5, 3
+
+
+@pytest.mark.parametrize("method", ["gradient_flow", "verlet"])
+def test_warnings_of_chunk_tasks_reach_the_caller_with_global_agents(method):
+    """A warning recorded in a chunk task (an ill-conditioned covariance of agent 6, in the second chunk)
+    is re-emitted on the client naming the global agent, once, also from a persisted evaluation."""
+    from vfesim.state import ConditioningWarning
+
+    cfg = vfesim.ModelConfig(K=3, lambda_prior=0.5)
+    state = vfesim.random_state(cfg, 8, seed=0)
+    Q, _ = np.linalg.qr(np.random.default_rng(4).standard_normal((3, 3)))
+    S = (Q * np.logspace(0, -9, 3)) @ Q.T
+    state["sigma_q"].values[6] = 0.5 * (S + S.T)
+    backend = dataclasses.replace(get("dask"), chunks=4)
+    with pytest.warns(ConditioningWarning) as rec:
+        vfesim.run_dynamics(state, cfg, method, 1e-4, 1, backend=backend)
+    texts = [str(w.message) for w in rec if issubclass(w.category, ConditioningWarning)]
+    assert texts and all("sigma_q[agent=6]" in t for t in texts), texts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["array_module", "is_host", "max_abs"]
+__all__ = ["array_module", "host_array", "is_host", "max_abs"]
 
 
 def array_module(a):
@@ -14,6 +14,14 @@ def array_module(a):
 
         return cupy
     return np
+
+
+def host_array(a) -> np.ndarray:
+    """A NumPy array of a NumPy, CuPy (copied to the host) or Dask (computed) array; NumPy ones as they
+    are."""
+    if isinstance(a, np.ndarray):
+        return a
+    return a.get() if array_module(a) is not np else np.asarray(a)
 
 
 def is_host(a) -> bool:

@@ -24,6 +24,7 @@ import numpy as np
 import xarray as xr
 
 from ._version import __version__
+from .arrays import host_array
 from .config import ModelConfig
 from .family import family_of
 from .io.lock import store_lock
@@ -111,10 +112,6 @@ class Run:
         return open_run(self.path)
 
 
-def _host(a: Any) -> np.ndarray:
-    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
-
-
 def _host_state(state: xr.Dataset) -> xr.Dataset:
     """``state`` with NumPy data (device runs keep it on the device until the end)."""
     if all(isinstance(state[k].data, np.ndarray) for k in state.data_vars):
@@ -129,7 +126,7 @@ def _is_dask(a: Any) -> bool:
 def _frame(carry, names, obs: Observables) -> dict[str, Any]:
     """A trajectory frame: the state's trajectory variables (host arrays; Dask arrays of a chunked run
     stay on the workers), the energy terms and the observables."""
-    f = {k: (a if _is_dask(a) else _host(a)) for k in names for a in (carry.state[k].data,)}
+    f = {k: (a if _is_dask(a) else host_array(a)) for k in names for a in (carry.state[k].data,)}
     f.update({term_var(k): float(v) for k, v in carry.terms.items()})
     f.update(obs.evaluate(carry.state))
     return f
@@ -391,7 +388,7 @@ def _checkpoint(store: RunStore, scn: Scenario, carry, buf, buf_start, backend: 
     store.write_checkpoint(
         carry.state,
         carry.step,
-        {k: (v if _is_dask(v) else _host(v)) for k, v in carry.aux.items()},
+        {k: (v if _is_dask(v) else host_array(v)) for k, v in carry.aux.items()},
         carry.rng_state,
         carry.terms,
         {
@@ -411,8 +408,10 @@ def _reload(store: RunStore, integ, carry, buf: list, buf_start: int):
     buffered frames read back from the trajectory, all as Dask arrays read by the workers. This cuts the
     task lineage there (the scheduler forgets the steps before; a lost worker's chunks are recomputed
     from the checkpoint), and a resumed run restores from the same checkpoint the same way: bitwise.
-    The state is not validated again: it is the one the run just checked, read back through the store's
-    checksums (a resume validates it)."""
+    The state is not validated again: it is the one the run's guard just passed (finite values; on the
+    host path also SPD and the conditioning estimate), read back through the store's checksums. A resume
+    validates it in full, and refuses a state beyond the dtype's conditioning limit that a run on GPU
+    workers, whose guard checks finiteness, carried on with."""
     sizes = integ.layout.sizes
     ckpt = store.load_checkpoint(carry.step, sizes)
     carry = integ.restore(ckpt.state, ckpt.step, ckpt.aux, ckpt.rng_state, validate=False)

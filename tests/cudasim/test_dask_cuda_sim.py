@@ -65,6 +65,7 @@ def test_cuda_two_passes_gathered_or_direct_give_the_same_bits(monkeypatch):
 
     cfg = vfesim.ModelConfig(K=3, lambda_prior=0.6, aggregator="softmin")
     state = vfesim.random_state(cfg, N, seed=5)
+    monkeypatch.setattr(dask_backend, "_distributed", lambda: True)  # direct inputs, as on a cluster
     t1, g1 = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(3, 5), inner="cuda")
     monkeypatch.setattr(dask_backend, "DIRECT_CHUNKS", 1)
     t2, g2 = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(3, 5), inner="cuda")
@@ -164,3 +165,14 @@ def test_sparse_rows_cache_lists_by_key():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     rows(A, c, B, index, mask, 1.3, "softmin", key="plan:3")
     assert len(cuda_backend._neighbours) == 2
+
+
+@pytest.mark.parametrize("bad", [-1, 5])
+def test_sparse_rows_refuse_listed_senders_out_of_range(bad):
+    """A listed sender outside the gathered rows is an error before any kernel (or transposition) runs."""
+    rng = np.random.default_rng(5)
+    A, c, B = rng.normal(size=(2, 4)), rng.normal(size=2), rng.normal(size=(5, 4))
+    index = np.array([[bad, 0], [1, 2]])
+    mask = np.ones((2, 2), bool)
+    with pytest.raises(ValueError, match=r"listed senders must be rows 0 \.\. 4"):
+        cuda_backend.pairwise_sparse_rows(A, c, B, index, mask, 1.0, "softmin")

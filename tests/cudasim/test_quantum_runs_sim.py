@@ -112,12 +112,18 @@ def test_kernel_constants_go_to_the_device_once():
     index = window(P, np)[0]
     again = QUANTUM_OPS.channel_step(P, arrays["rho"], 0.1, dyn)
     np.testing.assert_array_equal(again, first)
-    assert P.consts.keys() == made.keys() and all(P.consts[k][1] is v[1] for k, v in made.items())
+    assert P.consts.keys() == made.keys() and all(P.consts[k][2] is v[2] for k, v in made.items())
     assert window(P, np)[0] is index and index.flags.writeable
     QUANTUM_OPS.step_vjp(2)(P, arrays["rho"], np.ones_like(first), 0.1, dyn)
     n = len(P.consts)
     QUANTUM_OPS.step_vjp(2)(P, arrays["rho"], np.ones_like(first), 0.1, dyn)
-    assert len(P.consts) == n and any(k[0][0] == "prm" for k in P.consts if isinstance(k[0], tuple))
+    assert len(P.consts) == n and any(k[0] == "prm" for k in P.consts)
+    # A schedule of varying dt keeps one array per constant, made again for each new dt.
+    for dt in (0.05, 0.07, 0.09):
+        QUANTUM_OPS.channel_step(P, arrays["rho"], dt, dyn)
+        QUANTUM_OPS.step_vjp(2)(P, arrays["rho"], np.ones_like(first), dt, dyn)
+    assert len(P.consts) == n
+    np.testing.assert_array_equal(QUANTUM_OPS.channel_step(P, arrays["rho"], 0.1, dyn), first)
 
 
 @pytest.mark.parametrize("method", ["channels", "mirror_descent"])

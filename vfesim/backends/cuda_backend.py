@@ -28,6 +28,7 @@ thread per agent) and this backend's family-free pair functions: dense pairs of 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -37,6 +38,7 @@ from vfesim_kernels import cuda as kc
 from vfesim_kernels import kernel_cache_dir
 from vfesim_kernels.pairwise_cpu import incoming_csr, range_error
 
+from ..arrays import host_array
 from ..config import ModelConfig
 from ..gaussian.energy import NUMPY_AGENT_OPS, StagedStages
 from ..groups import generators
@@ -215,6 +217,11 @@ class _Neighbours:
         # Writable copies: the config holds read-only arrays (the simulator writes kernel arguments back).
         index = np.array(index, dtype=np.int64, order="C")
         mask = np.array(mask, dtype=bool, order="C")
+        if index.ndim != 2 or mask.shape != index.shape:
+            raise ValueError(f"index/mask: expected two (n, k) arrays, got {index.shape} and {mask.shape}")
+        listed = index[mask]
+        if listed.size and not (0 <= listed.min() and listed.max() < n_senders):
+            raise ValueError(f"index: listed senders must be rows 0 .. {n_senders - 1}")
         host = {"index": index, "mask": mask, **_incoming(index, mask, n_senders)}
         self.buf = {k: xp.asarray(v) for k, v in host.items()}
         self.dev = {k: kc.as_device_view(v) for k, v in self.buf.items()}
@@ -222,11 +229,14 @@ class _Neighbours:
 
 
 _workspaces: OrderedDict = OrderedDict()
-# Device lists keyed by the identity of the host list objects (each entry keeps them, so their ids cannot
-# be reused meanwhile): a config's lists, or a dask run's per-chunk lists, which the workers keep for the
-# run, so each chunk's lists and transpose reach its GPU once per run, not once per evaluation.
+# Device lists, keyed by the identity of the host list objects (a config's lists; each entry keeps them,
+# so their ids cannot be reused meanwhile) or by a name the caller gives (a dask plan's receiver chunk), so
+# that each chunk's lists and their transpose reach its GPU once per run, not once per evaluation. List
+# arrays are not modified in place (configs hold read-only ones). Up to MAX_LISTS entries (a GPU serving
+# more receiver chunks than that transposes their lists again at every evaluation).
 _neighbours: OrderedDict = OrderedDict()
-MAX_LISTS = 8
+MAX_LISTS = 16
+_LOCK = threading.RLock()  # the caches are shared by the scheduler's threads
 
 
 def clear_cache() -> None:
@@ -237,14 +247,15 @@ def clear_cache() -> None:
 
 
 def _lru(cache: OrderedDict, key, make, limit: int = MAX_WORKSPACES):
-    if key in cache:
-        cache.move_to_end(key)
-        return cache[key]
-    value = make()
-    cache[key] = value
-    while len(cache) > limit:
-        cache.popitem(last=False)
-    return value
+    with _LOCK:  # lookups, inserts and evictions of the scheduler's threads one at a time
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        value = make()
+        cache[key] = value
+        while len(cache) > limit:
+            cache.popitem(last=False)
+        return value
 
 
 def _neighbour_lists(nb) -> _Neighbours:
@@ -445,7 +456,7 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     N, D = A.shape
     dt = A.dtype
     scale = dt.type(0.5 / kappa)
-    host = lambda a: a if isinstance(a, np.ndarray) else a.get()
+    host = host_array
     # Keyed by identity like _neighbour_lists (the assembly passes the config's arrays every call); the
     # entry keeps the arrays, so their ids cannot be reused meanwhile.
     make = lambda: ((index, mask), _Neighbours(host(index), host(mask), N))
@@ -628,8 +639,8 @@ class _PointsLayout:
         from vfesim_kernels.pairwise_cpu import check_points
 
         xp = array_module()
-        offsets, lists, rowmap = (np.asarray(_host(a), np.int64) for a in (offsets, lists, rowmap))
-        index, mask = np.asarray(_host(index), np.int64), np.asarray(_host(mask), bool)
+        offsets, lists, rowmap = (np.asarray(host_array(a), np.int64) for a in (offsets, lists, rowmap))
+        index, mask = np.asarray(host_array(index), np.int64), np.asarray(host_array(mask), bool)
         check_points(n_r, n_s, offsets, lists, rowmap, index, mask)
         P, n = rowmap.shape
         point = np.repeat(np.arange(P, dtype=np.int64), np.diff(offsets))
@@ -650,10 +661,6 @@ class _PointsLayout:
 
 
 _points_layouts: OrderedDict = OrderedDict()
-
-
-def _host(a):
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 def _pairwise_points(A, B, c, u, v, offsets, lists, rowmap, index, mask, kappa: float, aggregator: str):
@@ -749,9 +756,7 @@ def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: s
         index_h, mask_h = np.asarray(host(index), np.int64), np.asarray(host(mask), bool)
         if index_h.ndim != 2 or index_h.shape[0] != NR or mask_h.shape != index_h.shape:
             raise ValueError(f"index/mask: expected ({NR}, k) lists, got {index_h.shape} and {mask_h.shape}")
-        if mask_h.any() and not (0 <= index_h[mask_h].min() and index_h[mask_h].max() < NS):
-            raise ValueError(f"index: listed senders must be rows 0 .. {NS - 1} of B_s")
-        return (index, mask), _Neighbours(index_h, mask_h, NS)
+        return (index, mask), _Neighbours(index_h, mask_h, NS)  # which checks the listed rows
 
     # The lists of one receiver chunk are one object for a whole dask run: checked, transposed and moved
     # to the device on their first use only.

@@ -70,6 +70,7 @@ from vfesim_kernels.pairwise_cpu import (
     pairwise_sparse_rows,
 )
 
+from ..arrays import host_array
 from ..family import family_of
 from ..state import NonFiniteError, StateError, validate_state
 from . import Backend, check_outputs, gradient_dataset
@@ -94,7 +95,8 @@ log = logging.getLogger("vfesim")
 
 # Kernels a task may run on its chunk ("cuda": the GPU of the worker that runs it).
 INNER = ("numba", "cuda")
-# Dense pair tasks take every chunk's features directly up to this many chunks, else one gathered copy.
+# Dense pair tasks on a distributed scheduler take every chunk's features directly up to this many chunks,
+# else (and in one process) one gathered copy.
 DIRECT_CHUNKS = 16
 # Pair-feature products (receivers x senders x D) per task that make >= 100 ms on one core: the serial
 # tiled kernel runs about 1.5e9 products/s at D = 10 (2 sweeps), so 2^28 products is about 180 ms.
@@ -153,10 +155,18 @@ class ChunkError(Exception):
 _AGENT = re.compile(r"\[agent=(\d+)\]")
 
 
-def _shift_warning(w: warnings.WarningMessage, r0: int) -> tuple[type, str]:
-    """(category, message) of a warning recorded in a task, agent indices made global."""
-    text = _AGENT.sub(lambda m: f"[agent={int(m.group(1)) + r0}]", str(w.message))
-    return w.category, text
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """A warning recorded in a task (category, message), re-emitted on the client. Not a tuple: Dask
+    reads a tuple whose first item is callable, inside a persisted result, as a task to run."""
+
+    category: type
+    text: str
+
+
+def _shift_warning(w: warnings.WarningMessage, r0: int) -> Recorded:
+    """A warning recorded in a task, agent indices made global."""
+    return Recorded(w.category, _AGENT.sub(lambda m: f"[agent={int(m.group(1)) + r0}]", str(w.message)))
 
 
 # ---- the two assembly passes ----------------------------------------------------------------------------
@@ -224,7 +234,7 @@ def _population_task(arrays: dict, cfg, inner: str = "numba"):
         from . import cuda_backend as cb
 
         sums = module.population_sum(cb.to_device(_own(arrays)), cfg)
-        return {k: _host(v) for k, v in sums.items()}
+        return {k: host_array(v) for k, v in sums.items()}
     serial = _serial_stages(cfg, "numba")
     kw = {} if serial is None else {"ops": serial}
     return module.population_sum(_own(arrays), cfg, **kw)
@@ -293,14 +303,9 @@ def _features_task(arrays: dict, cfg, population, r0: int, validate: bool, inner
             family_of(cfg).energy_and_gradient(backend.to_device(arrays), cfg, backend)
     except StateError as e:
         raise ChunkError.wrap(e, r0) from None
-    h = _host
+    h = host_array
     terms = [(h(A), h(B), h(c), kappa, agg) for A, B, c, kappa, agg in rec.terms]
     return terms, [_shift_warning(w, r0) for w in caught]
-
-
-def _host(a):
-    """A NumPy array of a host or device (CuPy) array."""
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows, inner: str = "numba"):
@@ -320,7 +325,7 @@ def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows
         check_outputs({}, grads)
     except StateError as e:
         raise ChunkError.wrap(e, r0) from None
-    return terms, {k: _host(v) for k, v in grads.items()}, feats[1]
+    return terms, {k: host_array(v) for k, v in grads.items()}, feats[1]
 
 
 # ---- pair tasks and the gB passes -----------------------------------------------------------------------
@@ -335,7 +340,7 @@ def _rows_kernels(inner: str):
             cb.pairwise_dense_senders,
             cb.pairwise_sparse_rows,
             xp.asarray,
-            _host,
+            host_array,
         )
     k = (pairwise_dense_receivers, pairwise_dense_senders, pairwise_sparse_rows)
     return (*k, np.asarray, np.asarray)
@@ -370,9 +375,14 @@ def _gather_stats(*pairs):
     return out
 
 
+def _rows(parts: list) -> np.ndarray:
+    """The row blocks ``parts`` stacked in order (one block: itself, no copy; tasks only read it)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 def _all_senders(*feats):
     """Per term, every chunk's B rows in chunk order (N, D)."""
-    return [np.concatenate([f[0][t][1] for f in feats]) for t in range(len(feats[0][0]))]
+    return [_rows([f[0][t][1] for f in feats]) for t in range(len(feats[0][0]))]
 
 
 def _dense_pairs_task(feats, r0: int, *every):
@@ -414,9 +424,9 @@ def _all_receivers(n_chunks: int, *parts):
     feats, pairs = parts[:n_chunks], parts[n_chunks:]
     out = []
     for t in range(len(feats[0][0])):
-        A = np.concatenate([f[0][t][0] for f in feats])
-        c = np.concatenate([f[0][t][2] for f in feats])
-        stats = [np.concatenate([p[t][3][k] for p in pairs]) for k in range(3)]
+        A = _rows([f[0][t][0] for f in feats])
+        c = _rows([f[0][t][2] for f in feats])
+        stats = [_rows([p[t][3][k] for p in pairs]) for k in range(3)]
         out.append((A, c, *stats))
     return out
 
@@ -549,11 +559,13 @@ def _graph(
         delayed(_features_task)(a, cfg_d, population, r0, validate, pl.inner)
         for a, (r0, _) in zip(chunk_arrays, spans, strict=True)
     ]
-    # With few chunks (one per GPU, say) each dense pair task takes every chunk's features itself: its
-    # own are as large as any other's, so the distributed scheduler spreads the tasks by load (a gathered
-    # copy, the largest input, would draw them all to the worker that holds it). With many chunks one
-    # gather task keeps the graph O(chunks).
-    every = feats if len(feats) <= DIRECT_CHUNKS else [delayed(_gather_features)(*feats)]
+    # On a distributed scheduler with few chunks (one per GPU, say) each dense pair task takes every
+    # chunk's features itself: its own are as large as any other's, so the scheduler spreads the tasks by
+    # load (a gathered copy, the largest input, would draw them all to the worker that holds it). With many
+    # chunks one gather task keeps the graph O(chunks); in one process (threads) the tasks share the one
+    # gathered copy instead of each stacking its own.
+    direct = len(feats) <= DIRECT_CHUNKS and _distributed()
+    every = feats if direct else [delayed(_gather_features)(*feats)]
     if cfg.dense and pl.inner == "numba":  # one pass: the fused CPU kernel, float64 shares in a tree
         pairs = [delayed(_dense_pairs_task)(f, r0, *every) for f, (r0, _) in zip(feats, spans, strict=True)]
         total = _tree(list(pairs), _add_shares)
@@ -563,7 +575,7 @@ def _graph(
             delayed(_dense_receivers_task)(f, r0, pl.inner, *every)
             for f, (r0, _) in zip(feats, spans, strict=True)
         ]
-        stats = pairs if len(feats) <= DIRECT_CHUNKS else [delayed(_gather_stats)(*pairs)]
+        stats = pairs if direct else [delayed(_gather_stats)(*pairs)]
         gB_rows = [
             delayed(_dense_senders_task)(f, s0, pl.inner, *every, *stats)
             for f, (s0, _) in zip(feats, spans, strict=True)
@@ -608,9 +620,9 @@ def _reraise(fn, *args):
         raise e.error() from None
 
 
-def _emit(recorded: list) -> None:
-    for category, text in recorded:
-        warnings.warn(text, category, stacklevel=4)
+def _emit(recorded: list[Recorded]) -> None:
+    for r in recorded:
+        warnings.warn(r.text, r.category, stacklevel=4)
 
 
 def store_chunk(bounds: tuple[int, ...]) -> int:
@@ -642,6 +654,17 @@ def _log_client() -> None:
 
 
 # ---- entry points ---------------------------------------------------------------------------------------
+def _distributed() -> bool:
+    """Whether Dask's current scheduler is a dask.distributed client's."""
+    try:
+        from distributed import default_client
+
+        default_client()
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
 def _workers_have_gpus() -> bool:
     """Whether the scheduler's workers see a CUDA GPU (the distributed client's workers, asked; else
     this process, whose threads run the tasks)."""

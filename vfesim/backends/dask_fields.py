@@ -32,6 +32,7 @@ from functools import partial
 import dask
 import numpy as np
 
+from ..arrays import host_array
 from ..fields.energy import energy_and_gradient_arrays as field_energy
 from ..fields.supports import neighbour_lists
 from ..gaussian.chunks import chunk_agent_ops
@@ -180,7 +181,7 @@ def _points_kernel(inner: str):
         def run(A, B, c, u, v, *layout_and_rest):
             out = cb._pairwise_points(xp.asarray(A), xp.asarray(B), xp.asarray(c), xp.asarray(u),
                                       xp.asarray(v), *layout_and_rest)  # fmt: skip
-            return (out[0],) + tuple(cb._host(a) for a in out[1:])
+            return (out[0],) + tuple(host_array(a) for a in out[1:])
 
         return run
     from vfesim_kernels.pairwise_cpu import pairwise_points

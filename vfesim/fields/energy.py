@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..arrays import array_module as _xp
+from ..arrays import host_array
 from ..gaussian.energy import NUMPY_AGENT_OPS, AgentOps, _with_jitter
 from ..gaussian.terms import observation, observation_vjp
 from ..groups import generators
@@ -73,17 +74,13 @@ class Layout(NamedTuple):
 
 def layout(chi) -> Layout:
     """chi (N, P) (host or device) -> the Layout of its covered pairs (chi > 0)."""
-    cov = np.asarray(_host(chi) > 0).T  # (P, N)
+    cov = np.asarray(host_array(chi) > 0).T  # (P, N)
     P, N = cov.shape
     rows = np.flatnonzero(cov.ravel())
     rowmap = np.full(P * N, -1, np.int64)
     rowmap[rows] = np.arange(rows.size)
     offsets = np.concatenate([[0], np.cumsum(cov.sum(axis=1))]).astype(np.int64)
     return Layout(rows // N, rows % N, rowmap.reshape(P, N), offsets)
-
-
-def _host(a):
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 def _to_rows(a, idx, N: int, P: int, gnd: int):

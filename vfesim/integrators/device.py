@@ -20,15 +20,11 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from ..arrays import host_array
 from ..config import ModelConfig
 from .base import DynamicsError, guard_state, guard_terms, with_arrays
 
 __all__ = ["Device", "host_array"]
-
-
-def host_array(a: Any) -> np.ndarray:
-    """A NumPy copy (or the array itself) of a device or host array."""
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 class Device:

@@ -84,10 +84,6 @@ class _Window(NamedTuple):
     mask: Any
 
 
-def _delayed(f):
-    return dask.delayed(f, pure=False)
-
-
 def _own(a):
     return np.array(a, order="C", copy=True)
 
@@ -249,10 +245,10 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
 
     def prepare_parts(parts: list, dtype) -> list:
         """Per chunk, the Delayed (Prepared, global senders) of :func:`_prepare_task`."""
-        U = [_delayed(_frames_task)(p["phi"], cfg.d, dtype) for p in parts]
+        U = [ch._delayed(_frames_task)(p["phi"], cfg.d, dtype) for p in parts]
         n = layout.bounds[-1]
         return [
-            _delayed(_prepare_task)(shipped["dyn"], win, p, U[c], [U[s] for s in win.owners], n, r0)
+            ch._delayed(_prepare_task)(shipped["dyn"], win, p, U[c], [U[s] for s in win.owners], n, r0)
             for c, (win, p, r0) in enumerate(zip(shipped["windows"], parts, layout.starts, strict=True))
         ]
 
@@ -289,12 +285,12 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
         out: list = []
         for c, (win, r0) in enumerate(zip(shipped["windows"], layout.starts, strict=True)):
             if dyn.order == "jacobi":
-                task = _delayed(_jacobi_task)
+                task = ch._delayed(_jacobi_task)
                 args = (prepared[c], rho[c], [rho[s] for s in win.owners])
             else:
-                task = _delayed(_gauss_seidel_task)
+                task = ch._delayed(_gauss_seidel_task)
                 olds = [rho[s] for s in win.owners]
-                news = [_delayed(_item)(out[s], "rho") if s < c else rho[s] for s in win.owners]
+                news = [ch._delayed(_item)(out[s], "rho") if s < c else rho[s] for s in win.owners]
                 own = win.owners.index(c) if c in win.owners else -1
                 args = (prepared[c], rho[c], olds, news, own)
             out.append(task(dt, shipped["dyn"], *args, n_step, r0, uniforms[c]))
@@ -309,20 +305,20 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
                 summary0, grads0 = ch._chunk_energy(layout, cfg, parts, False)
             else:
                 summary0, grads0 = known
-            G = [_delayed(_item)(g, "rho") for g in grads0]
-            log_x = [_delayed(_log_task)(p) for p in parts]
+            G = [ch._delayed(_item)(g, "rho") for g in grads0]
+            log_x = [ch._delayed(_log_task)(p) for p in parts]
             parts, G, log_x, summary0 = ch._reraise(dask.persist, parts, G, log_x, summary0)
             F0 = None
             eta = float(dyn.mirror_eta)
             for _ in range(dyn.max_backtracks + 1):
                 trials = [
-                    _delayed(_trial_task)(lx, g, p, eta, n_step, r0)
+                    ch._delayed(_trial_task)(lx, g, p, eta, n_step, r0)
                     for lx, g, p, r0 in zip(log_x, G, parts, layout.starts, strict=True)
                 ]
-                tparts = [_delayed(_item)(t, 0) for t in trials]
+                tparts = [ch._delayed(_item)(t, 0) for t in trials]
                 summary1, grads1 = ch._chunk_energy(layout, cfg, tparts, False)
-                decs = [_delayed(_item)(t, 1) for t in trials]
-                reports = [_delayed(_item)(t, 2) for t in trials]
+                decs = [ch._delayed(_item)(t, 1) for t in trials]
+                reports = [ch._delayed(_item)(t, 2) for t in trials]
                 tparts, grads1, summary1, decs, reports = ch._reraise(
                     dask.persist, tparts, grads1, summary1, decs, reports
                 )
@@ -359,7 +355,7 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
             rng_state = rng.bit_generator.state
             uniforms = [u[r0:r1] for r0, r1 in zip(layout.bounds[:-1], layout.bounds[1:], strict=True)]
         moved = channels(parts, prepared, n_step, uniforms)
-        parts = [_delayed(_merge)(p, m) for p, m in zip(parts, moved, strict=True)]
+        parts = [ch._delayed(_merge)(p, m) for p, m in zip(parts, moved, strict=True)]
         if dyn.mirror_steps:
             parts, summary = mirror(parts, n_step)
         else:

@@ -28,6 +28,7 @@ import numpy as np
 import xarray as xr
 
 from ..arrays import array_module as _xp
+from ..arrays import host_array
 from ..config import ConfigError, _check_real, resolve_neighbours
 from ..integrators.base import DynamicsError
 from ..observables import Observables
@@ -177,15 +178,17 @@ class Prepared(NamedTuple):
     consts: dict  # constant arrays made on the state's device once (:func:`resident`)
 
 
-def resident(P: Prepared, xp, key, source, make):
+def resident(P: Prepared, xp, key, source, make, tag=None):
     """The array ``make()`` derived from ``source`` (a constant of the run: the coupling window, the kernels'
     mode codes), made once per cache ``P`` and array module ``xp``: per-step calls reuse it instead of
-    copying it to the device again. ``source`` is kept with it (so its id is not reused)."""
+    copying it to the device again. ``source`` is kept with it (so its id is not reused). ``tag``: what
+    else it depends on (a step size): one array per key, made again when the tag changes, so a schedule of
+    varying dt keeps one, not one per dt."""
     k = (key, xp.__name__, id(source))
     hit = P.consts.get(k)
-    if hit is None:
-        hit = P.consts[k] = (source, make())
-    return hit[1]
+    if hit is None or hit[1] != tag:
+        hit = P.consts[k] = (source, tag, make())
+    return hit[2]
 
 
 def window(P: Prepared, xp) -> tuple[Any, Any]:
@@ -418,7 +421,7 @@ def evolve(
         _check(rho, k)
         if k % record_every == 0 or k == n_steps:
             record(k)
-    to_host = lambda v: np.asarray(v.get() if hasattr(v, "get") else v)
+    to_host = host_array
     data = {}
     for key in rows[0]:
         col = [to_host(r[key]) for r in rows]

@@ -55,6 +55,7 @@ def _stepped(qstate, cfg, dyn, dt, n_steps: int, record_every: int, be, observab
 
     import numpy as np
 
+    from ..arrays import host_array
     from ..config import _check_real
     from ..observables import Observables
     from ..schema import history
@@ -76,7 +77,7 @@ def _stepped(qstate, cfg, dyn, dt, n_steps: int, record_every: int, be, observab
     integ.update(method="channels", dt=dt, observe="none")
     stepper = runs.make_integrator(cfg, integ, backend=be)
     on_host = all(isinstance(qstate[k].data, np.ndarray) for k in qstate.data_vars)
-    host = lambda a: np.asarray(a.compute() if hasattr(a, "compute") else a.get() if hasattr(a, "get") else a)
+    host = host_array
     rows, steps, values = [], [], []
 
     def record(c) -> None:

@@ -38,6 +38,7 @@ import numpy as np
 import xarray as xr
 
 from ..arrays import array_module as _xp
+from ..arrays import host_array
 from ..config import ConfigError
 from .config import QuantumConfig
 from .energy import NUMPY_OPS, QuantumOps, floor_eps
@@ -47,10 +48,6 @@ from .rollout import Schedule, rollout
 __all__ = ["PARAMETERS", "SHAREABLE", "METHODS", "Objective", "FitResult", "objective", "fit"]
 
 METHODS = ("adam", "lbfgs")
-
-
-def _host(a) -> np.ndarray:
-    return np.asarray(a.get() if hasattr(a, "get") else a)
 
 
 class _Model(NamedTuple):
@@ -70,7 +67,7 @@ class _Param:
 
 
 def _positive(key: str, v) -> np.ndarray:
-    a = np.asarray(_host(v), dtype=np.float64)
+    a = np.asarray(host_array(v), dtype=np.float64)
     if not (np.isfinite(a) & (a > 0)).all():
         raise ConfigError(key, f"must be > 0 to be fitted (log coordinates), got {a}")
     return a
@@ -107,7 +104,7 @@ def _dyn_param(key: str, log: bool) -> _Param:
         return m._replace(dyn=m.dyn.replace(**{key: float(v[0]) if scalar else v}))
 
     def chain(m, g):
-        gv = np.atleast_1d(np.asarray(_host(g[key]), np.float64))
+        gv = np.atleast_1d(np.asarray(host_array(g[key]), np.float64))
         return gv * np.exp(get(m)) if log else gv
 
     return _Param(get, put, chain)
@@ -118,7 +115,7 @@ def _rho_to(rho):
     e = floor_eps(rho.dtype)
     d = rho.shape[-1]
     s, W = eigh((1.0 - e) * herm(rho) + (e / d) * xp.eye(d, dtype=rho.dtype))
-    return _host(hvec(from_eig(W, xp.log(s))))
+    return host_array(hvec(from_eig(W, xp.log(s))))
 
 
 def _rho_from(th, old):
@@ -138,7 +135,7 @@ def _rho_chain(m, G):
     p = xp.exp(l)
     rho = from_eig(W, p)
     A_bar = dk(W, dd_exp(l, p).astype(W.dtype), G) - xp.einsum("nkl,nlk->n", rho, G).real[:, None, None] * rho
-    return _host(hvec(herm(A_bar)))
+    return host_array(hvec(herm(A_bar)))
 
 
 def _dt_param() -> _Param:
@@ -168,22 +165,22 @@ def _logit_param(key: str) -> _Param:
 PARAMETERS: dict[str, _Param] = {
     "hamiltonian": _state_param(
         "hamiltonian",
-        lambda H: _host(hvec(H)),
+        lambda H: host_array(hvec(H)),
         lambda th, old: hmat(_xp(old).asarray(th), old.shape[-1]).astype(old.dtype),
-        lambda m, Hb: _host(hvec(Hb)),
+        lambda m, Hb: host_array(hvec(Hb)),
     ),
     "rho": _state_param("rho", _rho_to, _rho_from, _rho_chain),
     "temperature": _state_param(
         "temperature",
         lambda T: np.log(_positive("temperature", T)),
         lambda th, old: _xp(old).asarray(np.exp(th), dtype=old.dtype),
-        lambda m, Tb: _host(Tb) * _host(m.arrays["temperature"]),
+        lambda m, Tb: host_array(Tb) * host_array(m.arrays["temperature"]),
     ),
     "phi": _state_param(
         "phi",
-        lambda p: _host(p).astype(np.float64),
+        lambda p: host_array(p).astype(np.float64),
         lambda th, old: _xp(old).asarray(th, dtype=old.dtype),
-        lambda m, pb: _host(pb),
+        lambda m, pb: host_array(pb),
     ),
     "dephasing_rate": _dyn_param("dephasing_rate", log=True),
     "thermal_rate": _dyn_param("thermal_rate", log=True),

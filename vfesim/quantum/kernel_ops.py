@@ -146,15 +146,15 @@ def _step_args(xp, c, P, rho, dt, dyn):
     device once per cache (:func:`.evolve.resident`), not copied again every step."""
     dt = float(dt)
     # vfesim.quantum.channels.dephasing_strength
-    eps_d = resident(P, xp, ("eps_d", dt), P.gamma, lambda: -xp.expm1(-P.gamma * dt))
-    eps_t = resident(P, xp, ("eps_t", dt), P.gamma_th, lambda: -xp.expm1(-P.gamma_th * dt))
+    eps_d = resident(P, xp, "eps_d", P.gamma, lambda: -xp.expm1(-P.gamma * dt), tag=dt)
+    eps_t = resident(P, xp, "eps_t", P.gamma_th, lambda: -xp.expm1(-P.gamma_th * dt), tag=dt)
     codes = (
         _COUPLING[dyn.coupling],
         _BASIS[dyn.dephasing_basis],
         _GATE[dyn.gate],
         int(rho.dtype == np.complex64),
     )
-    modes = resident(P, xp, ("modes", codes), None, lambda: xp.asarray(codes, np.int64))
+    modes = resident(P, xp, "modes", None, lambda: xp.asarray(codes, np.int64), tag=codes)
     index, mask = window(P, xp)
     floor = float(floor_eps(rho.dtype))
     args = (
@@ -216,7 +216,7 @@ def kernel_step_vjp(array_module: Callable, launch: Callable) -> Callable:
         flag = xp.zeros(N, np.int64)
         idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, *scalars = args
         values = (*scalars, float(gap_tol))  # thr, width, dt, floor, tol2, gap_tol
-        prm = resident(P, xp, ("prm", values), None, lambda: xp.asarray(values, np.float64))
+        prm = resident(P, xp, "prm", None, lambda: xp.asarray(values, np.float64), tag=values)
         launch(
             "channel_step_vjp", N, d, rho.dtype, rho, idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t,
             modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, out["R_bar"], out["eps_c_bar"],

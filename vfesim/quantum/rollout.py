@@ -161,7 +161,7 @@ def _observed(outcomes, d: int, xp) -> list:
     bad = np.argwhere(y >= d)
     if bad.size:
         t, i = bad[0]
-        raise ConfigError("outcomes", f"agent {i} has outcome {int(y[t, i])}, outside [0, {d})")
+        raise ConfigError("outcomes", f"agent {i} has outcome {int(y[t, i])} at step {t}, outside [0, {d})")
     everyone, out = None, []
     for row in y:
         obs = np.flatnonzero(row >= 0)

@@ -65,6 +65,7 @@ import numpy as np
 import xarray as xr
 
 from ..arrays import array_module as _xp
+from ..arrays import host_array
 from ..config import ConfigError, SparseNeighbours, scenario_bool, scenario_range, scenario_real
 from ..integrators.base import Carry, DynamicsError, with_arrays
 from .channels import causal_window
@@ -392,10 +393,6 @@ def _arrays(state: xr.Dataset) -> dict[str, Any]:
     return {k: state[k].data for k in state.data_vars}
 
 
-def _host(a: Any) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) else a.get()
-
-
 def _born_sample(rng: np.random.Generator, rho) -> np.ndarray:
     """One computational-basis outcome per agent, y_i ~ <k|rho_i|k> (inverse CDF of one uniform each),
     drawn on the host: only the diagonals (N, d) of device states are copied."""
@@ -405,7 +402,7 @@ def _born_sample(rng: np.random.Generator, rho) -> np.ndarray:
 def born_outcomes(rho, u: np.ndarray) -> np.ndarray:
     """The outcomes of :func:`_born_sample` from the agents' uniforms u (N,) in [0, 1): per agent."""
     xp = _xp(rho)
-    p = np.maximum(_host(xp.ascontiguousarray(rho.diagonal(axis1=1, axis2=2).real)), 0.0)
+    p = np.maximum(host_array(xp.ascontiguousarray(rho.diagonal(axis1=1, axis2=2).real)), 0.0)
     cdf = np.cumsum(p, axis=1)
     u = u * cdf[:, -1]
     return np.minimum((cdf <= u[:, None]).sum(axis=1), p.shape[1] - 1).astype(np.int64)
