@@ -16,7 +16,7 @@ import numpy as np
 
 from . import quantum_math as _qm
 
-__all__ = ["KERNELS", "launch", "MIN_AGENTS_PER_THREAD"]
+__all__ = ["KERNELS", "launch", "launch_serial", "MIN_AGENTS_PER_THREAD"]
 
 _m = _qm.link(numba.njit(nogil=True, cache=True), "cpu")
 _eig_log_agent = _m.eig_log_agent
@@ -169,3 +169,8 @@ def launch(name: str, N: int, d: int, dtype, *args) -> None:
     :func:`vfesim_kernels.cuda.make_quantum_kernels`; d and dtype unused: the CPU kernels specialise on
     their arguments)."""
     _run(KERNELS[name], N, *args)
+
+
+def launch_serial(name: str, N: int, d: int, dtype, *args) -> None:
+    """:func:`launch` in the calling thread only (tasks of a scheduler that runs its own threads)."""
+    KERNELS[name](0, N, *args)

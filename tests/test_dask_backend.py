@@ -122,6 +122,30 @@ def test_numba_tasks_run_the_serial_agent_kernels(monkeypatch):
     assert all(serial for _, serial in asked)
 
 
+def test_numba_tasks_run_the_quantum_kernels_in_their_own_thread(monkeypatch):
+    """inner="numba" tasks run the density-matrix per-agent kernels in the calling scheduler thread
+    (``SERIAL_OPS["quantum"]``), never on the kernels' own thread pool, with the numpy backend's
+    results."""
+    from vfesim_kernels import quantum_cpu
+
+    ran, pooled = [], []
+    for name, kernel in list(quantum_cpu.KERNELS.items()):
+        monkeypatch.setitem(
+            quantum_cpu.KERNELS, name, lambda *a, _k=kernel, _n=name: (ran.append(_n), _k(*a))[1]
+        )
+    pool = quantum_cpu._run
+    monkeypatch.setattr(quantum_cpu, "_run", lambda *a: (pooled.append(1), pool(*a))[1])
+    cfg = vfesim.QuantumConfig(d=3, lambda_belief=1.0, lambda_prior=0.4)
+    state = vfesim.random_state(cfg, 12, seed=2)
+    ref_terms, ref = vfesim.energy_and_gradient(state, cfg, backend="numpy")
+    with dask.config.set(scheduler="threads"):
+        terms, grads = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(5, 7), validate=False)
+    assert {"eig_log", "frames"} <= set(ran) and not pooled
+    assert abs(terms["total"] - ref_terms["total"]) <= 1e-12 * abs(ref_terms["total"])
+    for k in ref.data_vars:
+        np.testing.assert_allclose(grads[k].values, ref[k].values, rtol=1e-10, atol=1e-12, err_msg=k)
+
+
 @pytest.mark.parametrize("family", ["gaussian", "quantum"])
 def test_chunked_dataset_gives_chunked_gradients(family):
     cfg = _config(family, "ring", "softmin")

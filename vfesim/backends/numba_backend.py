@@ -84,8 +84,6 @@ def agent_ops(serial: bool = False) -> AgentOps:
 
 
 AGENT_OPS = agent_ops()
-# Per family, its per-agent stages in the serial builds (the dask backend's inner "numba" tasks).
-SERIAL_OPS = {"gaussian": agent_ops(serial=True)}
 
 
 class NumbaUpdates:
@@ -151,6 +149,13 @@ class SerialUpdates(NumbaUpdates):
 # at d = 5, but 1.7x at d = 6 and 1.9x at d = 8 (Jacobi sweeps cost O(d^3) per sweep; LAPACK reduces once).
 QUANTUM_JACOBI_MAX_D = 5
 QUANTUM_OPS = sized_ops(kernel_ops(lambda: np, quantum_cpu.launch), NUMPY_OPS, QUANTUM_JACOBI_MAX_D)
+
+# Per family, its per-agent stages in the serial builds (the dask backend's inner "numba" tasks: each
+# task runs in one of the scheduler's threads, with no threads of its own).
+SERIAL_OPS = {
+    "gaussian": agent_ops(serial=True),
+    "quantum": sized_ops(kernel_ops(lambda: np, quantum_cpu.launch_serial), NUMPY_OPS, QUANTUM_JACOBI_MAX_D),
+}
 
 log = logging.getLogger("vfesim")
 
