@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--big", action="store_true", help="--gpu: also the big sparse run (--big-n agents)")
     ap.add_argument("--big-n", type=int, default=10**7, help="agents of the --big run")
     ap.add_argument("--profile", action="store_true", help="--big: write the client's cProfile to DIR")
+    ap.add_argument("--big-checkpoint-every", type=int, default=5, help="--big: steps between checkpoints")
     args = ap.parse_args()
     if args.gpu:
         gpu_main(args)
@@ -241,9 +242,9 @@ def gpu_main(args) -> None:
 
 def big_run(client, g: int, args) -> tuple[float, float, float, float]:
     """``vfesim.simulate`` of ``--big-n`` agents, ring of 32 neighbours, float32, 10 gradient-flow steps
-    saving and checkpointing every 5, on the cluster: (wall, compute, transfer, other). ``--profile``: the
-    client's cProfile in DIR/big_run.prof (where the client's time goes: building the population, the
-    graph, waiting)."""
+    saving every 5 and checkpointing every ``--big-checkpoint-every`` (5), on the cluster: (wall,
+    compute, transfer, other). ``--profile``: the client's cProfile in DIR/big_run.prof (where the
+    client's time goes: building the population, the graph, waiting)."""
     import contextlib
     import cProfile
     import faulthandler
@@ -256,8 +257,8 @@ def big_run(client, g: int, args) -> tuple[float, float, float, float]:
         "model": {"K": 3, "aggregator": "softmin", "lambda_prior": 0.5},
         "population": {"n_agents": args.big_n, "seed": 0, "neighbours": "ring", "half_width": 16},
         "integrator": {"method": "gradient_flow", "dt": 0.01},
-        "run": {"n_steps": 10, "save_every": 5, "checkpoint_every": 5, "backend": "dask",
-                "dtype": "float32", "chunks": -(-args.big_n // (4 * g))},
+        "run": {"n_steps": 10, "save_every": 5, "checkpoint_every": args.big_checkpoint_every,
+                "backend": "dask", "dtype": "float32", "chunks": -(-args.big_n // (4 * g))},
     }  # fmt: skip
     with tempfile.TemporaryDirectory(dir=args.out) as tmp, client.as_current():
         with get_task_stream(client) as ts:
