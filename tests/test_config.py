@@ -348,3 +348,17 @@ def test_ring_is_what_the_checked_constructor_accepts(n, h):
     checked = SparseNeighbours(ring.index.copy(), ring.mask.copy())
     assert ring == checked and ring.index.dtype == np.int64 and not ring.index.flags.writeable
     assert ring.index.shape == (n, 2 * h) and ring.mask.all()
+
+
+@pytest.mark.parametrize(("n", "h"), [(3, 1), (5, 2), (9, 4), (100, 3)])
+def test_ring_lists_wrap_and_are_shared_while_alive(n, h):
+    """Ring lists: agent i lists i-h .. i-1, i+1 .. i+h modulo n (only the first and last h rows wrap);
+    a second request while the first lists live returns the same read-only object (a scenario validated
+    again does not rebuild them)."""
+    from vfesim.config import SparseNeighbours
+
+    ring = SparseNeighbours.ring(n, h)
+    offs = np.concatenate([np.arange(-h, 0), np.arange(1, h + 1)])
+    np.testing.assert_array_equal(ring.index, (np.arange(n)[:, None] + offs[None, :]) % n)
+    assert ring.mask.all() and not ring.index.flags.writeable
+    assert SparseNeighbours.ring(n, h) is ring

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,10 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     a = np.array(a, copy=True)
     a.setflags(write=False)
     return a
+
+
+# Ring lists alive somewhere, by (n_agents, half_width): read-only, so shared (freed with their last user).
+_RINGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -103,11 +108,18 @@ class SparseNeighbours:
                 f"ring needs 1 <= 2*half_width <= n_agents-1, got "
                 f"n_agents={n_agents}, half_width={half_width}",
             )
+        key = (int(n_agents), int(half_width))
+        hit = _RINGS.get(key)  # one config, validated again (Scenario.replace), reuses its lists
+        if hit is not None:
+            return hit
         offs = np.concatenate([np.arange(-half_width, 0), np.arange(1, half_width + 1)])
-        idx = (np.arange(n_agents, dtype=np.int64)[:, None] + offs[None, :]) % n_agents
+        idx = np.arange(n_agents, dtype=np.int64)[:, None] + offs[None, :]
+        idx[:half_width] %= n_agents  # only the first and last half_width rows wrap around
+        idx[-half_width:] %= n_agents
         # In range, no self-loops, no repeats (2 half_width < n_agents): the checks of the constructor,
         # which sort every row (~30 s for 4e7 agents), are not needed.
-        return cls._valid(idx, np.ones(idx.shape, bool))
+        ring = _RINGS[key] = cls._valid(idx, np.ones(idx.shape, bool))
+        return ring
 
     @classmethod
     def _valid(cls, index: np.ndarray, mask: np.ndarray) -> SparseNeighbours:
