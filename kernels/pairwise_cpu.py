@@ -295,6 +295,19 @@ def _row_weights(Ah, Bt, ch, i, gi, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, 
 
 
 @_inline
+def _group_weights(Ah, Bt, ch, i, ni, gi, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, W):
+    """Rows r of W: the weights of receivers i + r (global gi + r) against senders j0 .. j0 + nj - 1, for
+    the ``ni`` receivers left from i; rows past them are 0 (a receiver group of the tiled kernels)."""
+    zero = kappa - kappa
+    for r in range(W.shape[0]):
+        if r < ni:
+            _row_weights(Ah, Bt, ch, i + r, gi + r, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, W[r])
+        else:
+            for jj in range(nj):
+                W[r, jj] = zero
+
+
+@_inline
 def _add_group(accB, W, Ah, i, last, d, nj):
     """accB[d, :nj] += sum_r W[r, :nj] Ah[i + r, d] over a group of ROW_GROUP = 4 receivers from row i
     (rows past ``last`` are padding: their W rows are 0, so any valid row of Ah stands in)."""
@@ -382,34 +395,15 @@ def _dense_chunks(Ah, B, Bt, ch, r0, kappa, agg, P, m, inv_s, abar, erow, gA, gc
                         for jj in range(nj):
                             accB[d, jj] = zero
                 for g0 in range(0, ni, RB):
-                    for r in range(RB):
-                        if g0 + r < ni:
-                            w = W[r]
-                            _row_weights(
-                                Ah,
-                                Bt,
-                                ch,
-                                i0 + g0 + r,
-                                r0 + i0 + g0 + r,
-                                j0,
-                                nj,
-                                m,
-                                inv_s,
-                                abar,
-                                kappa,
-                                agg,
-                                kl,
-                                xs,
-                                w,
-                            )
-                            ws = zero
-                            for jj in range(nj):
-                                ws += w[jj]
-                            wsum[g0 + r] += ws
-                        else:
-                            for jj in range(nj):
-                                W[r, jj] = zero
                     i = i0 + g0
+                    _group_weights(
+                        Ah, Bt, ch, i, ni - g0, r0 + i, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, W
+                    )  # fmt: skip
+                    for r in range(min(RB, ni - g0)):
+                        ws = zero
+                        for jj in range(nj):
+                            ws += W[r, jj]
+                        wsum[g0 + r] += ws
                     last = min(i0 + ni - 1, i + RB - 1)  # padding rows of W are 0: any valid Ah row does
                     for d in range(D):
                         # gA_i += W_i,tile . B_tile for four receivers at once (one load of Bt per four).
@@ -470,15 +464,8 @@ def _tiled_senders(Ah, Bt, ch, r0, kappa, agg, m, inv_s, abar, gB):
                 for jj in range(nj):
                     accB[d, jj] = zero
             for g0 in range(0, ni, RB):
-                for r in range(RB):
-                    i = i0 + g0 + r
-                    if g0 + r < ni:
-                        w = W[r]
-                        _row_weights(Ah, Bt, ch, i, r0 + i, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, w)
-                    else:
-                        for jj in range(nj):
-                            W[r, jj] = zero
                 i = i0 + g0
+                _group_weights(Ah, Bt, ch, i, ni - g0, r0 + i, j0, nj, m, inv_s, abar, kappa, agg, kl, xs, W)
                 last = min(i0 + ni - 1, i + RB - 1)  # padding rows of W are 0: any valid Ah row does
                 for d in range(D):
                     _add_group(accB, W, Ah, i, last, d, nj)

@@ -40,7 +40,7 @@ from ..config import ModelConfig
 from ..family import family_of
 from ..state import StateError, validate_state
 from .base import Carry, DynamicsError, Integrator, check_options, guard_state, guard_terms
-from .gradient_flow import FlowRule, flow_settings, flow_update
+from .gradient_flow import FlowRule, flow_settings, flow_update, flow_update_device
 from .hamiltonian import DEFAULTS as HAMILTON_DEFAULTS
 from .hamiltonian import SCHEMES, _setup, kick_drift_pair
 
@@ -139,24 +139,26 @@ def _flow_device(rule: FlowRule, cfg, arrays, grads, aux, n: int, r0: int):
     in-process integrator runs them), copied back to the host. The kernels flag non-finite outputs;
     only then does the chunk get the host guard (which names the agent). A covariance that lost SPD
     shows as a non-finite energy term, which the step diagnoses (:func:`_guard_task`)."""
-    from .device import host_array
+    from ..arrays import host_array
 
     ops = _device_ops(cfg)
     if ops.xp is np:  # the CUDA simulator: kernels write their host arguments back, so own copies
         arrays, grads, aux = _own(arrays), _own(grads), _own(aux)
     put = ops.put
     dev = {k: put(v) for k, v in arrays.items()}
-    direc = {k: put(grads[k]) for k in rule.ops_fields}
     ops.reset()
-    if rule.mode == 2:
-        moments = {}
-        for k in rule.moving:
-            m, v = put(aux[f"adam_m_{k}"]), put(aux[f"adam_v_{k}"])
-            m, v, direc[k] = ops.adam(direc[k], m, v, rule.b1, rule.b2, n, rule.eps)
-            moments[f"adam_m_{k}"], moments[f"adam_v_{k}"] = host_array(m), host_array(v)
-        aux = moments
-    out = ops.gradient_flow(dev, direc, put(rule.eta), rule.mode, rule.ops_fields)
-    new = {k: host_array(out[k]) for k in rule.ops_fields}
+    out, aux = flow_update_device(
+        rule,
+        ops,
+        dev,
+        {k: put(grads[k]) for k in rule.ops_fields},
+        {k: put(v) for k, v in aux.items()},
+        n,
+        put(rule.eta),
+        rule.ops_fields,
+    )
+    new = {k: host_array(v) for k, v in out.items()}
+    aux = {k: host_array(v) for k, v in aux.items()}
     if host_array(ops.flag)[0]:
         _guard(n, {**arrays, **new}, cfg, aux, r0)
         raise ChunkDynamicsError(n, "state", "the update produced NaN or Inf", None)

@@ -43,7 +43,7 @@ from .base import (
     with_arrays,
 )
 
-__all__ = ["make_gradient_flow", "FlowRule", "flow_update"]
+__all__ = ["make_gradient_flow", "FlowRule", "flow_update", "flow_update_device"]
 
 MODES = {"natural": 0, "euclidean": 1, "adam": 2}
 DEFAULTS = {
@@ -90,6 +90,22 @@ def flow_update(rule: FlowRule, arrays, grads, aux, n: int) -> tuple[dict, dict]
     new = dict(arrays)
     new.update(rule.ops.gradient_flow(arrays, direc, rule.eta, rule.mode))
     return new, aux
+
+
+def flow_update_device(rule: FlowRule, dev, arrays, grads, aux, n: int, eta_dev, fields) -> tuple[dict, dict]:
+    """:func:`flow_update` on the device: Adam moments and the fused update in the kernels of ``dev``
+    (a :class:`~vfesim.integrators.device.Device`, or its family adaptation), eta_dev the step sizes on
+    the device; returns (the arrays of ``fields`` after the step, the new aux). Raises ``dev``'s guard
+    flag on non-finite outputs."""
+    direc = grads
+    if rule.mode == 2:
+        old, aux, direc = aux, {}, dict(grads)
+        for k in rule.moving:
+            m, v, direc[k] = dev.adam(
+                grads[k], old[f"adam_m_{k}"], old[f"adam_v_{k}"], rule.b1, rule.b2, n, rule.eps
+            )
+            aux[f"adam_m_{k}"], aux[f"adam_v_{k}"] = m, v
+    return dev.gradient_flow(arrays, direc, eta_dev, rule.mode, fields), aux
 
 
 def flow_settings(cfg: ModelConfig, dt: float, friction: float, options: dict):
@@ -162,16 +178,8 @@ def make_gradient_flow(
             grads = efn(arrays)[1]
         n = carry.step + 1
         dev.reset()
-        aux, direc = carry.aux, grads
-        if mode == 2:
-            aux, direc = {}, dict(grads)
-            for k in moving:
-                m, v, direc[k] = dev.adam(
-                    grads[k], carry.aux[f"adam_m_{k}"], carry.aux[f"adam_v_{k}"], b1, b2, n, eps
-                )
-                aux[f"adam_m_{k}"], aux[f"adam_v_{k}"] = m, v
-        new = dict(arrays)
-        new.update(dev.gradient_flow(arrays, direc, eta_dev, mode, fields))
+        moved, aux = flow_update_device(rule, dev, arrays, grads, carry.aux, n, eta_dev, fields)
+        new = {**arrays, **moved}
         dev.prefetch()
         terms, grads = efn(new)
         dev.check(n, new, cfg, aux, terms)
