@@ -712,6 +712,17 @@ def pairwise_dense(A, B, c, kappa: float, aggregator: str):
     return float(erow.sum()), (0.5 * gA64).astype(dt), gB, (0.5 * gc64).astype(dt)
 
 
+def _receiver_range(A_r, B, c_r, r0: int, kappa: float):
+    """:func:`_prepare` of receivers r0 .. r0 + n_r - 1 against every sender B (N, D), the range checked:
+    (dtype, Ah, B, ch, kappa, n_r, D, N)."""
+    dt, Ah, B, ch, kappa = _prepare(A_r, B, c_r, kappa)
+    NR, D = Ah.shape
+    N = B.shape[0]
+    if not (0 <= r0 and r0 + NR <= N):
+        raise ValueError(range_error("receivers", r0, NR, N))
+    return dt, Ah, B, ch, kappa, NR, D, N
+
+
 def pairwise_dense_rows(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
     """One receiver range against all senders, j != i: the unit of work of a scheduler task.
 
@@ -727,11 +738,7 @@ def pairwise_dense_rows(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
     results by rounding only.
     """
     agg = _pm.aggregator_code(aggregator)
-    dt, Ah, B, ch, kappa = _prepare(A_r, B, c_r, kappa)
-    NR, D = Ah.shape
-    N = B.shape[0]
-    if not (0 <= r0 and r0 + NR <= N):
-        raise ValueError(range_error("receivers", r0, NR, N))
+    dt, Ah, B, ch, kappa, NR, D, N = _receiver_range(A_r, B, c_r, r0, kappa)
     if N < 2 or NR == 0:
         return np.zeros(NR), np.zeros((NR, D), dt), np.zeros(NR, dt), np.zeros((N, D))
     if D >= DOT_MIN_D:
@@ -756,11 +763,7 @@ def pairwise_dense_receivers(A_r, c_r, B, r0: int, kappa: float, aggregator: str
     (the same kernels); serial builds only (``nogil``), as there. Memory O(n_r D + N D): no (N, D) share.
     """
     agg = _pm.aggregator_code(aggregator)
-    dt, Ah, B, ch, kappa = _prepare(A_r, B, c_r, kappa)
-    NR, D = Ah.shape
-    N = B.shape[0]
-    if not (0 <= r0 and r0 + NR <= N):
-        raise ValueError(range_error("receivers", r0, NR, N))
+    dt, Ah, B, ch, kappa, NR, D, N = _receiver_range(A_r, B, c_r, r0, kappa)
     m, inv_s, abar = np.zeros(NR, dt), np.zeros(NR, dt), np.zeros(NR, dt)
     if N < 2 or NR == 0:
         return np.zeros(NR), np.zeros((NR, D), dt), np.zeros(NR, dt), m, inv_s, abar
