@@ -27,7 +27,9 @@ _pull_vjp_agent = _m.pull_vjp_agent
 _dk_log_agent = _m.dk_log_agent
 _dk_exp_agent = _m.dk_exp_agent
 _frames_vjp_agent = _m.frames_vjp_agent
+_sender_state_agent = _m.sender_state_agent
 _channel_step_agent = _m.channel_step_agent
+_incoming_agent = _m.incoming_agent
 _channel_step_vjp_agent = _m.channel_step_vjp_agent
 
 # Serial kernels over an agent range, run on a few Python threads (they release the GIL): parallel over
@@ -120,9 +122,17 @@ def _frames_vjp(n0, n1, Ubar, k, V, J, out):
 
 
 @_kernel
+def _sender_states(n0, n1, rho, U, xt):
+    d = rho.shape[1]
+    T = np.empty((d, d), rho.dtype)
+    for n in range(n0, n1):
+        _sender_state_agent(rho, U, n, xt, T)
+
+
+@_kernel
 def _channel_step(
-    n0, n1, rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, thr, width, dt, floor, tol2,
-    out, gmin,
+    n0, n1, rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, thr, width, dt, floor,
+    tol2, out, gmin,
 ):  # fmt: skip
     d = rho.shape[1]
     T = np.empty((7, d, d), rho.dtype)
@@ -130,24 +140,32 @@ def _channel_step(
     xs = np.empty((1, 1, 1, 1), rho.dtype)  # no tape
     for n in range(n0, n1):
         _channel_step_agent(
-            rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, thr, width, dt, floor, tol2,
-            out, gmin, T[0], T[1], T[2], T[3], T[4], w, T[5], T[6], xs,
+            rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, thr, width, dt, floor,
+            tol2, out, gmin, T[0], T[1], T[2], T[3], T[4], w, T[5], T[6], xs,
         )  # fmt: skip
 
 
 @_kernel
 def _channel_step_vjp(
-    n0, n1, rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, prm, ob, xs, mats, R_bar,
-    eps_c_bar, M_bar, scal, gmin, flag,
+    n0, n1, rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, prm, ob, xs, mats, s_out,
+    eps_c_bar, scal, gmin, flag,
 ):  # fmt: skip
     d = rho.shape[1]
     Tm = np.empty((9, d, d), rho.dtype)
     w = np.empty(d, lam.dtype)
     for n in range(n0, n1):
         _channel_step_vjp_agent(
-            rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats, R_bar,
-            eps_c_bar, M_bar, scal, gmin, flag, Tm, w,
+            rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats,
+            s_out, eps_c_bar, scal, gmin, flag, Tm, w,
         )  # fmt: skip
+
+
+@_kernel
+def _incoming(n0, n1, rho, U, slots, s, Bt, x_bar, U_bar):
+    d = rho.shape[1]
+    T = np.empty((3, d, d), rho.dtype)
+    for n in range(n0, n1):
+        _incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, T[0], T[1], T[2])
 
 
 KERNELS = {
@@ -159,8 +177,10 @@ KERNELS = {
     "dk_log": _dk_log,
     "dk_exp": _dk_exp,
     "frames_vjp": _frames_vjp,
+    "sender_states": _sender_states,
     "channel_step": _channel_step,
     "channel_step_vjp": _channel_step_vjp,
+    "incoming": _incoming,
 }
 
 

@@ -387,25 +387,46 @@ def _tr_re(A, B):
     return acc
 
 
-def _sender_in_frame(rho, U, n, j, T1, T2, S):
-    """S = U_n U_j^dagger rho_j U_j U_n^dagger / tr rho_j (the sender's normalised state, receiver's frame);
-    returns tr rho_j."""
-    trj = 0.0
-    d = S.shape[0]
+def sender_state_agent(rho, U, n, xt, T):
+    """xt[n] = U_n^dagger rho_n U_n / tr rho_n: agent n's normalised state in its own frame, as every receiver
+    reads it (the receiver's frame U_m then gives U_m U_n^dagger rho_n U_n U_m^dagger / tr rho_n)."""
+    d = T.shape[0]
+    tr = 0.0
     for r in range(d):
-        trj += rho[j, r, r].real
-    pull_back(U[j], rho[j], T1, T2)
-    push_forward(U[n], T2, T1, S)
+        tr += rho[n, r, r].real
+    pull_back(U[n], rho[n], T, xt[n])
     for r in range(d):
         for c in range(d):
-            S[r, c] = S[r, c] / trj
-    return trj
+            xt[n, r, c] = xt[n, r, c] / tr
 
 
-def _coupling(rho, index, mask, U, eps_c, n, coupling, tol2, X, S, T1, T2, W, w, xs, keep):
-    """The coupling channels of agent n applied to X in window order; with ``keep`` the state before
-    channel k is stored in xs[n, k]."""
+def _coupling(xt, index, mask, U, eps_c, n, coupling, tol2, X, S, T1, T2, W, w, xs, keep):
+    """The coupling channels of agent n applied to X in window order (xt: the senders' states of
+    :func:`sender_state_agent`). C1 in closed form: the channels X <- (1 - e_k) X + e_k tr(X) S_k keep tr X,
+    so together X <- a X + tr(X) U_n Sig U_n^dagger with a = prod (1 - e_k) and Sig = sum_k c_k xt_{j_k},
+    c_k = e_k prod_{m > k} (1 - e_m) (Sig left in S; one transform for the window). C2 per channel
+    (S_k = U_n xt_j U_n^dagger, W its eigenbasis); with ``keep`` the state before channel k in xs[n, k]."""
     d = X.shape[0]
+    if coupling == 1:
+        t0 = _trace_re(X)
+        a = 1.0
+        for r in range(d):
+            for c in range(d):
+                S[r, c] = 0.0
+        for k in range(index.shape[1]):
+            if not mask[n, k]:
+                continue
+            e = eps_c[n, k]
+            j = index[n, k]
+            a = (1.0 - e) * a
+            for r in range(d):
+                for c in range(d):
+                    S[r, c] = (1.0 - e) * S[r, c] + e * xt[j, r, c]
+        push_forward(U[n], S, T1, T2)
+        for r in range(d):
+            for c in range(d):
+                X[r, c] = a * X[r, c] + t0 * T2[r, c]
+        return
     for k in range(index.shape[1]):
         if not mask[n, k]:
             continue
@@ -414,19 +435,14 @@ def _coupling(rho, index, mask, U, eps_c, n, coupling, tol2, X, S, T1, T2, W, w,
                 for c in range(d):
                     xs[n, k, r, c] = X[r, c]
         e = eps_c[n, k]
-        _sender_in_frame(rho, U, n, index[n, k], T1, T2, S)
-        if coupling == 1:  # C1: (1 - e) x + e tr(x) s
-            cs = e * _trace_re(X)
-            for r in range(d):
-                for c in range(d):
-                    X[r, c] = (1.0 - e) * X[r, c] + cs * S[r, c]
-        else:  # C2: x + e (pinch_W(x) - x), W the eigenbasis of s
-            jacobi_eigh(S, w, W, tol2)
-            pull_back(W, X, T1, T2)
-            _push_diag(W, T2, T1)
-            for r in range(d):
-                for c in range(d):
-                    X[r, c] = X[r, c] + e * (T1[r, c] - X[r, c])
+        push_forward(U[n], xt[index[n, k]], T1, S)
+        # C2: x + e (pinch_W(x) - x), W the eigenbasis of s
+        jacobi_eigh(S, w, W, tol2)
+        pull_back(W, X, T1, T2)
+        _push_diag(W, T2, T1)
+        for r in range(d):
+            for c in range(d):
+                X[r, c] = X[r, c] + e * (T1[r, c] - X[r, c])
 
 
 def _gate_divergence(X, V, l, n, floor, tol2, Xf, T1, S, W, w):
@@ -456,11 +472,14 @@ def _propagator(lam, V, n, t, newton, Ut, T1, T2):
     d = Ut.shape[0]
     for r in range(d):
         for c in range(d):
-            acc = 0.0 * V[n, 0, 0]
-            for k in range(d):
-                ph = -lam[n, k] * t
-                acc += V[n, r, k] * complex(math.cos(ph), math.sin(ph)) * V[n, c, k].conjugate()
-            Ut[r, c] = acc
+            Ut[r, c] = 0.0
+    for k in range(d):  # one phase per eigenvalue; each entry still sums k = 0 .. d - 1 in order
+        ph = -lam[n, k] * t
+        z = complex(math.cos(ph), math.sin(ph))
+        for r in range(d):
+            vz = V[n, r, k] * z
+            for c in range(d):
+                Ut[r, c] += vz * V[n, c, k].conjugate()
     if newton != 0:  # U <- U (3 I - U^dagger U) / 2
         mm_dl(Ut, Ut, T1)
         for r in range(d):
@@ -488,18 +507,18 @@ def _dephase(X, V, n, ed, energy, T1, T2):
 
 
 def _forward(
-    rho, index, mask, U, eps_c, lam, V, l, n, modes, gate_thr, gate_width, dt, floor, tol2, ed, gmin,
+    rho, xt, index, mask, U, eps_c, lam, V, l, n, modes, gate_thr, gate_width, dt, floor, tol2, ed, gmin,
     X, S, T1, T2, W, w, Ut, Y, xs, keep,
 ):  # fmt: skip
     """The step of agent n up to the dephasing (:func:`channel_step_agent`): X <- the state after the
-    unitary, Y <- it dephased, Ut the unitary; with ``keep`` xs[n, k] the state before coupling channel k
-    and xs[n, w] the state before the unitary. Returns (g, D) of the gate (D = 0 without a gate)."""
+    unitary, Y <- it dephased, Ut the unitary; with ``keep`` xs[n, k] the state before C2 coupling channel
+    k and xs[n, -1] the state before the unitary. Returns (g, D) of the gate (D = 0 without a gate)."""
     d = X.shape[0]
     for r in range(d):
         for c in range(d):
             X[r, c] = rho[n, r, c]
     if modes[0] != 0:
-        _coupling(rho, index, mask, U, eps_c, n, modes[0], tol2, X, S, T1, T2, W, w, xs, keep)
+        _coupling(xt, index, mask, U, eps_c, n, modes[0], tol2, X, S, T1, T2, W, w, xs, keep)
     g = 1.0
     dv = 0.0
     if modes[2] != 0:
@@ -509,10 +528,10 @@ def _forward(
             g = 0.5 * (1.0 + math.tanh(0.5 * (dv - gate_thr) / gate_width))
         else:
             g = 1.0 if dv > gate_thr else 0.0
-    if keep:  # the state before the unitary, after the coupling (slot w of the tape)
+    if keep:  # the state before the unitary, after the coupling (the tape's last slot)
         for r in range(d):
             for c in range(d):
-                xs[n, index.shape[1], r, c] = X[r, c]
+                xs[n, xs.shape[1] - 1, r, c] = X[r, c]
     _propagator(lam, V, n, g * dt, modes[3], Ut, T1, T2)
     push_forward(Ut, X, T2, S)  # herm(U x U^dagger)
     for r in range(d):
@@ -524,22 +543,23 @@ def _forward(
 
 
 def channel_step_agent(
-    rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, gate_thr, gate_width, dt, floor,
-    tol2, out, gmin, X, S, T1, T2, W, w, Ut, Y, xs,
+    rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, gate_thr, gate_width, dt,
+    floor, tol2, out, gmin, X, S, T1, T2, W, w, Ut, Y, xs,
 ):  # fmt: skip
     """One step of the density-matrix channels for agent n (vfesim.quantum.evolve, forward only):
     coupling over the window (C1 ``(1 - e) x + e tr(x) s`` or C2 ``x + e (pinch_W(x) - x)``, s the sender's
-    normalised state in the receiver's frame U_n U_j^dagger rho_j U_j U_n^dagger / tr rho_j, W its
-    eigenbasis) -> gate g -> unitary ``herm(U_t x U_t^dagger)``, U_t = V diag(exp(-i lam t)) V^dagger,
-    t = g dt (one Newton-Schulz step in complex64) -> dephasing (off-diagonals of the computational or
-    energy basis scaled by 1 - eps_d) -> thermalising ``(1 - eps_t) z + eps_t tr(z) sigma``.
+    normalised state in the receiver's frame U_n U_j^dagger rho_j U_j U_n^dagger / tr rho_j = U_n xt_j
+    U_n^dagger with xt of :func:`sender_state_agent`, W its eigenbasis; C1 composed over the window, see
+    :func:`_coupling`) -> gate g -> unitary ``herm(U_t x U_t^dagger)``, U_t = V diag(exp(-i lam t))
+    V^dagger, t = g dt (one Newton-Schulz step in complex64) -> dephasing (off-diagonals of the
+    computational or energy basis scaled by 1 - eps_d) -> thermalising ``(1 - eps_t) z + eps_t tr(z) sigma``.
     modes = (coupling 0 none / 1 C1 / 2 C2, dephasing basis 0 computational / 1 energy, gate 0 none / 1
     soft / 2 hard, Newton-Schulz 1 for complex64 else 0). The gate's D(x || sigma) uses the floored x;
     gmin[n] receives its least eigenvalue (the caller refuses a step where it is <= 0, as the array code
     does). Scratch X, S, T1, T2, W, Ut, Y (d, d), w (d,); xs any 4-D array (unused: no tape)."""
     d = X.shape[0]
     _forward(
-        rho, index, mask, U, eps_c, lam, V, l, n, modes, gate_thr, gate_width, dt, floor, tol2, eps_d[n],
+        rho, xt, index, mask, U, eps_c, lam, V, l, n, modes, gate_thr, gate_width, dt, floor, tol2, eps_d[n],
         gmin, X, S, T1, T2, W, w, Ut, Y, xs, False,
     )  # fmt: skip
     et = eps_t[n]
@@ -549,33 +569,133 @@ def channel_step_agent(
             out[n, r, c] = (1.0 - et) * Y[r, c] + et * trz * sigma[n, r, c]
 
 
+def _coupling_c1_vjp(rho, xt, index, mask, U, eps_c, n, B, Bt, U_bar, s_out, eps_c_bar, X0, S, T1, T2):
+    """Reverse of the closed-form C1 window of :func:`_coupling` for agent n: B (in: the cotangent of the
+    coupled state X_w = a X_0 + t0 U_n Sig U_n^dagger; out: that of X_0). The channels' reverse
+    recursion B_{k-1} = (1 - e_k) B_k + e_k Re tr(B_k S_k) I keeps B_k = p_k B + nu_k I, so every slot
+    needs only scalars: q_k = Re tr(B S_k) = Re tr(Bt xt_k) (Bt = U_n^dagger B U_n) and the forward partial
+    traces r_k = Re tr(B X_k) (r_k = (1 - e_k) r_{k-1} + e_k t0 q_k); then eps_bar_k = p_k (t0 q_k - r_{k-1})
+    and xt_k's cotangent t0 e_k p_k Bt (its identity part nu_k I drops out: the sender's normalisation
+    removes it). U_bar[n] = 2 t0 B U_n Sig. Scratch X0, S, T1, T2; s_out and eps_c_bar (pass 1 keeps q_k
+    and r_{k-1} in them)."""
+    d = B.shape[0]
+    wn = index.shape[1]
+    for r in range(d):
+        for c in range(d):
+            X0[r, c] = rho[n, r, c]
+    t0 = _trace_re(X0)
+    rk = _tr_re(B, X0)
+    pull_back(U[n], B, T1, T2)
+    for r in range(d):
+        for c in range(d):
+            Bt[n, r, c] = T2[r, c]
+            S[r, c] = 0.0
+    for k in range(wn):  # forward: q_k, r_{k-1}; Sig in S
+        if not mask[n, k]:
+            continue
+        e = eps_c[n, k]
+        j = index[n, k]
+        q = _tr_re(T2, xt[j])
+        eps_c_bar[n, k] = rk
+        s_out[n, k] = q
+        rk = (1.0 - e) * rk + e * t0 * q
+        for r in range(d):
+            for c in range(d):
+                S[r, c] = (1.0 - e) * S[r, c] + e * xt[j, r, c]
+    mm(B, U[n], T1)
+    mm(T1, S, T2)
+    for r in range(d):
+        for c in range(d):
+            U_bar[n, r, c] = 2.0 * t0 * T2[r, c]
+    p = 1.0
+    nu = 0.0
+    for kk in range(wn):  # reverse
+        k = wn - 1 - kk
+        if not mask[n, k]:
+            continue
+        e = eps_c[n, k]
+        q = s_out[n, k]
+        eps_c_bar[n, k] = p * (t0 * q - eps_c_bar[n, k])
+        s_out[n, k] = t0 * e * p
+        nu = (1.0 - e) * nu + e * (p * q + nu)
+        p = (1.0 - e) * p
+    for r in range(d):
+        for c in range(d):
+            B[r, c] = p * B[r, c]
+        B[r, r] += nu
+
+
+def incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, Y, T1, T2):
+    """The C1 senders' part of agent n's cotangents after :func:`channel_step_vjp_agent` (every receiver
+    done): Y = sum over the slots (i, k) that read n (``slots[n]``: flat i w + k, receiver then slot order,
+    padded with N w at the end) of s[i, k] Bt[i], the cotangent of xt_n = U_n^dagger Rn U_n (Rn = rho_n /
+    tr rho_n); then Rn_bar = U_n Y U_n^dagger, x_bar[n] += (Rn_bar - Re tr(Rn_bar Rn) I) / tr rho_n and
+    U_bar[n] += 2 Rn U_n Y. Deterministic: a fixed order, no atomics."""
+    d = Y.shape[0]
+    wn = s.shape[1]
+    end = s.shape[0] * wn
+    for r in range(d):
+        for c in range(d):
+            Y[r, c] = 0.0
+    used = 0
+    for m in range(slots.shape[1]):
+        f = slots[n, m]
+        if f >= end:
+            break
+        i = f // wn
+        sc = s[i, f - i * wn]
+        for r in range(d):
+            for c in range(d):
+                Y[r, c] += sc * Bt[i, r, c]
+        used += 1
+    if used == 0:
+        return
+    tr = _trace_re(rho[n])
+    push_forward(U[n], Y, T1, T2)  # Rn_bar
+    cn = _tr_re(T2, rho[n]) / tr
+    for r in range(d):
+        for c in range(d):
+            v = T2[r, c]
+            if r == c:
+                v -= cn
+            x_bar[n, r, c] += v / tr
+    mm(rho[n], U[n], T1)
+    mm(T1, Y, T2)
+    for r in range(d):
+        for c in range(d):
+            U_bar[n, r, c] += 2.0 * T2[r, c] / tr
+
+
 def channel_step_vjp_agent(
-    rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats, R_bar,
-    eps_c_bar, M_bar, scal, gmin, flag, Tm, w,
+    rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats, s_out,
+    eps_c_bar, scal, gmin, flag, Tm, w,
 ):  # fmt: skip
     """Adjoint of :func:`channel_step_agent` for agent n (rules R1, R3, R4 and the gate; the array code's
-    ``vfesim.quantum.rollout._update_vjp``), recomputing the forward step (states before each coupling
-    channel and before the unitary kept in xs[n] (w + 1, d, d)). From the cotangent ob[n] of the new
-    state: mats[:, n] = (x_bar (the state's own), H_bar (through the unitary and the energy-basis
-    dephasing), sigma_bar, logsig_bar (through the gate)), R_bar[n, k] (sender k's state, for the caller to
-    add to that sender), eps_c_bar[n, k], M_bar[n, k] (transport U_n U_j^dagger), and scal[n] =
-    (eps_d_bar, eps_t_bar, t_bar g, D_bar, D); gmin[n] as in the forward step. flag[n]: 1 when the
-    energy-basis dephasing meets a degenerate spectrum (gap below gap_tol, max(1, |lam|) relative), 2 when
-    the gate's floored state is not positive. prm = (gate_threshold, gate_width, dt, floor, tol2, gap_tol)
-    (float64); scratch Tm (9, d, d), w (d,). (Few arguments: CPython passes a call with more than 30 as
-    *args, which numba.cuda cannot inline.)"""
+    ``vfesim.quantum.rollout._update_vjp``), recomputing the forward step (for C2 the states before each
+    coupling channel, and the state before the unitary, kept in xs[n] (.., d, d), last slot the latter).
+    From the cotangent ob[n] of the new state: mats[:, n] = (x_bar (the state's own), H_bar (through the
+    unitary and the energy-basis dephasing), sigma_bar, logsig_bar (through the gate), Bt, U_bar),
+    eps_c_bar[n, k] and scal[n] = (eps_d_bar, eps_t_bar, t_bar g, D_bar, D); gmin[n] as in the forward
+    step. C1 senders: the cotangent of xt_j through slot k is s_out[n, k] Bt[n] (Bt = U_n^dagger B U_n, B
+    the cotangent of the coupled state): :func:`incoming_agent` adds it to sender j. U_bar[n]: the receiver
+    part of U_n's cotangent (dL = Re tr(U_bar^dagger dU)). C2 keeps the senders fixed (stop-gradient): Bt,
+    U_bar and s_out are zero. flag[n]: 1 when the energy-basis dephasing meets a degenerate spectrum (gap
+    below gap_tol, max(1, |lam|) relative), 2 when the gate's floored state is not positive. prm =
+    (gate_threshold, gate_width, dt, floor, tol2, gap_tol) (float64); scratch Tm (9, d, d), w (d,). (Few
+    arguments: CPython passes a call with more than 30 as *args, which numba.cuda cannot inline.)"""
     X, S, T1, T2, W, Ut, Y, B, C = Tm[0], Tm[1], Tm[2], Tm[3], Tm[4], Tm[5], Tm[6], Tm[7], Tm[8]
-    x_bar, H_bar, sigma_bar, logsig_bar = mats[0], mats[1], mats[2], mats[3]
+    x_bar, H_bar, sigma_bar, logsig_bar, Bt, U_bar = mats[0], mats[1], mats[2], mats[3], mats[4], mats[5]
     gate_thr, gate_width, dt, floor, tol2, gap_tol = prm[0], prm[1], prm[2], prm[3], prm[4], prm[5]
     d = X.shape[0]
     wn = index.shape[1]
     ed = eps_d[n]
     et = eps_t[n]
+    last = xs.shape[1] - 1
     g, dv = _forward(
-        rho, index, mask, U, eps_c, lam, V, l, n, modes, gate_thr, gate_width, dt, floor, tol2, ed, gmin,
-        X, S, T1, T2, W, w, Ut, Y, xs, True,
+        rho, xt, index, mask, U, eps_c, lam, V, l, n, modes, gate_thr, gate_width, dt, floor, tol2, ed,
+        gmin, X, S, T1, T2, W, w, Ut, Y, xs, True,
     )  # fmt: skip
-    # X = y (after the unitary), Y = z (dephased), Ut the unitary, xs[n, wn] the state before it.
+    # X = y (after the unitary), Y = z (dephased), Ut the unitary, xs[n, last] the state before it.
     # Thermalising: out = (1 - et) z + et tr(z) sigma.
     for r in range(d):
         for c in range(d):
@@ -634,7 +754,7 @@ def channel_step_vjp_agent(
     t = g * dt
     for r in range(d):
         for c in range(d):
-            C[r, c] = xs[n, wn, r, c]  # x before the unitary
+            C[r, c] = xs[n, last, r, c]  # x before the unitary
     mm_dr(C, Ut, T1)  # x U^dagger
     mm(T1, B, T2)  # x U^dagger y_bar
     pull_back(V[n], T2, T1, S)  # S = Y^
@@ -683,78 +803,39 @@ def channel_step_vjp_agent(
                 B[r, c] += (1.0 - floor) * D_bar * v
                 logsig_bar[n, r, c] = -D_bar * Y[r, c]
     # Coupling channels in reverse.
+    for r in range(d):
+        for c in range(d):
+            Bt[n, r, c] = 0.0
+            U_bar[n, r, c] = 0.0
     for k in range(wn):
         eps_c_bar[n, k] = 0.0
-        for r in range(d):
-            for c in range(d):
-                R_bar[n, k, r, c] = 0.0
-                M_bar[n, k, r, c] = 0.0
-    if modes[0] != 0:
+        s_out[n, k] = 0.0
+    if modes[0] == 1:
+        _coupling_c1_vjp(rho, xt, index, mask, U, eps_c, n, B, Bt, U_bar, s_out, eps_c_bar, X, S, T1, T2)
+    elif modes[0] == 2:  # W stop-gradient: x_bar <- pinch_mix(x_bar); eps_bar = Re tr(x_bar (pinch(x) - x))
         for kk in range(wn):
             k = wn - 1 - kk
             if not mask[n, k]:
                 continue
-            j = index[n, k]
             e = eps_c[n, k]
-            trj = _sender_in_frame(rho, U, n, j, T1, T2, S)  # S = s_k
+            push_forward(U[n], xt[index[n, k]], T1, S)  # S = s_k
             for r in range(d):
                 for c in range(d):
                     C[r, c] = xs[n, k, r, c]  # the state before channel k
-            if modes[0] == 1:
-                trx = _trace_re(C)
-                ts = _tr_re(B, S)
-                eb = 0.0
-                for r in range(d):
-                    for c in range(d):
-                        z = B[r, c] * (trx * S[c, r] - C[c, r])
-                        eb += z.real
-                eps_c_bar[n, k] = eb
-                for r in range(d):  # T2 = s_bar = e tr(x) x_bar
-                    for c in range(d):
-                        T2[r, c] = e * trx * B[r, c]
-                for r in range(d):
-                    for c in range(d):
-                        B[r, c] = (1.0 - e) * B[r, c]
-                    B[r, r] += e * ts
-                # Rn_bar = M^dagger s_bar M, M = U_n U_j^dagger: U_j U_n^dagger s_bar U_n U_j^dagger
-                pull_back(U[n], T2, T1, Y)
-                push_forward(U[j], Y, T1, C)  # C = Rn_bar
-                cn = 0.0
-                for r in range(d):
-                    for c in range(d):
-                        z = C[r, c] * rho[j, c, r]
-                        cn += z.real
-                cn = cn / trj  # Re tr(Rn_bar Rn)
-                for r in range(d):
-                    for c in range(d):
-                        v = C[r, c]
-                        if r == c:
-                            v -= cn
-                        R_bar[n, k, r, c] = v / trj
-                # M_bar = 2 s_bar M Rn
-                mm_dr(U[n], U[j], Y)  # M
-                mm(T2, Y, T1)  # s_bar M
-                for r in range(d):
-                    for c in range(d):
-                        acc = 0.0 * T1[0, 0]
-                        for q in range(d):
-                            acc += T1[r, q] * rho[j, q, c]
-                        M_bar[n, k, r, c] = 2.0 * acc / trj
-            else:  # C2, W stop-gradient: x_bar <- pinch_mix(x_bar); eps_bar = Re tr(x_bar (pinch(x) - x))
-                jacobi_eigh(S, w, W, tol2)
-                pull_back(W, C, T1, T2)
-                _push_diag(W, T2, T1)  # T1 = pinch(x)
-                eb = 0.0
-                for r in range(d):
-                    for c in range(d):
-                        z = B[r, c] * (T1[c, r] - C[c, r])
-                        eb += z.real
-                eps_c_bar[n, k] = eb
-                pull_back(W, B, T1, T2)
-                _push_diag(W, T2, T1)
-                for r in range(d):
-                    for c in range(d):
-                        B[r, c] = B[r, c] + e * (T1[r, c] - B[r, c])
+            jacobi_eigh(S, w, W, tol2)
+            pull_back(W, C, T1, T2)
+            _push_diag(W, T2, T1)  # T1 = pinch(x)
+            eb = 0.0
+            for r in range(d):
+                for c in range(d):
+                    z = B[r, c] * (T1[c, r] - C[c, r])
+                    eb += z.real
+            eps_c_bar[n, k] = eb
+            pull_back(W, B, T1, T2)
+            _push_diag(W, T2, T1)
+            for r in range(d):
+                for c in range(d):
+                    B[r, c] = B[r, c] + e * (T1[r, c] - B[r, c])
     for r in range(d):
         for c in range(d):
             x_bar[n, r, c] = B[r, c]
@@ -793,13 +874,15 @@ FUNCTIONS = (
     "_copy",
     "_trace_re",
     "_tr_re",
-    "_sender_in_frame",
+    "sender_state_agent",
     "_coupling",
     "_gate_divergence",
     "_propagator",
     "_dephase",
     "_forward",
     "channel_step_agent",
+    "_coupling_c1_vjp",
+    "incoming_agent",
     "channel_step_vjp_agent",
 )
 

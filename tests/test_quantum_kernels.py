@@ -157,9 +157,14 @@ VJP_MODES = [
 @pytest.mark.parametrize("d, dtype, window", [(2, "complex128", "sparse"), (4, "complex128", "dense"),
                                               (3, "complex64", "sparse")])  # fmt: skip
 def test_channel_step_vjp_kernel_matches_the_array_code(coupling, basis, gate, d, dtype, window):
-    """The adjoint kernel of one channel step (forward recomputed per agent) against the array code's
-    rollout._update_vjp on the same tape: every cotangent it produces, masked window slots included."""
+    """The adjoint kernels of one channel step (forward recomputed per agent, then the C1 senders' parts)
+    against the array code's rollout._update_vjp on the same tape, its senders' parts added
+    (channels.add_incoming) and its transports' cotangents taken to the frames (channels.transports_vjp):
+    every cotangent, masked window slots included. The frames' cotangents are compared as the angles'
+    (frames_vjp): the kernels leave out parts orthogonal to the unitary tangent space."""
+    from vfesim.quantum.channels import add_incoming, incoming_slots, transports_vjp
     from vfesim.quantum.evolve import agent_update
+    from vfesim.quantum.frames import frames_vjp, spin_generators
     from vfesim.quantum.kernel_ops import kernel_step_vjp
     from vfesim.quantum.rollout import _update_vjp, _zeros_acc
 
@@ -172,6 +177,7 @@ def test_channel_step_vjp_kernel_matches_the_array_code(coupling, basis, gate, d
     _, tape = agent_update(P, slice(None), rho, R, dt, dyn, keep=True)
     acc = _zeros_acc(P, np, rho.dtype)
     x_bar, R_bar, dt_bar = _update_vjp(P, slice(None), R, tape, ob, dt, dyn, acc)
+    bar = add_incoming(x_bar, R_bar, incoming_slots(P.index, P.mask, rho.shape[0]))
     got = kernel_step_vjp(lambda: np, quantum_cpu.launch)(P, rho, ob, dt, dyn)
     tol = 1e-11 if dtype == "complex128" else 2e-4
 
@@ -180,13 +186,16 @@ def test_channel_step_vjp_kernel_matches_the_array_code(coupling, basis, gate, d
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * scale, err_msg=name)
 
     mask = P.mask
-    close(got["x_bar"], x_bar, "x_bar")
-    close(got["R_bar"], R_bar, "R_bar")
+    close(got["bar"], bar, "bar")
     close(np.where(mask, got["eps_c_bar"], 0), np.where(mask, acc["eps_c"], 0), "eps_c_bar")
-    close(got["M_bar"], acc["M"], "M_bar")
+    J = spin_generators(d)
+    phi_bar = frames_vjp(transports_vjp(acc["M"], P.U, P.index), P.fcache, J)
+    close(frames_vjp(got["U_bar"], P.fcache, J), phi_bar, "phi (frames through the coupling)")
     close(got["H_bar"], acc["H"], "H_bar")
     close(got["sigma_bar"], acc["sigma"], "sigma_bar")
     close(got["logsig_bar"], acc["logsig"], "logsig_bar")
+    if coupling == "C1":
+        assert np.abs(phi_bar).max() > 1e-3 and np.abs(bar - x_bar).max() > 1e-3  # the senders' parts count
     g, g_th = P.gamma, P.gamma_th
     close(got["eps_d_bar"] * dt * np.exp(-g * dt), acc["gamma"], "dephasing_rate")
     close(got["eps_t_bar"] * dt * np.exp(-g_th * dt), acc["gamma_th"], "thermal_rate")

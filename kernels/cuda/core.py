@@ -34,6 +34,10 @@ __all__ = [
 ]
 
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
+if SIMULATOR:
+    _DeviceNDArray = ()
+else:
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DeviceNDArray
 # Small grids are deliberate at small N; numba's low-occupancy warning would be an error under pytest.
 _numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
 
@@ -124,7 +128,10 @@ def feature_dim(K: int) -> int:
 
 
 def as_device_view(a):
-    """A numba device view of a CuPy array (wrapped once, then reused: cheaper launches); NumPy as is."""
-    if SIMULATOR or isinstance(a, np.ndarray):
+    """A numba device view of a CuPy array (wrapped once, then reused: cheaper launches); NumPy and views
+    as they are. No synchronisation on the exporter's stream (``sync=False``): the kernels launch on the
+    default stream, which runs after the work CuPy queued on its default stream or any blocking stream, so
+    a device-wide wait per wrap (numba's default) would only stall the host."""
+    if SIMULATOR or isinstance(a, (np.ndarray, _DeviceNDArray)):
         return a
-    return cuda.as_cuda_array(a)
+    return cuda.as_cuda_array(a, sync=False)

@@ -26,7 +26,9 @@ _pull_vjp_agent = _m.pull_vjp_agent
 _dk_log_agent = _m.dk_log_agent
 _dk_exp_agent = _m.dk_exp_agent
 _frames_vjp_agent = _m.frames_vjp_agent
+_sender_state_agent = _m.sender_state_agent
 _channel_step_agent = _m.channel_step_agent
+_incoming_agent = _m.incoming_agent
 _channel_step_vjp_agent = _m.channel_step_vjp_agent
 
 _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex128}
@@ -35,8 +37,9 @@ _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex1
 @functools.cache
 def make_quantum_kernels(d: int, dtype: str) -> dict:
     """The per-agent kernels for matrices of size ``d`` and complex ``dtype``: eig_log, gibbs, frames,
-    pull_features, pull_vjp, dk_log, dk_exp, frames_vjp, channel_step (arguments as the CPU kernels of
-    :mod:`vfesim_kernels.quantum_cpu`, without the agent range)."""
+    pull_features, pull_vjp, dk_log, dk_exp, frames_vjp, sender_states, channel_step, channel_step_vjp,
+    incoming (arguments as the CPU kernels of :mod:`vfesim_kernels.quantum_cpu`, without the agent
+    range)."""
     cdt = _COMPLEX[np.dtype(dtype)]
     rdt = _NB[np.finfo(np.dtype(dtype)).dtype]
 
@@ -96,8 +99,14 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
             T3 = cuda.local.array((d, d), cdt)
             _frames_vjp_agent(Ubar, k, V, J, n, out, T1, T2, T3)
 
+    def sender_states(rho, U, xt):
+        n = cuda.grid(1)
+        if n < rho.shape[0]:
+            T = cuda.local.array((d, d), cdt)
+            _sender_state_agent(rho, U, n, xt, T)
+
     def channel_step(
-        rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, thr, width, dt, floor, tol2,
+        rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, thr, width, dt, floor, tol2,
         out, gmin,
     ):  # fmt: skip
         n = cuda.grid(1)
@@ -112,22 +121,30 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
             w = cuda.local.array(d, rdt)
             xs = cuda.local.array((1, 1, 1, 1), cdt)  # no tape
             _channel_step_agent(
-                rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, thr, width, dt, floor,
-                tol2, out, gmin, X, S, T1, T2, W, w, Ut, Y, xs,
+                rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, thr, width, dt,
+                floor, tol2, out, gmin, X, S, T1, T2, W, w, Ut, Y, xs,
             )  # fmt: skip
 
     def channel_step_vjp(
-        rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, prm, ob, xs, mats, R_bar,
-        eps_c_bar, M_bar, scal, gmin, flag,
+        rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, prm, ob, xs, mats, s_out,
+        eps_c_bar, scal, gmin, flag,
     ):  # fmt: skip
         n = cuda.grid(1)
         if n < rho.shape[0]:
             Tm = cuda.local.array((9, d, d), cdt)
             w = cuda.local.array(d, rdt)
             _channel_step_vjp_agent(
-                rho, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats,
-                R_bar, eps_c_bar, M_bar, scal, gmin, flag, Tm, w,
+                rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats,
+                s_out, eps_c_bar, scal, gmin, flag, Tm, w,
             )  # fmt: skip
+
+    def incoming(rho, U, slots, s, Bt, x_bar, U_bar):
+        n = cuda.grid(1)
+        if n < rho.shape[0]:
+            Y = cuda.local.array((d, d), cdt)
+            T1 = cuda.local.array((d, d), cdt)
+            T2 = cuda.local.array((d, d), cdt)
+            _incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, Y, T1, T2)
 
     pyfuncs = {
         "eig_log": eig_log,
@@ -138,7 +155,9 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
         "dk_log": dk_log,
         "dk_exp": dk_exp,
         "frames_vjp": frames_vjp,
+        "sender_states": sender_states,
         "channel_step": channel_step,
         "channel_step_vjp": channel_step_vjp,
+        "incoming": incoming,
     }
     return compile_kernels(pyfuncs)

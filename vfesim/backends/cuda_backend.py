@@ -627,7 +627,9 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
 # One thread per agent up to d = 8 (each matrix in local memory); above, the batched CuPy stages
 # (cuSOLVER's eigh).
 QUANTUM_KERNEL_MAX_D = 8
-QUANTUM_OPS = sized_ops(kernel_ops(array_module, _quantum_launch), NUMPY_OPS, QUANTUM_KERNEL_MAX_D)
+QUANTUM_OPS = sized_ops(
+    kernel_ops(array_module, _quantum_launch, kc.as_device_view), NUMPY_OPS, QUANTUM_KERNEL_MAX_D
+)
 
 
 class _PointsLayout:

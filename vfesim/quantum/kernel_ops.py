@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .channels import incoming_slots
 from .energy import QuantumOps, floor_eps
 from .evolve import resident, window
 
@@ -47,9 +48,10 @@ def _real(dtype) -> np.dtype:
     return np.finfo(np.dtype(dtype)).dtype
 
 
-def kernel_ops(array_module: Callable, launch: Callable) -> QuantumOps:
+def kernel_ops(array_module: Callable, launch: Callable, view: Callable = lambda a: a) -> QuantumOps:
     """A :class:`QuantumOps` whose stages run ``launch`` on arrays of ``array_module()``; its ``step_vjp``
-    is :func:`kernel_step_vjp` for every d."""
+    is :func:`kernel_step_vjp` for every d. ``view(a)``: the form of an array the launcher takes fastest
+    (a device view wrapped once); the channel steps keep the views of a run's constants."""
 
     def c(a):
         a = array_module().ascontiguousarray(a)
@@ -126,56 +128,82 @@ def kernel_ops(array_module: Callable, launch: Callable) -> QuantumOps:
     def channel_step(P, rho, dt, dyn):
         xp = array_module()
         rho = c(rho)
-        args, gmin = _step_args(xp, c, P, rho, dt, dyn)
+        args, (gmin, gmin_v) = _step_args(xp, c, view, P, rho, dt, dyn)
         out = xp.empty_like(rho)
-        run("channel_step", rho, rho, *args, out, gmin)
+        xt = _sender_states(launch, xp, view, P, rho, dyn)
+        run("channel_step", rho, rho, xt, *args, out, gmin_v)
         if dyn.gate != "none":
             _refuse_non_positive(xp, gmin <= 0, gmin)
         return out
 
-    step_vjp = kernel_step_vjp(array_module, launch)
+    step_vjp = kernel_step_vjp(array_module, launch, view)
     return QuantumOps(
         eig_log, gibbs, frames, pull_features, pull_vjp, dk_log, dk_exp, frames_vjp, channel_step,
         lambda d: step_vjp,
     )  # fmt: skip
 
 
-def _step_args(xp, c, P, rho, dt, dyn):
-    """The channel step kernels' leading arguments (after rho) for Prepared caches P, and a gmin array. The
-    run's constants (coupling window, strengths of the rates at this dt, mode codes) are made on the
-    device once per cache (:func:`.evolve.resident`), not copied again every step."""
+def _buffer(P, xp, view, key, make):
+    """(array, its view) made once per cache P: a constant of the run or a scratch buffer of the kernels."""
+    a = resident(P, xp, key, None, make)
+    return a, resident(P, xp, ("view", key), a, lambda: view(a))
+
+
+def _step_args(xp, c, view, P, rho, dt, dyn):
+    """The channel step kernels' arguments after (rho, xt) for Prepared caches P, and (gmin, its view) (the
+    gate's least eigenvalue per agent). The run's constants (coupling window, strengths of the rates at
+    this dt, mode codes, and gmin, which the kernels fill for every agent under a gate) are made on the
+    device and wrapped by ``view`` once per cache (:func:`.evolve.resident`), not every step."""
     dt = float(dt)
+
+    def const(key, source, make, tag=None):
+        return resident(P, xp, key, source, lambda: view(make()), tag=tag)
+
     # vfesim.quantum.channels.dephasing_strength
-    eps_d = resident(P, xp, "eps_d", P.gamma, lambda: -xp.expm1(-P.gamma * dt), tag=dt)
-    eps_t = resident(P, xp, "eps_t", P.gamma_th, lambda: -xp.expm1(-P.gamma_th * dt), tag=dt)
+    eps_d = const("eps_d", P.gamma, lambda: c(-xp.expm1(-P.gamma * dt)), tag=dt)
+    eps_t = const("eps_t", P.gamma_th, lambda: c(-xp.expm1(-P.gamma_th * dt)), tag=dt)
     codes = (
         _COUPLING[dyn.coupling],
         _BASIS[dyn.dephasing_basis],
         _GATE[dyn.gate],
         int(rho.dtype == np.complex64),
     )
-    modes = resident(P, xp, "modes", None, lambda: xp.asarray(codes, np.int64), tag=codes)
+    modes = const("modes", None, lambda: xp.asarray(codes, np.int64), tag=codes)
     index, mask = window(P, xp)
-    floor = float(floor_eps(rho.dtype))
+    rdt = _real(rho.dtype)
     args = (
-        index,
-        mask,
-        c(P.U),
-        c(P.eps_c),
-        c(P.lam),
-        c(P.V),
-        c(P.sigma),
-        c(P.l),
-        c(eps_d),
-        c(eps_t),
+        const("index view", index, lambda: index),
+        const("mask view", mask, lambda: mask),
+        *(
+            const(k, getattr(P, k), lambda k=k: c(getattr(P, k)))
+            for k in ("U", "eps_c", "lam", "V", "sigma", "l")
+        ),
+        eps_d,
+        eps_t,
         modes,
         float(dyn.gate_threshold),
         float(dyn.gate_width),
         dt,
-        floor,
+        float(floor_eps(rho.dtype)),
         jacobi_tol2(rho.dtype),
     )
-    return args, xp.full(rho.shape[0], np.inf, _real(rho.dtype))
+    return args, _buffer(P, xp, view, ("gmin", np.dtype(rdt).str), lambda: xp.empty(rho.shape[0], rdt))
+
+
+def _coupled(P, dyn) -> bool:
+    return dyn.coupling != "none" and P.index.shape[1] > 0
+
+
+def _sender_states(launch, xp, view, P, rho, dyn):
+    """The senders' normalised states in their own frames (the ``sender_states`` kernel) for the coupling
+    window of a step from ``rho``; without a coupling window, rho itself (the kernels do not read it)."""
+    if not _coupled(P, dyn):
+        return rho
+    _, xt = _buffer(P, xp, view, ("xt", rho.dtype.str), lambda: xp.empty_like(rho))
+    U = resident(P, xp, "U", P.U, lambda: view(xp.ascontiguousarray(P.U)))  # as _step_args
+    N, d = rho.shape[0], rho.shape[-1]
+    launch("sender_states", N, d, rho.dtype, rho, U, xt)
+    return xt
 
 
 def _refuse_non_positive(xp, bad, gmin) -> None:
@@ -186,13 +214,15 @@ def _refuse_non_positive(xp, bad, gmin) -> None:
         )
 
 
-def kernel_step_vjp(array_module: Callable, launch: Callable) -> Callable:
+def kernel_step_vjp(array_module: Callable, launch: Callable, view: Callable = lambda a: a) -> Callable:
     """The adjoint of one Jacobi channel step by the kernels (``channel_step_vjp``, forward recomputed per
-    agent): ``vjp(P, rho, out_bar, dt, dynamics, gap_tol=1e-9) -> dict`` of per-agent cotangents, the
-    terms of ``vfesim.quantum.rollout._update_vjp``: ``x_bar`` (N, d, d) (senders' parts not added),
-    ``R_bar`` (N, w, d, d) (sender slot k of agent n), ``eps_c_bar`` (N, w), ``M_bar`` (N, w, d, d),
-    ``H_bar``, ``sigma_bar``, ``logsig_bar`` (N, d, d), ``eps_d_bar``, ``eps_t_bar``, ``tg`` (t_bar g),
-    ``D_bar``, ``D`` (N,)."""
+    agent, then ``incoming`` for the C1 senders): ``vjp(P, rho, out_bar, dt, dynamics, gap_tol=1e-9) ->
+    dict`` of per-agent cotangents: ``bar`` (N, d, d) of the states before the step (each agent's own part
+    and, through the coupling, its part as a sender), ``U_bar`` (N, d, d) of the frames U_i through the
+    coupling (dL = Re tr(U_bar^dag dU)), ``eps_c_bar`` (N, w), ``H_bar``, ``sigma_bar``, ``logsig_bar``
+    (N, d, d), ``eps_d_bar``, ``eps_t_bar``, ``tg`` (t_bar g), ``D_bar``, ``D`` (N,). The array code gets
+    the same from ``vfesim.quantum.rollout._update_terms`` with ``channels.add_incoming`` (senders' parts)
+    and ``channels.transports_vjp`` (transports to frames)."""
 
     def vjp(P, rho, out_bar, dt, dyn, gap_tol=1e-9):
         xp = array_module()
@@ -205,31 +235,38 @@ def kernel_step_vjp(array_module: Callable, launch: Callable) -> Callable:
         N, d = rho.shape[:2]
         w = P.index.shape[1]
         rdt = _real(rho.dtype)
-        args, gmin = _step_args(xp, c, P, rho, dt, dyn)
-        xs = xp.empty((N, w + 1, d, d), rho.dtype)
-        mats = xp.empty((4, N, d, d), rho.dtype)  # x_bar, H_bar, sigma_bar, logsig_bar
-        out = dict(
-            R_bar=xp.empty((N, w, d, d), rho.dtype), eps_c_bar=xp.empty((N, w), rdt),
-            M_bar=xp.empty((N, w, d, d), rho.dtype),
-        )  # fmt: skip
+        args, (gmin, gmin_v) = _step_args(xp, c, view, P, rho, dt, dyn)
+        xt = _sender_states(launch, xp, view, P, rho, dyn)
+        slots = 1 + (w if dyn.coupling == "C2" else 0)  # tape: the C2 channels' inputs, the unitary's input
+        _, xs = _buffer(
+            P, xp, view, ("xs", rho.dtype.str, slots), lambda: xp.empty((N, slots, d, d), rho.dtype)
+        )
+        mats = xp.empty((6, N, d, d), rho.dtype)  # x_bar, H_bar, sigma_bar, logsig_bar, Bt, U_bar
+        sw = xp.empty((2, N, w), rdt)  # s_out, eps_c_bar
         scal = xp.empty((N, 5), rdt)
         flag = xp.zeros(N, np.int64)
         idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, *scalars = args
         values = (*scalars, float(gap_tol))  # thr, width, dt, floor, tol2, gap_tol
-        prm = resident(P, xp, "prm", None, lambda: xp.asarray(values, np.float64), tag=values)
+        prm = resident(P, xp, "prm", None, lambda: view(xp.asarray(values, np.float64)), tag=values)  # a view
         launch(
-            "channel_step_vjp", N, d, rho.dtype, rho, idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t,
-            modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, out["R_bar"], out["eps_c_bar"],
-            out["M_bar"], scal, gmin, flag,
+            "channel_step_vjp", N, d, rho.dtype, rho, xt, idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t,
+            modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, sw[0], sw[1], scal, gmin_v, flag,
         )  # fmt: skip
-        out.update(x_bar=mats[0], H_bar=mats[1], sigma_bar=mats[2], logsig_bar=mats[3])
-        if bool((flag == 1).any()):
+        if dyn.coupling == "C1" and w:
+            ins = resident(
+                P, xp, "slots", P.index, lambda: view(xp.asarray(incoming_slots(P.index, P.mask, N)))
+            )  # view
+            launch("incoming", N, d, rho.dtype, rho, U, ins, sw[0], mats[4], mats[0], mats[5])
+        out = dict(bar=mats[0], H_bar=mats[1], sigma_bar=mats[2], logsig_bar=mats[3], U_bar=mats[5])
+        out["eps_c_bar"] = sw[1]
+        if dyn.dephasing_basis == "energy" and bool((flag == 1).any()):
             i = int(xp.argmax(flag == 1))
             raise ValueError(
                 f"hamiltonian[agent={i}]: energy-basis dephasing is not differentiable at a degenerate "
                 f"spectrum (eigenvalue gap below {gap_tol:g} relative)"
             )
-        _refuse_non_positive(xp, flag == 2, gmin)
+        if dyn.gate != "none":
+            _refuse_non_positive(xp, flag == 2, gmin)
         for k, col in zip(("eps_d_bar", "eps_t_bar", "tg", "D_bar", "D"), range(5), strict=True):
             out[k] = scal[:, col]
         return out

@@ -174,19 +174,26 @@ def _observed(outcomes, d: int, xp) -> list:
     return out
 
 
-def _born(rho, obs, weight: float):
-    """(value, cotangent) of weight sum_i -log x_i[y_i, y_i] over the observed agents ``obs`` (a pair of
-    :func:`_observed`), rule R7. The value is a float64 scalar of the state's array module (no transfer)."""
+def _born_logp(rho, obs):
+    """sum_i log x_i[y_i, y_i] over the observed agents ``obs`` (a pair of :func:`_observed`; None: 0.0), x
+    the floored state: a float64 scalar of the state's array module (no transfer)."""
+    if obs is None:
+        return 0.0
     xp = _xp(rho)
     e = floor_eps(rho.dtype)
-    d = rho.shape[-1]
-    bar = xp.zeros_like(rho)
-    if obs is None or weight == 0:
-        return 0.0, bar
     oo, yy = obs
-    prob = (1.0 - e) * rho[oo, yy, yy].real + e / d
-    bar[oo, yy, yy] = -weight * (1.0 - e) / prob
-    return (-weight * xp.log(prob).sum()).astype(np.float64), bar
+    return xp.log(rho[oo, yy, yy].real * (1.0 - e) + e / rho.shape[-1]).sum(dtype=np.float64)
+
+
+def _born_add(bar, rho, obs, weight: float):
+    """bar += the cotangent of weight sum_i -log x_i[y_i, y_i] (rule R7), in place (one entry per observed
+    agent) -> bar."""
+    if obs is not None and weight != 0:
+        e = floor_eps(rho.dtype)
+        oo, yy = obs
+        prob = rho[oo, yy, yy].real * (1.0 - e) + e / rho.shape[-1]
+        bar[oo, yy, yy] += (-weight * (1.0 - e)) / prob
+    return bar
 
 
 def _zeros_acc(P: Prepared, xp, cdt):
@@ -203,6 +210,7 @@ def _zeros_acc(P: Prepared, xp, cdt):
         "logsig": xp.zeros((n, d, d), cdt),
         "sigma": xp.zeros((n, d, d), cdt),
         "phi": xp.zeros((n, 3), rdt),
+        "U": xp.zeros((n, d, d), cdt),
         "theta": 0.0,
         "tau": 0.0,
     }
@@ -263,13 +271,17 @@ def _update_terms(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDyn
 
 def _accumulate(P: Prepared, sel, terms: dict, dt: float, dyn: QuantumDynamics, acc):
     """Adds the per-agent cotangents ``terms`` of one step of the batch ``sel`` (:func:`_update_terms` or
-    the kernels' :func:`.kernel_ops.kernel_step_vjp`) into ``acc`` -> (x0_bar, R_bar, dt_bar).
+    the kernels' :func:`.kernel_ops.kernel_step_vjp`) into ``acc`` -> (x0_bar, R_bar, dt_bar): the array
+    code's terms give the agents' own cotangents and the senders' parts R_bar (N, w, d, d) (transports'
+    cotangents into acc["M"]); the kernels' give the whole cotangent of the states before the step
+    (``bar``, R_bar None) and the frames' directly (acc["U"]). dt_bar: a scalar of the arrays' module (no
+    transfer per step).
 
     dt enters through t = g dt (t_bar from R1) and the strengths eps = 1 - exp(-rate dt)
     (d eps/d dt = rate exp(-rate dt)); the soft gate g = sigmoid((D - theta)/tau) gives
     theta_bar = -sum D_bar and tau_bar = -sum D_bar (D - theta)/tau with D_bar = g_bar g (1 - g)/tau.
     """
-    xp = _xp(terms["x_bar"])
+    xp = _xp(terms["H_bar"])
     gamma, gamma_th = P.gamma[sel], P.gamma_th[sel]
     eps_d_bar, eps_t_bar = terms["eps_d_bar"], terms["eps_t_bar"]
     acc["gamma"][sel] += dephasing_strength_vjp(eps_d_bar, gamma, dt)
@@ -287,10 +299,15 @@ def _accumulate(P: Prepared, sel, terms: dict, dt: float, dyn: QuantumDynamics, 
     # the Gibbs adjoint is linear and H is fixed: applied once, at the end
     acc["sigma"][sel] += terms["sigma_bar"]
     acc["H"][sel] += terms["H_bar"]
+    if "U_bar" in terms:
+        acc["eps_c"][sel] += terms["eps_c_bar"]
+        if dyn.coupling == "C1":
+            acc["U"][sel] += terms["U_bar"]
+        return terms["bar"], None, dt_bar
     if dyn.coupling != "none" and terms["R_bar"].shape[1]:
         acc["eps_c"][sel] += terms["eps_c_bar"]
         acc["M"][sel] += terms["M_bar"]
-    return terms["x_bar"], terms["R_bar"], float(dt_bar)
+    return terms["x_bar"], terms["R_bar"], dt_bar
 
 
 def _step_vjp(
@@ -304,9 +321,9 @@ def _step_vjp(
     xp = _xp(old)
     if dyn.order == "jacobi":
         if kernel is not None:
-            terms = kernel(P, old, out_bar, dt, dyn)
-        else:
-            terms = _update_terms(P, slice(None), old[window(P, xp)[0]], tapes[0], out_bar, dt, dyn)
+            bar, _, dt_bar = _accumulate(P, slice(None), kernel(P, old, out_bar, dt, dyn), dt, dyn, acc)
+            return bar, dt_bar
+        terms = _update_terms(P, slice(None), old[window(P, xp)[0]], tapes[0], out_bar, dt, dyn)
         x_bar, R_bar, dt_bar = _accumulate(P, slice(None), terms, dt, dyn, acc)
         return add_incoming(x_bar, R_bar, slots), dt_bar
     bar_new = out_bar.copy()
@@ -315,7 +332,7 @@ def _step_vjp(
     for i in range(old.shape[0] - 1, -1, -1):
         R = senders(P.index[i : i + 1], i, old, new)
         x_bar, R_bar, db = _update_vjp(P, slice(i, i + 1), R, tapes[i], bar_new[i : i + 1], dt, dyn, acc)
-        dt_bar += db
+        dt_bar += float(db)
         bar_old[i] += x_bar[0]
         for k, j in enumerate(P.index[i]):
             if P.mask[i, k]:
@@ -447,13 +464,13 @@ def rollout(
     for t in range(T):
         rho, _ = advance(rho, t)
         if w_born:
-            born = born + _born(rho, observed[t], w_born)[0]  # summed on the device: no sync per step
+            born = born + _born_logp(rho, observed[t])  # summed on the device: no sync per step
         if t + 1 in keep_at:
             store[t + 1] = rho
     stats["max_stored"] = len(store)
     terms = {}
     if "born" in weights:
-        terms["born"] = float(born)
+        terms["born"] = -w_born * float(born)
     w_F = weights.get("free_energy", 0.0)
     if "free_energy" in weights:
         Fterms, Fgrads = energy_and_gradient_arrays({**arrays, "rho": rho}, qcfg, ops=ops)
@@ -469,13 +486,15 @@ def rollout(
         return RolloutResult(total, terms, None, final, stats)
 
     acc = _zeros_acc(P, xp, rho.dtype)
-    slots = xp.asarray(incoming_slots(P.index, P.mask, n)) if dyn.order == "jacobi" else None
-    dt_bar = np.zeros(T)
+    slots = (
+        xp.asarray(incoming_slots(P.index, P.mask, n)) if kernel is None and dyn.order == "jacobi" else None
+    )
+    dt_bar = [0.0] * T
     bar = xp.zeros_like(rho)
     if w_F:
         bar = bar + w_F * Fgrads["rho"]
     if w_born:
-        bar = bar + _born(rho, observed[T - 1], w_born)[1]
+        bar = _born_add(bar, rho, observed[T - 1], w_born)
 
     def back(t, old, tape, bar):
         """Cotangent of the state at t from that at t + 1 (mirror steps in reverse, then the step)."""
@@ -489,7 +508,7 @@ def rollout(
             P, old, tape["pre"], tape["step"], bar, float(dts[t]), dyn, acc, kernel, slots
         )
         if w_born and t >= 1:
-            bar = bar + _born(old, observed[t - 1], w_born)[1]
+            bar = _born_add(bar, old, observed[t - 1], w_born)  # bar: this step's own array
         return bar
 
     # The kernels' adjoint reads only the state before a step: without mirror steps (whose adjoints need
@@ -516,7 +535,8 @@ def rollout(
                 bar = back(t, states[t - start], tapes[t - start], bar)
             del states, tapes
 
-    U_bar = transports_vjp(acc["M"], P.U, window(P, xp)[0])
+    # the kernels' adjoint gives the frames' cotangents directly (acc["U"]), the array code the transports'
+    U_bar = acc["U"] if kernel is not None else transports_vjp(acc["M"], P.U, window(P, xp)[0])
     phi_bar = frames_vjp(U_bar, P.fcache, spin_generators(rho.shape[-1])) + acc["phi"]
     H_m, T_m = gibbs_vjp(acc["sigma"], acc["logsig"], P.lam, P.V, P.T, P.sigma, P.l, P.p)
     H_bar, T_bar = acc["H"] + H_m, acc["T"] + T_m
@@ -540,7 +560,7 @@ def rollout(
         "thermal_rate": _gradient_shape("thermal_rate", dyn.thermal_rate, acc["gamma_th"]),
         "coupling_strength": e0_bar,
         "coupling_length": ell_bar,
-        "dt": dt_bar,
+        "dt": np.array([float(v) for v in dt_bar]),
         "gate_threshold": acc["theta"],
         "gate_width": acc["tau"],
     }
