@@ -147,16 +147,16 @@ def _channel_step(
 
 @_kernel
 def _channel_step_vjp(
-    n0, n1, rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, prm, ob, xs, mats, s_out,
-    eps_c_bar, scal, gmin, flag,
+    n0, n1, rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, gam, modes, prm, ob, xs, mats,
+    accm, sw, racc, scal, gmin, flag,
 ):  # fmt: skip
     d = rho.shape[1]
     Tm = np.empty((9, d, d), rho.dtype)
     w = np.empty(d, lam.dtype)
     for n in range(n0, n1):
         _channel_step_vjp_agent(
-            rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats,
-            s_out, eps_c_bar, scal, gmin, flag, Tm, w,
+            rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, gam, n, modes, prm, ob, xs, mats,
+            accm, sw, racc, scal, gmin, flag, Tm, w,
         )  # fmt: skip
 
 

@@ -569,15 +569,16 @@ def channel_step_agent(
             out[n, r, c] = (1.0 - et) * Y[r, c] + et * trz * sigma[n, r, c]
 
 
-def _coupling_c1_vjp(rho, xt, index, mask, U, eps_c, n, B, Bt, U_bar, s_out, eps_c_bar, X0, S, T1, T2):
+def _coupling_c1_vjp(rho, xt, index, mask, U, eps_c, n, B, Bt, U_bar, sw, X0, S, T1, T2):
     """Reverse of the closed-form C1 window of :func:`_coupling` for agent n: B (in: the cotangent of the
     coupled state X_w = a X_0 + t0 U_n Sig U_n^dagger; out: that of X_0). The channels' reverse
     recursion B_{k-1} = (1 - e_k) B_k + e_k Re tr(B_k S_k) I keeps B_k = p_k B + nu_k I, so every slot
     needs only scalars: q_k = Re tr(B S_k) = Re tr(Bt xt_k) (Bt = U_n^dagger B U_n) and the forward partial
     traces r_k = Re tr(B X_k) (r_k = (1 - e_k) r_{k-1} + e_k t0 q_k); then eps_bar_k = p_k (t0 q_k - r_{k-1})
     and xt_k's cotangent t0 e_k p_k Bt (its identity part nu_k I drops out: the sender's normalisation
-    removes it). U_bar[n] = 2 t0 B U_n Sig. Scratch X0, S, T1, T2; s_out and eps_c_bar (pass 1 keeps q_k
-    and r_{k-1} in them)."""
+    removes it). Writes s_out[n, k] = sw[0, n, k]; adds eps_bar_k into sw[1, n, k] and 2 t0 B U_n Sig into
+    U_bar[n]. Scratch X0, S, T1, T2 and sw[2] (pass 1 keeps q_k in s_out, r_{k-1} there)."""
+    s_out, eps_c_bar, r_prev = sw[0], sw[1], sw[2]
     d = B.shape[0]
     wn = index.shape[1]
     for r in range(d):
@@ -596,7 +597,7 @@ def _coupling_c1_vjp(rho, xt, index, mask, U, eps_c, n, B, Bt, U_bar, s_out, eps
         e = eps_c[n, k]
         j = index[n, k]
         q = _tr_re(T2, xt[j])
-        eps_c_bar[n, k] = rk
+        r_prev[n, k] = rk
         s_out[n, k] = q
         rk = (1.0 - e) * rk + e * t0 * q
         for r in range(d):
@@ -606,7 +607,7 @@ def _coupling_c1_vjp(rho, xt, index, mask, U, eps_c, n, B, Bt, U_bar, s_out, eps
     mm(T1, S, T2)
     for r in range(d):
         for c in range(d):
-            U_bar[n, r, c] = 2.0 * t0 * T2[r, c]
+            U_bar[n, r, c] += 2.0 * t0 * T2[r, c]
     p = 1.0
     nu = 0.0
     for kk in range(wn):  # reverse
@@ -615,7 +616,7 @@ def _coupling_c1_vjp(rho, xt, index, mask, U, eps_c, n, B, Bt, U_bar, s_out, eps
             continue
         e = eps_c[n, k]
         q = s_out[n, k]
-        eps_c_bar[n, k] = p * (t0 * q - eps_c_bar[n, k])
+        eps_c_bar[n, k] += p * (t0 * q - r_prev[n, k])
         s_out[n, k] = t0 * e * p
         nu = (1.0 - e) * nu + e * (p * q + nu)
         p = (1.0 - e) * p
@@ -667,24 +668,30 @@ def incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, Y, T1, T2):
 
 
 def channel_step_vjp_agent(
-    rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats, s_out,
-    eps_c_bar, scal, gmin, flag, Tm, w,
+    rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, gam, n, modes, prm, ob, xs, mats, accm,
+    sw, racc, scal, gmin, flag, Tm, w,
 ):  # fmt: skip
     """Adjoint of :func:`channel_step_agent` for agent n (rules R1, R3, R4 and the gate; the array code's
     ``vfesim.quantum.rollout._update_vjp``), recomputing the forward step (for C2 the states before each
     coupling channel, and the state before the unitary, kept in xs[n] (.., d, d), last slot the latter).
-    From the cotangent ob[n] of the new state: mats[:, n] = (x_bar (the state's own), H_bar (through the
-    unitary and the energy-basis dephasing), sigma_bar, logsig_bar (through the gate), Bt, U_bar),
-    eps_c_bar[n, k] and scal[n] = (eps_d_bar, eps_t_bar, t_bar g, D_bar, D); gmin[n] as in the forward
-    step. C1 senders: the cotangent of xt_j through slot k is s_out[n, k] Bt[n] (Bt = U_n^dagger B U_n, B
-    the cotangent of the coupled state): :func:`incoming_agent` adds it to sender j. U_bar[n]: the receiver
-    part of U_n's cotangent (dL = Re tr(U_bar^dagger dU)). C2 keeps the senders fixed (stop-gradient): Bt,
-    U_bar and s_out are zero. flag[n]: 1 when the energy-basis dephasing meets a degenerate spectrum (gap
-    below gap_tol, max(1, |lam|) relative), 2 when the gate's floored state is not positive. prm =
-    (gate_threshold, gate_width, dt, floor, tol2, gap_tol) (float64); scratch Tm (9, d, d), w (d,). (Few
-    arguments: CPython passes a call with more than 30 as *args, which numba.cuda cannot inline.)"""
+    From the cotangent ob[n] of the new state it writes mats[:, n] = (x_bar (the state's own), Bt),
+    s_out[n, k] = sw[0, n, k] and scal[n] = (eps_d_bar, eps_t_bar, t_bar g, D_bar, D, dt_bar part), and
+    adds the parameters' cotangents into the accumulators accm[:, n] = (H_bar (through the unitary and the
+    energy-basis dephasing), sigma_bar, logsig_bar (through the gate), U_bar), eps_c_bar[n, k] = sw[1, n,
+    k], racc[:, n] = (rate_bar of the dephasing, of the thermalising: eps_bar dt (1 - eps)); gam (2, N) the
+    two rates (the dt_bar part: t_bar g + sum over both of eps_bar rate (1 - eps)); gmin[n] as in the
+    forward step. C1 senders: the cotangent of xt_j through slot k is s_out[n, k] Bt[n] (Bt = U_n^dagger B
+    U_n, B the cotangent of the coupled state): :func:`incoming_agent` adds it to sender j. U_bar[n]: the
+    receiver part of U_n's cotangent (dL = Re tr(U_bar^dagger dU)). C2 keeps the senders fixed
+    (stop-gradient): Bt and s_out are zero and U_bar gets nothing. sw[2]: scratch. flag[n]: 1 when the
+    energy-basis dephasing meets a degenerate spectrum (gap below gap_tol, max(1, |lam|) relative), 2 when
+    the gate's floored state is not positive. prm = (gate_threshold, gate_width, dt, floor, tol2, gap_tol)
+    (float64); scratch Tm (9, d, d), w (d,). (Few arguments: CPython passes a call with more than 30 as
+    *args, which numba.cuda cannot inline.)"""
     X, S, T1, T2, W, Ut, Y, B, C = Tm[0], Tm[1], Tm[2], Tm[3], Tm[4], Tm[5], Tm[6], Tm[7], Tm[8]
-    x_bar, H_bar, sigma_bar, logsig_bar, Bt, U_bar = mats[0], mats[1], mats[2], mats[3], mats[4], mats[5]
+    x_bar, Bt = mats[0], mats[1]
+    H_bar, sigma_bar, logsig_bar, U_bar = accm[0], accm[1], accm[2], accm[3]
+    s_out, eps_c_bar = sw[0], sw[1]
     gate_thr, gate_width, dt, floor, tol2, gap_tol = prm[0], prm[1], prm[2], prm[3], prm[4], prm[5]
     d = X.shape[0]
     wn = index.shape[1]
@@ -705,7 +712,7 @@ def channel_step_vjp_agent(
     et_bar = 0.0
     for r in range(d):
         for c in range(d):
-            sigma_bar[n, r, c] = et * trz * B[r, c]
+            sigma_bar[n, r, c] += et * trz * B[r, c]
             z = B[r, c] * (trz * sigma[n, c, r] - Y[c, r])
             et_bar += z.real
     for r in range(d):
@@ -720,9 +727,6 @@ def channel_step_vjp_agent(
         for c in range(d):
             z = B[r, c] * (C[c, r] - X[c, r])
             ed_bar += z.real
-    for r in range(d):
-        for c in range(d):
-            H_bar[n, r, c] = 0.0
     # H through the energy basis: Q = [D, Pb] + [diag Pb, r], Hh_lk = Q_lk / (lam_l - lam_k)
     if modes[1] == 1:
         pull_back(V[n], X, T1, C)  # C = r = V^dagger y V
@@ -747,7 +751,7 @@ def channel_step_vjp_agent(
         push_forward(V[n], T1, T2, S)
         for r in range(d):
             for c in range(d):
-                H_bar[n, r, c] = 0.5 * (S[r, c] + S[c, r].conjugate())
+                H_bar[n, r, c] += 0.5 * (S[r, c] + S[c, r].conjugate())
     _dephase(B, V, n, ed, modes[1], T1, T2)  # B = y_bar
     # Unitary (R1): x_bar = herm(U^dagger y_bar U); Y^ = V^dagger (x U^dagger y_bar) V;
     # H_bar += herm(V (2 Y^ o f1^T) V^dagger), f1 = t dd_expi(lam t); t_bar = Re tr(H i [y_bar, y]).
@@ -781,9 +785,6 @@ def channel_step_vjp_agent(
         for c in range(d):
             B[r, c] = 0.5 * (T2[r, c] + T2[c, r].conjugate())  # B = x_bar (before the unitary)
     D_bar = 0.0
-    for r in range(d):
-        for c in range(d):
-            logsig_bar[n, r, c] = 0.0
     if modes[2] == 1:  # soft gate: D_bar = t_bar dt g (1 - g) / tau
         D_bar = t_bar * dt * g * (1.0 - g) / gate_width
         _, least = _gate_divergence(C, V, l, n, floor, tol2, Y, T1, S, W, w)  # Y = x_f, W diag(w) W^dagger
@@ -801,17 +802,15 @@ def channel_step_vjp_agent(
                 if r == c:
                     v += 1.0
                 B[r, c] += (1.0 - floor) * D_bar * v
-                logsig_bar[n, r, c] = -D_bar * Y[r, c]
+                logsig_bar[n, r, c] += -D_bar * Y[r, c]
     # Coupling channels in reverse.
     for r in range(d):
         for c in range(d):
             Bt[n, r, c] = 0.0
-            U_bar[n, r, c] = 0.0
     for k in range(wn):
-        eps_c_bar[n, k] = 0.0
         s_out[n, k] = 0.0
     if modes[0] == 1:
-        _coupling_c1_vjp(rho, xt, index, mask, U, eps_c, n, B, Bt, U_bar, s_out, eps_c_bar, X, S, T1, T2)
+        _coupling_c1_vjp(rho, xt, index, mask, U, eps_c, n, B, Bt, U_bar, sw, X, S, T1, T2)
     elif modes[0] == 2:  # W stop-gradient: x_bar <- pinch_mix(x_bar); eps_bar = Re tr(x_bar (pinch(x) - x))
         for kk in range(wn):
             k = wn - 1 - kk
@@ -830,7 +829,7 @@ def channel_step_vjp_agent(
                 for c in range(d):
                     z = B[r, c] * (T1[c, r] - C[c, r])
                     eb += z.real
-            eps_c_bar[n, k] = eb
+            eps_c_bar[n, k] += eb
             pull_back(W, B, T1, T2)
             _push_diag(W, T2, T1)
             for r in range(d):
@@ -844,6 +843,9 @@ def channel_step_vjp_agent(
     scal[n, 2] = t_bar * g
     scal[n, 3] = D_bar
     scal[n, 4] = dv
+    racc[0, n] += ed_bar * dt * (1.0 - ed)
+    racc[1, n] += et_bar * dt * (1.0 - et)
+    scal[n, 5] = t_bar * g + ed_bar * gam[0, n] * (1.0 - ed) + et_bar * gam[1, n] * (1.0 - et)
 
 
 # In dependency order (callees first): :func:`link` compiles them in this order.

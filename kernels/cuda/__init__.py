@@ -29,6 +29,7 @@ from .core import (
     compile_report,
     cuda,
     feature_dim,
+    launch_view,
 )
 from .gaussian import (
     BLOCK_SHARED_BYTES,
@@ -55,6 +56,7 @@ __all__ = [
     "SIMULATOR",
     "cuda",
     "as_device_view",
+    "launch_view",
     "compile_report",
     "feature_dim",
     "dense_splits",

@@ -31,6 +31,7 @@ __all__ = [
     "compile_report",
     "feature_dim",
     "as_device_view",
+    "launch_view",
 ]
 
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
@@ -135,3 +136,28 @@ def as_device_view(a):
     if SIMULATOR or isinstance(a, (np.ndarray, _DeviceNDArray)):
         return a
     return cuda.as_cuda_array(a, sync=False)
+
+
+# Descriptors of CuPy arrays for one launch, by (pointer, shape, strides, dtype): CuPy's memory pool hands
+# the same blocks out step after step, so a run's per-step arrays find their descriptor here.
+_LAUNCH_VIEWS: dict = {}
+_LAUNCH_VIEWS_MAX = 1024
+
+
+def launch_view(a):
+    """A numba device view of a CuPy array for one kernel launch (NumPy and views as they are): a
+    descriptor holding no reference to the array, cached by (pointer, shape, strides, dtype), so a
+    launch does not pay numba's wrapping (tens of microseconds per array). The caller keeps the array
+    alive until the launch is queued; CuPy's pool reuses a freed block only in stream order, after the
+    kernel that reads it. (UVA: device pointers are unique across the process's GPUs.)"""
+    if SIMULATOR or isinstance(a, (np.ndarray, _DeviceNDArray)):
+        return a
+    key = (a.data.ptr, a.shape, a.strides, a.dtype.char)
+    v = _LAUNCH_VIEWS.get(key)
+    if v is None:
+        if len(_LAUNCH_VIEWS) >= _LAUNCH_VIEWS_MAX:
+            _LAUNCH_VIEWS.clear()
+        v = _LAUNCH_VIEWS[key] = cuda.from_cuda_array_interface(
+            a.__cuda_array_interface__, owner=None, sync=False
+        )
+    return v

@@ -44,64 +44,55 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
     rdt = _NB[np.finfo(np.dtype(dtype)).dtype]
 
     def eig_log(x, tol2, s, W, logx, xlx):
-        n = cuda.grid(1)
-        if n < x.shape[0]:
+        for n in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
             A = cuda.local.array((d, d), cdt)
             r = cuda.local.array(d, rdt)
             _eig_log_agent(x, n, s, W, logx, xlx, A, r, tol2)
 
     def gibbs(H, T, tol2, sigma, logsig, l, p, V):
-        n = cuda.grid(1)
-        if n < H.shape[0]:
+        for n in range(cuda.grid(1), H.shape[0], cuda.gridsize(1)):
             A = cuda.local.array((d, d), cdt)
             _gibbs_agent(H, T, n, sigma, logsig, l, p, V, A, tol2)
 
     def frames(phi, J, tol2, U, k, V):
-        n = cuda.grid(1)
-        if n < phi.shape[0]:
+        for n in range(cuda.grid(1), phi.shape[0], cuda.gridsize(1)):
             A = cuda.local.array((d, d), cdt)
             _frames_agent(phi, J, n, U, k, V, A, tol2)
 
     def pull_features(U, a, loga, Aout, Bout):
-        n = cuda.grid(1)
-        if n < U.shape[0]:
+        for n in range(cuda.grid(1), U.shape[0], cuda.gridsize(1)):
             T1 = cuda.local.array((d, d), cdt)
             T2 = cuda.local.array((d, d), cdt)
             _pull_features_agent(U, a, loga, n, Aout, Bout, T1, T2)
 
     def pull_vjp(gA, gB, U, a, loga, abar, labar, Ubar):
-        n = cuda.grid(1)
-        if n < U.shape[0]:
+        for n in range(cuda.grid(1), U.shape[0], cuda.gridsize(1)):
             C = cuda.local.array((d, d), cdt)
             M = cuda.local.array((d, d), cdt)
             T = cuda.local.array((d, d), cdt)
             _pull_vjp_agent(gA, gB, U, a, loga, n, abar, labar, Ubar, C, M, T)
 
     def dk_log(s, W, E, out):
-        n = cuda.grid(1)
-        if n < W.shape[0]:
+        for n in range(cuda.grid(1), W.shape[0], cuda.gridsize(1)):
             T1 = cuda.local.array((d, d), cdt)
             T2 = cuda.local.array((d, d), cdt)
             _dk_log_agent(s, W, E, n, out, T1, T2)
 
     def dk_exp(l, p, V, E, out):
-        n = cuda.grid(1)
-        if n < V.shape[0]:
+        for n in range(cuda.grid(1), V.shape[0], cuda.gridsize(1)):
             T1 = cuda.local.array((d, d), cdt)
             T2 = cuda.local.array((d, d), cdt)
             _dk_exp_agent(l, p, V, E, n, out, T1, T2)
 
     def frames_vjp(Ubar, k, V, J, out):
-        n = cuda.grid(1)
-        if n < V.shape[0]:
+        for n in range(cuda.grid(1), V.shape[0], cuda.gridsize(1)):
             T1 = cuda.local.array((d, d), cdt)
             T2 = cuda.local.array((d, d), cdt)
             T3 = cuda.local.array((d, d), cdt)
             _frames_vjp_agent(Ubar, k, V, J, n, out, T1, T2, T3)
 
     def sender_states(rho, U, xt):
-        n = cuda.grid(1)
-        if n < rho.shape[0]:
+        for n in range(cuda.grid(1), rho.shape[0], cuda.gridsize(1)):
             T = cuda.local.array((d, d), cdt)
             _sender_state_agent(rho, U, n, xt, T)
 
@@ -109,8 +100,7 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
         rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, thr, width, dt, floor, tol2,
         out, gmin,
     ):  # fmt: skip
-        n = cuda.grid(1)
-        if n < rho.shape[0]:
+        for n in range(cuda.grid(1), rho.shape[0], cuda.gridsize(1)):
             X = cuda.local.array((d, d), cdt)
             S = cuda.local.array((d, d), cdt)
             T1 = cuda.local.array((d, d), cdt)
@@ -126,21 +116,19 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
             )  # fmt: skip
 
     def channel_step_vjp(
-        rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, prm, ob, xs, mats, s_out,
-        eps_c_bar, scal, gmin, flag,
+        rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, gam, modes, prm, ob, xs, mats, accm,
+        sw, racc, scal, gmin, flag,
     ):  # fmt: skip
-        n = cuda.grid(1)
-        if n < rho.shape[0]:
+        for n in range(cuda.grid(1), rho.shape[0], cuda.gridsize(1)):
             Tm = cuda.local.array((9, d, d), cdt)
             w = cuda.local.array(d, rdt)
             _channel_step_vjp_agent(
-                rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, prm, ob, xs, mats,
-                s_out, eps_c_bar, scal, gmin, flag, Tm, w,
+                rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, gam, n, modes, prm, ob, xs,
+                mats, accm, sw, racc, scal, gmin, flag, Tm, w,
             )  # fmt: skip
 
     def incoming(rho, U, slots, s, Bt, x_bar, U_bar):
-        n = cuda.grid(1)
-        if n < rho.shape[0]:
+        for n in range(cuda.grid(1), rho.shape[0], cuda.gridsize(1)):
             Y = cuda.local.array((d, d), cdt)
             T1 = cuda.local.array((d, d), cdt)
             T2 = cuda.local.array((d, d), cdt)

@@ -620,7 +620,7 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
     """Launch density-matrix kernel ``name`` with one thread per agent (vfesim.quantum.kernel_ops)."""
     ks = kc.make_quantum_kernels(d, np.dtype(dtype).name)
     FIRST_USE.begin(("quantum", d, np.dtype(dtype).str), f"density-matrix agents, d={d}, {np.dtype(dtype)}")
-    views = [kc.as_device_view(a) if hasattr(a, "shape") else a for a in args]
+    views = [kc.launch_view(a) if hasattr(a, "shape") else a for a in args]
     ks[name][_cdiv(N, kc.BLOCK), kc.BLOCK](*views)
 
 

@@ -18,7 +18,7 @@ from .channels import incoming_slots
 from .energy import QuantumOps, floor_eps
 from .evolve import resident, window
 
-__all__ = ["kernel_ops", "kernel_step_vjp", "sized_ops", "jacobi_tol2"]
+__all__ = ["kernel_ops", "kernel_step_vjp", "kernel_accumulators", "sized_ops", "jacobi_tol2"]
 
 # Which argument of each stage carries the matrix size d (its last axis).
 _SIZE_ARG = {
@@ -214,17 +214,30 @@ def _refuse_non_positive(xp, bad, gmin) -> None:
         )
 
 
+def kernel_accumulators(xp, n: int, w: int, d: int, dtype) -> dict:
+    """Zero accumulators of the kernels' step adjoint (:func:`kernel_step_vjp` adds into them): ``H``,
+    ``sigma``, ``logsig``, ``U`` (n, d, d) complex, ``gamma``, ``gamma_th`` (n,) real, ``eps_c`` (n, w)
+    real, as views of three arrays (under ``"_kernel"``) the kernel takes whole."""
+    rdt = _real(dtype)
+    m, r, sw = xp.zeros((4, n, d, d), dtype), xp.zeros((2, n), rdt), xp.zeros((3, n, w), rdt)
+    acc = dict(H=m[0], sigma=m[1], logsig=m[2], U=m[3], gamma=r[0], gamma_th=r[1], eps_c=sw[1])
+    acc["_kernel"] = (m, r, sw)
+    return acc
+
+
 def kernel_step_vjp(array_module: Callable, launch: Callable, view: Callable = lambda a: a) -> Callable:
     """The adjoint of one Jacobi channel step by the kernels (``channel_step_vjp``, forward recomputed per
-    agent, then ``incoming`` for the C1 senders): ``vjp(P, rho, out_bar, dt, dynamics, gap_tol=1e-9) ->
-    dict`` of per-agent cotangents: ``bar`` (N, d, d) of the states before the step (each agent's own part
-    and, through the coupling, its part as a sender), ``U_bar`` (N, d, d) of the frames U_i through the
-    coupling (dL = Re tr(U_bar^dag dU)), ``eps_c_bar`` (N, w), ``H_bar``, ``sigma_bar``, ``logsig_bar``
-    (N, d, d), ``eps_d_bar``, ``eps_t_bar``, ``tg`` (t_bar g), ``D_bar``, ``D`` (N,). The array code gets
-    the same from ``vfesim.quantum.rollout._update_terms`` with ``channels.add_incoming`` (senders' parts)
-    and ``channels.transports_vjp`` (transports to frames)."""
+    agent, then ``incoming`` for the C1 senders): ``vjp(P, rho, out_bar, dt, dynamics, gap_tol=1e-9,
+    acc=None) -> dict``: ``bar`` (N, d, d), the cotangent of the states before the step (each agent's own
+    part and, through the coupling, its part as a sender); ``dt_bar`` (a scalar of the arrays' module);
+    per agent ``eps_d_bar``, ``eps_t_bar``, ``tg`` (t_bar g), ``D_bar``, ``D`` (N,). The parameters'
+    cotangents are added into ``acc`` (:func:`kernel_accumulators`: H, sigma, logsig, U (the frames through
+    the coupling, dL = Re tr(U_bar^dag dU)), gamma, gamma_th, eps_c); without ``acc`` into zeros returned
+    as ``H_bar``, ``sigma_bar``, ``logsig_bar``, ``U_bar``, ``gamma_bar``, ``gamma_th_bar``,
+    ``eps_c_bar``. The array code gets the same from ``vfesim.quantum.rollout._update_terms`` with
+    ``channels.add_incoming`` (senders' parts) and ``channels.transports_vjp`` (transports to frames)."""
 
-    def vjp(P, rho, out_bar, dt, dyn, gap_tol=1e-9):
+    def vjp(P, rho, out_bar, dt, dyn, gap_tol=1e-9, acc=None):
         xp = array_module()
 
         def c(a):
@@ -235,30 +248,42 @@ def kernel_step_vjp(array_module: Callable, launch: Callable, view: Callable = l
         N, d = rho.shape[:2]
         w = P.index.shape[1]
         rdt = _real(rho.dtype)
+        fresh = acc is None
+        if fresh:
+            acc = kernel_accumulators(xp, N, w, d, rho.dtype)
+        if "_views" not in acc:
+            acc["_views"] = tuple(view(a) for a in acc["_kernel"])
+        accm, racc, sw = acc["_views"]
         args, (gmin, gmin_v) = _step_args(xp, c, view, P, rho, dt, dyn)
         xt = _sender_states(launch, xp, view, P, rho, dyn)
         slots = 1 + (w if dyn.coupling == "C2" else 0)  # tape: the C2 channels' inputs, the unitary's input
         _, xs = _buffer(
             P, xp, view, ("xs", rho.dtype.str, slots), lambda: xp.empty((N, slots, d, d), rho.dtype)
         )
-        mats = xp.empty((6, N, d, d), rho.dtype)  # x_bar, H_bar, sigma_bar, logsig_bar, Bt, U_bar
-        sw = xp.empty((2, N, w), rdt)  # s_out, eps_c_bar
-        scal = xp.empty((N, 5), rdt)
-        flag = xp.zeros(N, np.int64)
+        gam = resident(P, xp, "gam", P.gamma, lambda: view(xp.stack([P.gamma, P.gamma_th]).astype(rdt)))
+        mats = xp.empty((2, N, d, d), rho.dtype)  # x_bar, Bt
+        scal = xp.empty((N, 6), rdt)
+        # The kernel flags (1, 2) only under the energy basis or the gate: otherwise one zero buffer serves.
+        checked = dyn.dephasing_basis == "energy" or dyn.gate != "none"
+        flag = (
+            xp.zeros(N, np.int64)
+            if checked
+            else _buffer(P, xp, view, "flag", lambda: xp.zeros(N, np.int64))[1]
+        )
         idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, *scalars = args
         values = (*scalars, float(gap_tol))  # thr, width, dt, floor, tol2, gap_tol
         prm = resident(P, xp, "prm", None, lambda: view(xp.asarray(values, np.float64)), tag=values)  # a view
         launch(
             "channel_step_vjp", N, d, rho.dtype, rho, xt, idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t,
-            modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, sw[0], sw[1], scal, gmin_v, flag,
+            gam, modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, accm, sw, racc, scal, gmin_v,
+            flag,
         )  # fmt: skip
         if dyn.coupling == "C1" and w:
             ins = resident(
                 P, xp, "slots", P.index, lambda: view(xp.asarray(incoming_slots(P.index, P.mask, N)))
-            )  # view
-            launch("incoming", N, d, rho.dtype, rho, U, ins, sw[0], mats[4], mats[0], mats[5])
-        out = dict(bar=mats[0], H_bar=mats[1], sigma_bar=mats[2], logsig_bar=mats[3], U_bar=mats[5])
-        out["eps_c_bar"] = sw[1]
+            )
+            m_acc, _, sw_acc = acc["_kernel"]
+            launch("incoming", N, d, rho.dtype, rho, U, ins, sw_acc[0], mats[1], mats[0], m_acc[3])
         if dyn.dephasing_basis == "energy" and bool((flag == 1).any()):
             i = int(xp.argmax(flag == 1))
             raise ValueError(
@@ -267,8 +292,12 @@ def kernel_step_vjp(array_module: Callable, launch: Callable, view: Callable = l
             )
         if dyn.gate != "none":
             _refuse_non_positive(xp, flag == 2, gmin)
+        out = dict(bar=mats[0], dt_bar=scal[:, 5].sum())
         for k, col in zip(("eps_d_bar", "eps_t_bar", "tg", "D_bar", "D"), range(5), strict=True):
             out[k] = scal[:, col]
+        if fresh:
+            for k in ("H", "sigma", "logsig", "U", "gamma", "gamma_th", "eps_c"):
+                out[f"{k}_bar"] = acc[k]
         return out
 
     return vjp

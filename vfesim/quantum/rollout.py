@@ -196,10 +196,18 @@ def _born_add(bar, rho, obs, weight: float):
     return bar
 
 
-def _zeros_acc(P: Prepared, xp, cdt):
+def _zeros_acc(P: Prepared, xp, cdt, kernel: bool = False):
+    """Zero cotangent accumulators of a reverse sweep; with ``kernel``, those the kernels' step adjoint adds
+    into (:func:`.kernel_ops.kernel_accumulators`) and no transports' (the frames' come directly)."""
     n, d = P.lam.shape
     w = P.index.shape[1]
     rdt = P.lam.dtype
+    if kernel:
+        from .kernel_ops import kernel_accumulators
+
+        acc = kernel_accumulators(xp, n, w, d, cdt)
+        acc.update(T=xp.zeros(n, rdt), phi=xp.zeros((n, 3), rdt), theta=0.0, tau=0.0)
+        return acc
     return {
         "H": xp.zeros((n, d, d), cdt),
         "T": xp.zeros(n, rdt),
@@ -273,9 +281,7 @@ def _accumulate(P: Prepared, sel, terms: dict, dt: float, dyn: QuantumDynamics, 
     """Adds the per-agent cotangents ``terms`` of one step of the batch ``sel`` (:func:`_update_terms` or
     the kernels' :func:`.kernel_ops.kernel_step_vjp`) into ``acc`` -> (x0_bar, R_bar, dt_bar): the array
     code's terms give the agents' own cotangents and the senders' parts R_bar (N, w, d, d) (transports'
-    cotangents into acc["M"]); the kernels' give the whole cotangent of the states before the step
-    (``bar``, R_bar None) and the frames' directly (acc["U"]). dt_bar: a scalar of the arrays' module (no
-    transfer per step).
+    cotangents into acc["M"]). dt_bar: a scalar of the arrays' module (no transfer per step).
 
     dt enters through t = g dt (t_bar from R1) and the strengths eps = 1 - exp(-rate dt)
     (d eps/d dt = rate exp(-rate dt)); the soft gate g = sigmoid((D - theta)/tau) gives
@@ -292,22 +298,22 @@ def _accumulate(P: Prepared, sel, terms: dict, dt: float, dyn: QuantumDynamics, 
         + (eps_t_bar * gamma_th * xp.exp(-gamma_th * dt)).sum()
     )
     if dyn.gate == "soft":
-        D_bar = terms["D_bar"]
-        acc["theta"] -= float(D_bar.sum())
-        acc["tau"] -= float((D_bar * (terms["D"] - dyn.gate_threshold)).sum()) / dyn.gate_width
+        _gate_terms(terms, dyn, acc)
         acc["logsig"][sel] += terms["logsig_bar"]
     # the Gibbs adjoint is linear and H is fixed: applied once, at the end
     acc["sigma"][sel] += terms["sigma_bar"]
     acc["H"][sel] += terms["H_bar"]
-    if "U_bar" in terms:
-        acc["eps_c"][sel] += terms["eps_c_bar"]
-        if dyn.coupling == "C1":
-            acc["U"][sel] += terms["U_bar"]
-        return terms["bar"], None, dt_bar
     if dyn.coupling != "none" and terms["R_bar"].shape[1]:
         acc["eps_c"][sel] += terms["eps_c_bar"]
         acc["M"][sel] += terms["M_bar"]
     return terms["x_bar"], terms["R_bar"], dt_bar
+
+
+def _gate_terms(terms: dict, dyn: QuantumDynamics, acc) -> None:
+    """The soft gate's threshold and width cotangents (:func:`_accumulate`) into acc."""
+    D_bar = terms["D_bar"]
+    acc["theta"] -= float(D_bar.sum())
+    acc["tau"] -= float((D_bar * (terms["D"] - dyn.gate_threshold)).sum()) / dyn.gate_width
 
 
 def _step_vjp(
@@ -320,9 +326,11 @@ def _step_vjp(
     (:func:`.channels.incoming_slots` of the window)."""
     xp = _xp(old)
     if dyn.order == "jacobi":
-        if kernel is not None:
-            bar, _, dt_bar = _accumulate(P, slice(None), kernel(P, old, out_bar, dt, dyn), dt, dyn, acc)
-            return bar, dt_bar
+        if kernel is not None:  # the kernels add the parameters' cotangents into acc
+            terms = kernel(P, old, out_bar, dt, dyn, acc=acc)
+            if dyn.gate == "soft":
+                _gate_terms(terms, dyn, acc)
+            return terms["bar"], terms["dt_bar"]
         terms = _update_terms(P, slice(None), old[window(P, xp)[0]], tapes[0], out_bar, dt, dyn)
         x_bar, R_bar, dt_bar = _accumulate(P, slice(None), terms, dt, dyn, acc)
         return add_incoming(x_bar, R_bar, slots), dt_bar
@@ -485,7 +493,7 @@ def rollout(
     if not grad:
         return RolloutResult(total, terms, None, final, stats)
 
-    acc = _zeros_acc(P, xp, rho.dtype)
+    acc = _zeros_acc(P, xp, rho.dtype, kernel=kernel is not None)
     slots = (
         xp.asarray(incoming_slots(P.index, P.mask, n)) if kernel is None and dyn.order == "jacobi" else None
     )
