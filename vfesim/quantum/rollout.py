@@ -162,15 +162,17 @@ def _observed(outcomes, d: int, xp) -> list:
     if bad.size:
         t, i = bad[0]
         raise ConfigError("outcomes", f"agent {i} has outcome {int(y[t, i])} at step {t}, outside [0, {d})")
+    Y = xp.asarray(y)  # one transfer; a step observing every agent takes its row as a view
     everyone, out = None, []
-    for row in y:
+    for t, row in enumerate(y):
         obs = np.flatnonzero(row >= 0)
         if obs.size == 0:
             out.append(None)
-            continue
-        if obs.size == row.size:
+        elif obs.size == row.size:
             everyone = xp.arange(row.size, dtype=np.int64) if everyone is None else everyone
-        out.append((everyone if obs.size == row.size else xp.asarray(obs), xp.asarray(row[obs])))
+            out.append((everyone, Y[t]))
+        else:
+            out.append((xp.asarray(obs), xp.asarray(row[obs])))
     return out
 
 
