@@ -191,3 +191,24 @@ def test_kernel_adjoint_names_the_agent_with_a_degenerate_hamiltonian():
     for ops in (NUMPY_OPS, QUANTUM_OPS):
         with pytest.raises(ValueError, match=r"^hamiltonian\[agent=2\]: energy-basis dephasing"):
             rollout(st, cfg, sched, loss=LOSS, ops=ops)
+
+
+def test_kernel_rollout_takes_the_backends_pair_kernels():
+    """The free energy of a rollout (and of its mirror steps) runs in the backend's pair kernels that its
+    QuantumOps carry, not in the array code's all-pairs reference (which holds N x N arrays and is NumPy
+    only: a CuPy rollout with the F loss failed there)."""
+    from vfesim.backends import numba_backend
+
+    assert QUANTUM_OPS.pairwise_dense is numba_backend.pairwise_dense
+    assert QUANTUM_OPS.pairwise_sparse is numba_backend.pairwise_sparse
+    n, d = 5, 3
+    cfg = vfesim.QuantumConfig(d=d, lambda_belief=0.5)
+    st = vfesim.random_state(cfg, n, seed=4)
+    dyn = QuantumDynamics(coupling_strength=0.3, neighbours=causal_window(n, 2), mirror_steps=1)
+    sched = Schedule(dyn, 0.2, 2, np.zeros((2, n), np.int64))
+    calls = []
+    dense = QUANTUM_OPS.pairwise_dense
+    ops = QUANTUM_OPS._replace(pairwise_dense=lambda *a: (calls.append(1), dense(*a))[1])
+    got = rollout(st, cfg, sched, loss=LOSS, ops=ops)
+    want = rollout(st, cfg, sched, loss=LOSS)
+    assert calls and got.loss == pytest.approx(want.loss, rel=1e-12)

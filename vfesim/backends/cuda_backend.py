@@ -628,7 +628,9 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
 # (cuSOLVER's eigh).
 QUANTUM_KERNEL_MAX_D = 8
 QUANTUM_OPS = sized_ops(
-    kernel_ops(array_module, _quantum_launch, kc.as_device_view), NUMPY_OPS, QUANTUM_KERNEL_MAX_D
+    kernel_ops(array_module, _quantum_launch, kc.as_device_view, (_pairwise_dense, _pairwise_sparse)),
+    NUMPY_OPS,
+    QUANTUM_KERNEL_MAX_D,
 )
 
 

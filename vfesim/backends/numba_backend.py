@@ -148,7 +148,11 @@ class SerialUpdates(NumbaUpdates):
 # (benchmarks/bench_quantum.py --stages): the kernels' eig_log takes 0.6x NumPy's time at d = 4 and 0.86x
 # at d = 5, but 1.7x at d = 6 and 1.9x at d = 8 (Jacobi sweeps cost O(d^3) per sweep; LAPACK reduces once).
 QUANTUM_JACOBI_MAX_D = 5
-QUANTUM_OPS = sized_ops(kernel_ops(lambda: np, quantum_cpu.launch), NUMPY_OPS, QUANTUM_JACOBI_MAX_D)
+QUANTUM_OPS = sized_ops(
+    kernel_ops(lambda: np, quantum_cpu.launch, pairwise=(pairwise_dense, pairwise_sparse)),
+    NUMPY_OPS,
+    QUANTUM_JACOBI_MAX_D,
+)
 
 # Per family, its per-agent stages in the serial builds (the dask backend's inner "numba" tasks: each
 # task runs in one of the scheduler's threads, with no threads of its own).

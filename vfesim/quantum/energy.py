@@ -144,6 +144,8 @@ class QuantumOps(NamedTuple):
         ``vjp(P, rho, out_bar, dt, dynamics)`` of :func:`.kernel_ops.kernel_step_vjp`, forward recomputed
         per agent), or None where ``channel_step`` is array code: rollouts then differentiate the array
         code's step from its tape (vfesim.quantum.rollout)
+    pairwise_dense, pairwise_sparse: the backend's pair kernels (:mod:`vfesim.pairwise` signatures) the
+        free energy takes when a caller names no others (rollouts, mirror steps); None: the array code
     """
 
     eig_log: Callable
@@ -156,6 +158,8 @@ class QuantumOps(NamedTuple):
     frames_vjp: Callable
     channel_step: Callable
     step_vjp: Callable = _no_step_vjp
+    pairwise_dense: Callable | None = None
+    pairwise_sparse: Callable | None = None
 
 
 def _channel_step(P, rho, dt, dyn):
@@ -187,8 +191,8 @@ def energy_and_gradient_arrays(
     arrays: dict[str, Any],
     cfg: QuantumConfig,
     *,
-    pairwise_dense: Callable = _pairwise.pairwise_dense,
-    pairwise_sparse: Callable = _pairwise.pairwise_sparse,
+    pairwise_dense: Callable | None = None,
+    pairwise_sparse: Callable | None = None,
     neighbours: tuple | None = None,
     ops: QuantumOps = NUMPY_OPS,
 ) -> tuple[dict[str, float], dict[str, Any]]:
@@ -197,7 +201,10 @@ def energy_and_gradient_arrays(
     arrays: rho, hamiltonian (N, d, d) complex; temperature (N,), phi (N, 3) real; outcome (N,) integer
     when lambda_obs > 0. Gradient conventions: module docstring. neighbours: (index, mask) for sparse
     configs (default: from cfg). ops: the per-agent stages (array code by default, or a backend's kernels).
+    pairwise_dense / pairwise_sparse: the pair kernels (default: those of ``ops``, else the array code).
     """
+    pairwise_dense = pairwise_dense or ops.pairwise_dense or _pairwise.pairwise_dense
+    pairwise_sparse = pairwise_sparse or ops.pairwise_sparse or _pairwise.pairwise_sparse
     rho, H, T, phi = arrays["rho"], arrays["hamiltonian"], arrays["temperature"], arrays["phi"]
     xp = _xp(rho)
     N, d = rho.shape[0], rho.shape[-1]

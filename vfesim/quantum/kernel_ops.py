@@ -48,10 +48,13 @@ def _real(dtype) -> np.dtype:
     return np.finfo(np.dtype(dtype)).dtype
 
 
-def kernel_ops(array_module: Callable, launch: Callable, view: Callable = lambda a: a) -> QuantumOps:
+def kernel_ops(
+    array_module: Callable, launch: Callable, view: Callable = lambda a: a, pairwise: tuple = (None, None)
+) -> QuantumOps:
     """A :class:`QuantumOps` whose stages run ``launch`` on arrays of ``array_module()``; its ``step_vjp``
     is :func:`kernel_step_vjp` for every d. ``view(a)``: the form of an array the launcher takes fastest
-    (a device view wrapped once); the channel steps keep the views of a run's constants."""
+    (a device view wrapped once); the channel steps keep the views of a run's constants. ``pairwise``: the
+    backend's (pairwise_dense, pairwise_sparse) for the free energy of rollouts and mirror steps."""
 
     def c(a):
         a = array_module().ascontiguousarray(a)
@@ -139,7 +142,7 @@ def kernel_ops(array_module: Callable, launch: Callable, view: Callable = lambda
     step_vjp = kernel_step_vjp(array_module, launch, view)
     return QuantumOps(
         eig_log, gibbs, frames, pull_features, pull_vjp, dk_log, dk_exp, frames_vjp, channel_step,
-        lambda d: step_vjp,
+        lambda d: step_vjp, *pairwise,
     )  # fmt: skip
 
 
@@ -322,4 +325,5 @@ def sized_ops(small: QuantumOps, large: QuantumOps, max_d: int) -> QuantumOps:
         return (small if d <= max_d else large).step_vjp(d)
 
     stages = {name: pick(name) for name in _SIZE_ARG}
-    return QuantumOps(**stages, step_vjp=step_vjp)
+    pairs = {k: getattr(small, k) or getattr(large, k) for k in ("pairwise_dense", "pairwise_sparse")}
+    return QuantumOps(**stages, step_vjp=step_vjp, **pairs)
