@@ -136,14 +136,17 @@ def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
         "dk_log": f"void({r2}, {c3}, {c3}, {c3})",
         "dk_exp": f"void({r2}, {r2}, {c3}, {c3}, {c3})",
         "frames_vjp": f"void({c3}, {r2}, {c3}, {c3}, {r2})",
+        "sender_states": f"void({c3}, {c3}, {c3})",
         "channel_step": (
-            f"void({c3}, int64[:, ::1], boolean[:, ::1], {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {r1}, {r1}, "
-            f"int64[::1], float64, float64, float64, float64, float64, {c3}, {r1})"
+            f"void({c3}, {c3}, int64[:, ::1], boolean[:, ::1], {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {r1}, "
+            f"{r1}, int64[::1], float64, float64, float64, float64, float64, {c3}, {r1})"
         ),
         "channel_step_vjp": (
-            f"void({c3}, int64[:, ::1], boolean[:, ::1], {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {r1}, {r1}, "
-            f"int64[::1], float64[::1], {c3}, {c4}, {c4}, {c4}, {r2}, {c4}, {r2}, {r1}, int64[::1])"
+            f"void({c3}, {c3}, int64[:, ::1], boolean[:, ::1], {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {r1}, "
+            f"{r1}, {r2}, int64[::1], float64[::1], {c3}, {c4}, {c4}, {c4}, {f}[:, :, ::1], {r2}, {r2}, "
+            f"{r1}, int64[::1])"
         ),
+        "incoming": f"void({c3}, {c3}, int64[:, ::1], {r2}, {c3}, {c3}, {c3})",
     }
 
 
