@@ -473,7 +473,7 @@ def _propagator(lam, V, n, t, newton, Ut, T1, T2):
     for r in range(d):
         for c in range(d):
             Ut[r, c] = 0.0
-    for k in range(d):  # one phase per eigenvalue; each entry still sums k = 0 .. d - 1 in order
+    for k in range(d):  # one phase per eigenvalue; each entry sums k = 0 .. d - 1 in the dtype's precision
         ph = -lam[n, k] * t
         z = complex(math.cos(ph), math.sin(ph))
         for r in range(d):

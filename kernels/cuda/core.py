@@ -131,8 +131,10 @@ def feature_dim(K: int) -> int:
 def as_device_view(a):
     """A numba device view of a CuPy array (wrapped once, then reused: cheaper launches); NumPy and views
     as they are. No synchronisation on the exporter's stream (``sync=False``): the kernels launch on the
-    default stream, which runs after the work CuPy queued on its default stream or any blocking stream, so
-    a device-wide wait per wrap (numba's default) would only stall the host."""
+    legacy default stream, which runs after the work CuPy queued on its default stream or any blocking
+    stream, so a device-wide wait per wrap (numba's default) would only stall the host. The package's
+    CUDA work assumes those streams: CuPy work on a non-blocking stream (or numba's per-thread default
+    stream) is not ordered with its kernels."""
     if SIMULATOR or isinstance(a, (np.ndarray, _DeviceNDArray)):
         return a
     return cuda.as_cuda_array(a, sync=False)

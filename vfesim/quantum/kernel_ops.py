@@ -147,7 +147,9 @@ def kernel_ops(
 
 
 def _buffer(P, xp, view, key, make):
-    """(array, its view) made once per cache P: a constant of the run or a scratch buffer of the kernels."""
+    """(array, its view) made once per cache P: a constant of the run or a scratch buffer of the kernels
+    (the senders' states, the adjoint's tape, gmin, flags). Scratch is shared by every call with the same
+    P, kept for P's lifetime: one thread steps a P at a time (runs and rollouts do)."""
     a = resident(P, xp, key, None, make)
     return a, resident(P, xp, ("view", key), a, lambda: view(a))
 

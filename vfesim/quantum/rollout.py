@@ -233,9 +233,10 @@ def _update_vjp(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynam
 
 
 def _update_terms(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDynamics) -> dict:
-    """The per-agent cotangents of :func:`.evolve.agent_update` for the batch ``sel`` from its tape: the
-    dict of :func:`.kernel_ops.kernel_step_vjp` (the kernels compute the same terms per agent), the gate's
-    terms only under the soft gate and the coupling's only with a coupling window."""
+    """The per-agent cotangents of :func:`.evolve.agent_update` for the batch ``sel`` from its tape (the
+    array code's; the kernels' adjoint, :func:`.kernel_ops.kernel_step_vjp`, computes the same
+    derivatives in its own form): x_bar, R_bar, eps_c_bar, M_bar, H_bar, sigma_bar, eps_d_bar, eps_t_bar,
+    tg, the gate's terms only under the soft gate and the coupling's only with a coupling window."""
     xp = _xp(out_bar)
     xs, y, z = tape["xs"], tape["y"], tape["z"]
     x = xs[-1]
@@ -280,10 +281,10 @@ def _update_terms(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDyn
 
 
 def _accumulate(P: Prepared, sel, terms: dict, dt: float, dyn: QuantumDynamics, acc):
-    """Adds the per-agent cotangents ``terms`` of one step of the batch ``sel`` (:func:`_update_terms` or
-    the kernels' :func:`.kernel_ops.kernel_step_vjp`) into ``acc`` -> (x0_bar, R_bar, dt_bar): the array
-    code's terms give the agents' own cotangents and the senders' parts R_bar (N, w, d, d) (transports'
-    cotangents into acc["M"]). dt_bar: a scalar of the arrays' module (no transfer per step).
+    """Adds the array code's per-agent cotangents ``terms`` of one step of the batch ``sel``
+    (:func:`_update_terms`) into ``acc`` -> (x0_bar, R_bar, dt_bar): the agents' own cotangents and the
+    senders' parts R_bar (N, w, d, d) (transports' cotangents into acc["M"]). dt_bar: a scalar of the
+    arrays' module (no transfer per step). (The kernels' adjoint adds into its accumulators itself.)
 
     dt enters through t = g dt (t_bar from R1) and the strengths eps = 1 - exp(-rate dt)
     (d eps/d dt = rate exp(-rate dt)); the soft gate g = sigmoid((D - theta)/tau) gives
@@ -480,7 +481,7 @@ def rollout(
     stats["max_stored"] = len(store)
     terms = {}
     if "born" in weights:
-        terms["born"] = -w_born * float(born)
+        terms["born"] = -w_born * float(born) if w_born else 0.0
     w_F = weights.get("free_energy", 0.0)
     if "free_energy" in weights:
         Fterms, Fgrads = energy_and_gradient_arrays({**arrays, "rho": rho}, qcfg, ops=ops)
