@@ -133,7 +133,7 @@ def kernel_ops(
         rho = c(rho)
         args, (gmin, gmin_v) = _step_args(xp, c, view, P, rho, dt, dyn)
         out = xp.empty_like(rho)
-        xt = _sender_states(launch, xp, view, P, rho, dyn)
+        xt = _sender_states(launch, xp, view, P, rho, dyn, args[2])
         run("channel_step", rho, rho, xt, *args, out, gmin_v)
         if dyn.gate != "none":
             _refuse_non_positive(xp, gmin <= 0, gmin)
@@ -150,8 +150,12 @@ def _buffer(P, xp, view, key, make):
     """(array, its view) made once per cache P: a constant of the run or a scratch buffer of the kernels
     (the senders' states, the adjoint's tape, gmin, flags). Scratch is shared by every call with the same
     P, kept for P's lifetime: one thread steps a P at a time (runs and rollouts do)."""
-    a = resident(P, xp, key, None, make)
-    return a, resident(P, xp, ("view", key), a, lambda: view(a))
+
+    def both():
+        a = make()
+        return a, view(a)
+
+    return resident(P, xp, key, None, both)
 
 
 def _step_args(xp, c, view, P, rho, dt, dyn):
@@ -199,13 +203,13 @@ def _coupled(P, dyn) -> bool:
     return dyn.coupling != "none" and P.index.shape[1] > 0
 
 
-def _sender_states(launch, xp, view, P, rho, dyn):
-    """The senders' normalised states in their own frames (the ``sender_states`` kernel) for the coupling
-    window of a step from ``rho``; without a coupling window, rho itself (the kernels do not read it)."""
+def _sender_states(launch, xp, view, P, rho, dyn, U):
+    """The senders' normalised states in their own frames (the ``sender_states`` kernel, frames ``U`` as
+    :func:`_step_args` passes them) for the coupling window of a step from ``rho``; without a coupling
+    window, rho itself (the kernels do not read it)."""
     if not _coupled(P, dyn):
         return rho
     _, xt = _buffer(P, xp, view, ("xt", rho.dtype.str), lambda: xp.empty_like(rho))
-    U = resident(P, xp, "U", P.U, lambda: view(xp.ascontiguousarray(P.U)))  # as _step_args
     N, d = rho.shape[0], rho.shape[-1]
     launch("sender_states", N, d, rho.dtype, rho, U, xt)
     return xt
@@ -260,7 +264,7 @@ def kernel_step_vjp(array_module: Callable, launch: Callable, view: Callable = l
             acc["_views"] = tuple(view(a) for a in acc["_kernel"])
         accm, racc, sw = acc["_views"]
         args, (gmin, gmin_v) = _step_args(xp, c, view, P, rho, dt, dyn)
-        xt = _sender_states(launch, xp, view, P, rho, dyn)
+        xt = _sender_states(launch, xp, view, P, rho, dyn, args[2])
         slots = 1 + (w if dyn.coupling == "C2" else 0)  # tape: the C2 channels' inputs, the unitary's input
         _, xs = _buffer(
             P, xp, view, ("xs", rho.dtype.str, slots), lambda: xp.empty((N, slots, d, d), rho.dtype)

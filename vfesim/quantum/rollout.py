@@ -176,25 +176,29 @@ def _observed(outcomes, d: int, xp) -> list:
     return out
 
 
-def _born_logp(rho, obs):
-    """sum_i log x_i[y_i, y_i] over the observed agents ``obs`` (a pair of :func:`_observed`; None: 0.0), x
-    the floored state: a float64 scalar of the state's array module (no transfer)."""
-    if obs is None:
-        return 0.0
-    xp = _xp(rho)
+def _born_prob(rho, obs):
+    """(x_i[y_i, y_i] of the observed agents ``obs`` (a pair of :func:`_observed`), 1 - floor), x the floored
+    state."""
     e = floor_eps(rho.dtype)
     oo, yy = obs
-    return xp.log(rho[oo, yy, yy].real * (1.0 - e) + e / rho.shape[-1]).sum(dtype=np.float64)
+    return rho[oo, yy, yy].real * (1.0 - e) + e / rho.shape[-1], 1.0 - e
+
+
+def _born_logp(rho, obs):
+    """sum_i log x_i[y_i, y_i] over the observed agents ``obs`` (None: 0.0): a float64 scalar of the state's
+    array module (no transfer)."""
+    if obs is None:
+        return 0.0
+    return _xp(rho).log(_born_prob(rho, obs)[0]).sum(dtype=np.float64)
 
 
 def _born_add(bar, rho, obs, weight: float):
     """bar += the cotangent of weight sum_i -log x_i[y_i, y_i] (rule R7), in place (one entry per observed
     agent) -> bar."""
     if obs is not None and weight != 0:
-        e = floor_eps(rho.dtype)
+        prob, scale = _born_prob(rho, obs)
         oo, yy = obs
-        prob = rho[oo, yy, yy].real * (1.0 - e) + e / rho.shape[-1]
-        bar[oo, yy, yy] += (-weight * (1.0 - e)) / prob
+        bar[oo, yy, yy] += (-weight * scale) / prob
     return bar
 
 
@@ -220,7 +224,6 @@ def _zeros_acc(P: Prepared, xp, cdt, kernel: bool = False):
         "logsig": xp.zeros((n, d, d), cdt),
         "sigma": xp.zeros((n, d, d), cdt),
         "phi": xp.zeros((n, 3), rdt),
-        "U": xp.zeros((n, d, d), cdt),
         "theta": 0.0,
         "tau": 0.0,
     }
