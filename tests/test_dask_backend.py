@@ -84,6 +84,30 @@ def test_same_chunking_is_bitwise_reproducible():
         np.testing.assert_array_equal(g1[k].values, g2[k].values)
 
 
+def test_sparse_plan_reads_only_the_boundary_rows_of_neighbouring_chunks():
+    """A ring's receiver chunk reads its own chunk whole and only the rows its lists name of the chunks
+    beside it; its local rows still point at the listed senders."""
+    from vfesim.backends.dask_backend import _sparse_plan
+
+    nb = vfesim.SparseNeighbours.ring(64, 2)
+    cfg = vfesim.ModelConfig(K=3, neighbours=nb)
+    bounds = (0, 16, 32, 48, 64)
+    for c, (owners, takes, local, msk) in enumerate(_sparse_plan(cfg, bounds)):
+        assert owners == sorted({(c - 1) % 4, c, (c + 1) % 4})
+        rows = {}
+        for s, t in zip(owners, takes, strict=True):
+            if s == c:
+                assert t is None
+                rows[s] = np.arange(bounds[s], bounds[s + 1])
+            else:  # two boundary rows of a neighbouring chunk
+                want = [14, 15] if s == (c - 1) % 4 else [0, 1]
+                np.testing.assert_array_equal(t, want)
+                rows[s] = bounds[s] + t
+        senders = np.concatenate([rows[s] for s in owners])
+        np.testing.assert_array_equal(senders[local][msk], nb.index[bounds[c] : bounds[c + 1]][msk])
+        assert local.dtype == np.int32
+
+
 def test_gathered_features_give_the_same_bits_as_direct_inputs(monkeypatch):
     """Dense pair tasks take every chunk's features directly (few chunks) or one gathered copy (more than
     DIRECT_CHUNKS chunks): the same rows in the same order, so the same bits."""

@@ -98,6 +98,9 @@ INNER = ("numba", "cuda")
 # Dense pair tasks on a distributed scheduler take every chunk's features directly up to this many chunks,
 # else (and in one process) one gathered copy.
 DIRECT_CHUNKS = 16
+# A sparse receiver chunk reads only the rows it needs of another chunk when they are at most 1 /
+# TAKE_FRACTION of it (a ring's boundary rows), else the whole chunk (:func:`_sparse_plan`).
+TAKE_FRACTION = 2
 # Pair-feature products (receivers x senders x D) per task that make >= 100 ms on one core: the serial
 # tiled kernel runs about 1.5e9 products/s at D = 10 (2 sweeps), so 2^28 products is about 180 ms.
 TASK_WORK = 1 << 28
@@ -445,16 +448,19 @@ def _dense_senders_task(feats, s0: int, inner: str, *parts):
 
 
 def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "numba", key=None):
-    """Step 2, sparse: per term (E, gA, gc, {sender chunk position: gB share (n_s, D) float64}).
+    """Step 2, sparse: per term (E, gA, gc, [gB share (n_s, D) float64 per sender part]).
 
-    sender_feats: the features of the sender chunks the lists name (ascending); local (n_r, k): the
-    senders' rows in those chunks' features concatenated (:func:`_sparse_plan`), mask (n_r, k). key: the
-    lists' name in the plan (inner "cuda": the worker's GPU keeps them, checked and transposed, under
-    it, also when the scheduler moved a copy of them here)."""
+    sender_feats: per sender chunk the lists name (ascending), its features or, where the plan takes a
+    subset of its rows (:func:`_take_senders`), those rows' B; local (n_r, k): the senders' rows in those
+    parts' B concatenated (:func:`_sparse_plan`), mask (n_r, k). key: the lists' name in the plan (inner
+    "cuda": the worker's GPU keeps them, checked and transposed, under it, also when the scheduler moved a
+    copy of them here)."""
     sizes = [len(f[0][0][1]) if f[0] else 0 for f in sender_feats]
     offs = np.cumsum([0, *sizes])
     _, _, rows, dev, host = _rows_kernels(inner)
     kw = {"key": key} if inner == "cuda" else {}
+    if inner != "cuda":
+        local = np.asarray(local, np.int64)  # the plan may store int32 rows; the CPU kernels read int64
     out = []
     for t, (A, _, c, kappa, agg) in enumerate(feats[0]):
         B = np.concatenate([f[0][t][1] for f in sender_feats]) if sender_feats else A[:0]
@@ -464,34 +470,70 @@ def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "
     return out
 
 
-def _sparse_gB_rows(pos_in: list[int], *pairs):
-    """Per term, the gB of one sender chunk: its shares from the receiver chunks ``pairs`` (ascending),
-    where it is sender chunk number pos_in[r] of pairs[r], summed in float64 in that order."""
-    n_terms = len(pairs[0])
+def _take_senders(feats, rows: np.ndarray):
+    """The features of a chunk's agents ``rows`` as senders (B only: what a pair task reads of them),
+    in the structure of the chunk's features. Runs beside the chunk's features: only the rows travel."""
+    return [(None, B[rows], None, kappa, agg) for _, B, _, kappa, agg in feats[0]], []
+
+
+def _sparse_gB_rows(n: int, parts: list, *pairs):
+    """Per term, the gB (n, D) float64 of one sender chunk of n agents: the shares of the receiver chunks
+    ``pairs`` (ascending) that name it; ``parts[r]`` is (its position among pairs[r]'s sender parts, the
+    chunk's rows that part holds or None for all). Summed in that order, each row's shares in the order
+    of the receiver chunks (rows a receiver chunk does not name get nothing from it: exact zeros before)."""
     out = []
-    for t in range(n_terms):
-        acc = pairs[0][t][3][pos_in[0]].copy()
-        for p, s in zip(pairs[1:], pos_in[1:], strict=True):
-            acc += p[t][3][s]
+    for t in range(len(pairs[0])):
+        acc = None
+        for p, (s, rows) in zip(pairs, parts, strict=True):
+            share = p[t][3][s]
+            if acc is None:
+                acc = np.zeros((n, share.shape[1]), np.float64)
+            if rows is None:
+                acc += share
+            else:
+                acc[rows] += share
         out.append(acc)
     return out
 
 
 def _sparse_plan(cfg, bounds: tuple[int, ...]):
-    """Per receiver chunk: the sender chunks its lists name (ascending), its lists as rows of those
-    chunks' features concatenated in that order (``local``, 0 under the mask), and its mask rows. Fixed
-    by the lists and the chunking: a run computes it once (:meth:`Plan.persist`), a thread per chunk."""
+    """Per receiver chunk: the sender chunks its lists name (ascending); per named chunk the rows it
+    needs of it (sorted), or None where it reads the whole chunk (its own chunk, and any chunk of which it
+    needs more than half: ``TAKE_FRACTION``); its lists as rows of those parts concatenated in that order
+    (``local``, 0 under the mask; int32 when they fit); its mask rows. Lists with locality (rings,
+    grids, windows) so read a few boundary rows of the neighbouring chunks, not whole chunks. Fixed by
+    the lists and the chunking: a run computes it once (:meth:`Plan.persist`), a thread per chunk."""
     index, mask = np.asarray(cfg.neighbours.index), np.asarray(cfg.neighbours.mask)
     bounds_a = np.asarray(bounds)
+    sizes = np.diff(bounds_a)
 
     def one(r0: int, r1: int):
         idx, msk = index[r0:r1].astype(np.int64), mask[r0:r1]
+        own = int(np.searchsorted(bounds_a[:-1], r0, side="right")) - 1
         chunk = np.searchsorted(bounds_a[:-1], idx, side="right") - 1  # each sender's chunk
         owners = np.flatnonzero(np.bincount(chunk[msk], minlength=bounds_a.size - 1))  # ascending
         offs = np.zeros(bounds_a.size - 1, np.int64)  # a named chunk's first row in the concatenation
-        offs[owners] = np.cumsum(np.concatenate([[0], np.diff(bounds_a)[owners][:-1]]))
+        offs[owners] = np.cumsum(np.concatenate([[0], sizes[owners][:-1]]))
         local = np.where(msk, idx - bounds_a[chunk] + offs[chunk], 0)
-        return [int(s) for s in owners], local, msk
+        del idx, chunk
+        total = int(sizes[owners].sum())
+        need = np.zeros(total, bool)
+        need[local[msk]] = True
+        keep, takes = None, []
+        for s in owners:
+            seg = need[offs[s] : offs[s] + sizes[s]]
+            if s != own and np.count_nonzero(seg) * TAKE_FRACTION <= sizes[s]:
+                keep = np.ones(total, bool) if keep is None else keep
+                keep[offs[s] : offs[s] + sizes[s]] = seg
+                takes.append(np.flatnonzero(seg))
+            else:
+                takes.append(None)
+        if keep is not None:  # renumber the rows into the concatenation of the kept ones
+            local = np.where(msk, (np.cumsum(keep) - 1)[local], 0)
+            total = int(keep.sum())
+        if total < 2**31:
+            local = local.astype(np.int32)
+        return [int(s) for s in owners], takes, local, msk
 
     with ThreadPoolExecutor(max(1, min(len(bounds) - 1, os.cpu_count() or 1))) as pool:
         return list(pool.map(one, bounds[:-1], bounds[1:]))
@@ -534,7 +576,10 @@ def plan(cfg, bounds: tuple[int, ...], inner: str = "numba") -> Plan:
     sparse = None
     if not cfg.dense:
         d = lambda a: dask.delayed(_identity, pure=False)(a)  # noqa: E731
-        sparse = tuple((owners, d(local), d(msk)) for owners, local, msk in _sparse_plan(cfg, bounds))
+        sparse = tuple(
+            (owners, [None if t is None else d(t) for t in takes], d(local), d(msk))
+            for owners, takes, local, msk in _sparse_plan(cfg, bounds)
+        )
     return Plan(tuple(bounds), cfg_d, sparse, inner, uuid.uuid4().hex)
 
 
@@ -582,16 +627,22 @@ def _graph(
         ]
     else:
         sparse, task = pl.sparse, delayed(_sparse_pairs_task)
-        pairs = [
-            task(f, [feats[s] for s in owners], local, msk, r0, pl.inner, f"{pl.token}:{r0}")
-            for f, (owners, local, msk), (r0, _) in zip(feats, sparse, spans, strict=True)
-        ]
+        pairs = []
+        for f, (owners, takes, local, msk), (r0, _) in zip(feats, sparse, spans, strict=True):
+            parts = [
+                feats[s] if t is None else delayed(_take_senders)(feats[s], t)
+                for s, t in zip(owners, takes, strict=True)
+            ]
+            pairs.append(task(f, parts, local, msk, r0, pl.inner, f"{pl.token}:{r0}"))
         gB_rows = []
-        for s in range(len(spans)):
-            users = [r for r, (owners, _, _) in enumerate(sparse) if s in owners]
+        for s, (s0, s1) in enumerate(spans):
+            users = [r for r, (owners, *_) in enumerate(sparse) if s in owners]
             if users:
-                pos_in = [sparse[r][0].index(s) for r in users]
-                gB_rows.append(delayed(_sparse_gB_rows)(pos_in, *(pairs[r] for r in users)))
+                parts = []
+                for r in users:
+                    pos = sparse[r][0].index(s)
+                    parts.append((pos, sparse[r][1][pos]))
+                gB_rows.append(delayed(_sparse_gB_rows)(s1 - s0, parts, *(pairs[r] for r in users)))
             else:  # nobody lists these agents: their gB is 0
                 gB_rows.append(delayed(_zero_rows)(feats[s]))
     return [

@@ -74,14 +74,30 @@ class QuantumChunked(NamedTuple):
 
 class _Window(NamedTuple):
     """The coupling window of one receiver chunk: the sender chunks it reads (ascending), and for sparse
-    lists the rows' global senders, their rows in the named chunks concatenated, and the mask (Delayed;
-    None for "dense", computed in the task, and for no coupling)."""
+    lists the rows' global senders, their rows in the named chunks' parts concatenated, and the mask
+    (Delayed; None for "dense", computed in the task, and for no coupling). ``takes``: per named chunk
+    the rows of it the window reads (Delayed), or None for the whole chunk (the alignment terms' plan,
+    :func:`vfesim.backends.dask_backend._sparse_plan`; the chunk itself is always whole)."""
 
     kind: str  # "none" | "dense" | "sparse"
     owners: list[int]
     index: Any
     local: Any
     mask: Any
+    takes: list | None = None
+
+    def parts(self, chunks: list) -> list:
+        """The window's sender parts of per-chunk arrays ``chunks`` (Delayed): each named chunk, or the
+        rows of it the window reads."""
+        takes = self.takes or [None] * len(self.owners)
+        return [
+            chunks[s] if t is None else ch._delayed(_take)(chunks[s], t)
+            for s, t in zip(self.owners, takes, strict=True)
+        ]
+
+
+def _take(x, rows):
+    return x[rows]
 
 
 def _own(a):
@@ -236,8 +252,8 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
             rows = [dask.delayed(index[r0:r1], traverse=False) for r0, r1 in spans]
             (rows,) = dask.persist(rows)
             windows = [  # the alignment terms' plan: its local rows and masks are on the workers already
-                _Window("sparse", owners, r, local, msk)
-                for r, (owners, local, msk) in zip(rows, layout.plan.sparse, strict=True)
+                _Window("sparse", owners, r, local, msk, takes)
+                for r, (owners, takes, local, msk) in zip(rows, layout.plan.sparse, strict=True)
             ]
         (shipped["dyn"],) = dask.persist(dask.delayed(dyn, traverse=False))
         shipped["windows"] = windows
@@ -248,7 +264,7 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
         U = [ch._delayed(_frames_task)(p["phi"], cfg.d, dtype) for p in parts]
         n = layout.bounds[-1]
         return [
-            ch._delayed(_prepare_task)(shipped["dyn"], win, p, U[c], [U[s] for s in win.owners], n, r0)
+            ch._delayed(_prepare_task)(shipped["dyn"], win, p, U[c], win.parts(U), n, r0)
             for c, (win, p, r0) in enumerate(zip(shipped["windows"], parts, layout.starts, strict=True))
         ]
 
@@ -283,17 +299,19 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
         """Per chunk, the Delayed {"rho"[, "outcome"]} after the channels."""
         rho = [p["rho"] for p in parts]
         out: list = []
+        moved: list = []  # Gauss-Seidel: the states of the chunks before this one after the step
         for c, (win, r0) in enumerate(zip(shipped["windows"], layout.starts, strict=True)):
             if dyn.order == "jacobi":
                 task = ch._delayed(_jacobi_task)
-                args = (prepared[c], rho[c], [rho[s] for s in win.owners])
+                args = (prepared[c], rho[c], win.parts(rho))
             else:
                 task = ch._delayed(_gauss_seidel_task)
-                olds = [rho[s] for s in win.owners]
-                news = [ch._delayed(_item)(out[s], "rho") if s < c else rho[s] for s in win.owners]
+                olds = win.parts(rho)
+                news = win.parts(moved + rho[c:])
                 own = win.owners.index(c) if c in win.owners else -1
                 args = (prepared[c], rho[c], olds, news, own)
             out.append(task(dt, shipped["dyn"], *args, n_step, r0, uniforms[c]))
+            moved.append(ch._delayed(_item)(out[c], "rho"))
         return out
 
     def mirror(parts: list, n_step: int) -> tuple[list, Any]:
