@@ -3,7 +3,7 @@
     python benchmarks/bench_dask.py [--N 16384] [--K 3] [--ring H] [--reps 5] [--workers 2] [--chunks ...]
                                     [--out DIR] [--name FILE]
 
-    python benchmarks/bench_dask.py --gpu [--gpus 1 2] [--big] [--reps 3] [--out DIR]
+    python benchmarks/bench_dask.py --gpu [--gpus 1 2] [--big [--big-only] [--big-n N]] [--reps 3] [--out DIR]
 
 Dense neighbours, softmin, float64. Rows: the numba backend in this process (Numba's threads, one per
 core); the dask backend on the threaded scheduler; on a LocalCluster of ``--workers`` processes with one
@@ -17,7 +17,8 @@ ring neighbours (2H per agent) instead of dense. Writes DIR/dask_cpu.txt (or ``-
 GPU runs on a LocalCluster of one worker process). Energy + gradient, K = 3, float32, dense softmin:
 strong scaling at N = 1 048 576 on each GPU count of ``--gpus`` (efficiency t1 / (g t_g)), weak scaling
 at 262 144 agents per GPU; ``--big`` adds a full ``vfesim.simulate`` run of 10^7 agents with 32 sparse
-(ring) neighbours each, 10 gradient-flow steps writing Zarr, on the largest GPU count. Each row: the
+(ring) neighbours each, 10 gradient-flow steps writing Zarr, on the largest GPU count (``--big-only``:
+only that run). Each row: the
 median wall time, and from Dask's task stream where the time went: compute (task execution, summed over
 workers and divided by their number), transfer (worker-to-worker), and the rest of the wall time
 (scheduler, client round trips, idle). Writes DIR/dask_gpu.txt.
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--big-n", type=int, default=10**7, help="agents of the --big run")
     ap.add_argument("--profile", action="store_true", help="--big: write the client's cProfile to DIR")
     ap.add_argument("--big-checkpoint-every", type=int, default=5, help="--big: steps between checkpoints")
+    ap.add_argument("--big-only", action="store_true", help="--big: only the big run, on max(--gpus)")
     args = ap.parse_args()
     if args.gpu:
         gpu_main(args)
@@ -209,10 +211,10 @@ def gpu_main(args) -> None:
 
     cfg = vfesim.ModelConfig(K=3, aggregator="softmin")
     rows, strong = [], {}
-    for g in args.gpus:
+    for g in [max(args.gpus)] if args.big_only else args.gpus:
         with gpu_cluster(g) as cluster, Client(cluster) as client:
             client.wait_for_workers(g)
-            for kind, n in (("strong", 1 << 20), ("weak", 262_144 * g)):
+            for kind, n in () if args.big_only else (("strong", 1 << 20), ("weak", 262_144 * g)):
                 state = vfesim.random_state(cfg, n, seed=0, dtype="float32")
                 lazy = client.persist(state.chunk(agent=-(-n // g)))  # one receiver chunk per GPU
                 wall, split = timed_eg(client, lazy, cfg, args.reps)

@@ -236,7 +236,9 @@ def _population_task(arrays: dict, cfg, inner: str = "numba"):
     if inner == "cuda":
         from . import cuda_backend as cb
 
-        sums = module.population_sum(cb.to_device(_own(arrays)), cfg)
+        sums = module.population_sum(
+            cb.to_device(arrays if cb.array_module() is not np else _own(arrays)), cfg
+        )
         return {k: host_array(v) for k, v in sums.items()}
     serial = _serial_stages(cfg, "numba")
     kw = {} if serial is None else {"ops": serial}
@@ -289,21 +291,28 @@ def _own(arrays: dict) -> dict:
     return {k: np.array(v, order="C", copy=True) for k, v in arrays.items()}
 
 
+def _own_host(arrays: dict, backend: Backend) -> dict:
+    """The chunk's arrays as the task's array code reads them: own copies (:func:`_own`) where that
+    code runs on the host; on a GPU the copy to the device is the task's own already."""
+    return arrays if backend.array_module() is not np else _own(arrays)
+
+
 def _features_task(arrays: dict, cfg, population, r0: int, validate: bool, inner: str = "numba"):
     """Step 1 for one chunk: ([(A, B, c, kappa, aggregator) per term], warnings). ``cfg`` has dense
     neighbours (the lists are the pair tasks' business). The features come back as host (NumPy) arrays
     whichever ``inner`` computed them: N D numbers per term, what the pair tasks exchange."""
-    arrays = _own(arrays)
     caught: list = []
     try:
+        rec = _Record()
+        backend = _chunk_backend(rec, cfg, population, inner)
+        # The chunk where its kernels run, validated there (on a GPU worker: the device checks).
+        arrays = backend.to_device(_own_host(arrays, backend))
         if validate:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 validate_state(arrays, cfg)
-        rec = _Record()
-        backend = _chunk_backend(rec, cfg, population, inner)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            family_of(cfg).energy_and_gradient(backend.to_device(arrays), cfg, backend)
+            family_of(cfg).energy_and_gradient(arrays, cfg, backend)
     except StateError as e:
         raise ChunkError.wrap(e, r0) from None
     h = host_array
@@ -314,7 +323,6 @@ def _features_task(arrays: dict, cfg, population, r0: int, validate: bool, inner
 def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows, inner: str = "numba"):
     """Step 4 for one chunk: (terms, grads as host arrays, warnings). ``pairs``: this chunk's pair
     results; ``gB_rows``: per term, the float64 gB of the chunk's agents as senders."""
-    arrays = _own(arrays)
     results = [
         (E, gA, gB.astype(B.dtype), gc)
         for (E, gA, gc, _), gB, (_, B, *_) in zip(pairs, gB_rows, feats[0], strict=True)
@@ -324,7 +332,8 @@ def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows
             dev = _rows_kernels(inner)[3]
             results = [(E, dev(gA), dev(gB), dev(gc)) for E, gA, gB, gc in results]
             backend = _chunk_backend(_Replay(results), cfg, population, inner)
-            terms, grads = family_of(cfg).energy_and_gradient(backend.to_device(arrays), cfg, backend)
+            arrays = backend.to_device(_own_host(arrays, backend))
+            terms, grads = family_of(cfg).energy_and_gradient(arrays, cfg, backend)
         check_outputs({}, grads)
     except StateError as e:
         raise ChunkError.wrap(e, r0) from None
