@@ -360,3 +360,21 @@ def test_large_population_checked_in_blocks_names_the_global_agent(monkeypatch):
     monkeypatch.setattr(gs, "_random_spd", real)
     ok = random_state(ModelConfig(K=3), 20, seed=0, threads=2)
     validate_state(ok, ModelConfig(K=3))  # what was checked in blocks passes the whole check
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 5])
+def test_vectorised_positive_definiteness_agrees_with_lapack(K):
+    from vfesim.gaussian.state import first_not_positive_definite
+
+    rng = np.random.default_rng(K)
+    X = rng.standard_normal((200, K, K))
+    S = X @ np.swapaxes(X, 1, 2) + 1e-3 * np.eye(K)
+    assert first_not_positive_definite(S) is None
+    for bad, lowest in ((37, -0.5), (5, -1e-3)):  # two indefinite matrices, the later one first
+        w, V = np.linalg.eigh(S[bad])
+        w[0] = lowest
+        S[bad] = (V * w) @ V.T
+        with pytest.raises(np.linalg.LinAlgError):
+            np.linalg.cholesky(S[bad])
+    assert first_not_positive_definite(S) == 5
+    assert first_not_positive_definite(S.astype(np.float32)) == 5
