@@ -381,3 +381,34 @@ def test_local_cluster_two_processes(client, family, neighbours, aggregator, laz
             out = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(10, 20, 7))
         _assert_close(out, ref, rtol=0.0)  # the same tasks in another process: bitwise equal
         _assert_close(out, vfesim.energy_and_gradient(state, cfg, backend="numpy"))
+
+
+def test_cuda_tasks_take_turns_on_the_device():
+    """Tasks with inner "cuda" hold the process's device lock (numba-cuda's first kernel load is not
+    thread safe); inner "numba" tasks run freely."""
+    import threading
+
+    from vfesim.backends.dask_backend import DEVICE_LOCK, device_task
+
+    def free_elsewhere() -> bool:
+        got = []
+
+        def probe():
+            got.append(DEVICE_LOCK.acquire(blocking=False))
+            if got[0]:
+                DEVICE_LOCK.release()
+
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join()
+        return got[0]
+
+    seen = []
+
+    @device_task
+    def task(x, inner="numba"):
+        seen.append(free_elsewhere())
+        return x
+
+    assert [task(1), task(2, inner="cuda"), task(3, "cuda"), task(4, "numba")] == [1, 2, 3, 4]
+    assert seen == [True, False, False, True]

@@ -23,7 +23,7 @@ N = 8
 @pytest.fixture(autouse=True)
 def _one_thread():
     """The simulator runs one kernel launch at a time (it swaps the ``cuda`` module of the kernel's
-    globals during a launch): tasks run in this thread. On a GPU the scheduler's threads launch freely."""
+    globals during a launch): tasks run in this thread (on a GPU, tasks take turns: DEVICE_LOCK)."""
     with dask.config.set(scheduler="synchronous"):
         yield
 

@@ -49,10 +49,13 @@ else threads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import inspect
 import logging
 import os
 import re
+import threading
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -70,7 +73,7 @@ from vfesim_kernels.pairwise_cpu import (
     pairwise_sparse_rows,
 )
 
-from ..arrays import host_array
+from ..arrays import array_module, host_array
 from ..family import family_of
 from ..state import NonFiniteError, StateError, validate_state
 from . import Backend, check_outputs, gradient_dataset
@@ -172,6 +175,28 @@ def _shift_warning(w: warnings.WarningMessage, r0: int) -> Recorded:
     return Recorded(w.category, _AGENT.sub(lambda m: f"[agent={int(m.group(1)) + r0}]", str(w.message)))
 
 
+# Tasks with inner "cuda" run one at a time per worker process: the scheduler's threads share the one GPU
+# (and CuPy's default stream) anyway, and numba-cuda's first load of a kernel into the context is not safe
+# from several threads at once (seen on an H100: "key already in dictionary: <CUlibrary ...>", then a
+# crash). Worker processes of dask-cuda have one thread each and never wait on it.
+DEVICE_LOCK = threading.RLock()
+
+
+def device_task(fn):
+    """``fn``, a task with an ``inner`` argument, holding :data:`DEVICE_LOCK` when inner is "cuda"."""
+    sig = inspect.signature(fn)
+    default = sig.parameters["inner"].default
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if sig.bind(*args, **kwargs).arguments.get("inner", default) != "cuda":
+            return fn(*args, **kwargs)
+        with DEVICE_LOCK:
+            return fn(*args, **kwargs)
+
+    return run
+
+
 # ---- the two assembly passes ----------------------------------------------------------------------------
 class _Record:
     """Pairwise functions for the features pass: record each term's rows, return zeros."""
@@ -227,6 +252,7 @@ def _serial_stages(cfg, inner: str):
     return SERIAL_OPS.get(family_of(cfg).name)
 
 
+@device_task
 def _population_task(arrays: dict, cfg, inner: str = "numba"):
     """One chunk's population sums: on the host with the serial Numba stages, or (inner "cuda") with
     the array-generic stages on the worker's GPU. The sums only set a common shift of the features (any
@@ -297,10 +323,12 @@ def _own_host(arrays: dict, backend: Backend) -> dict:
     return arrays if backend.array_module() is not np else _own(arrays)
 
 
+@device_task
 def _features_task(arrays: dict, cfg, population, r0: int, validate: bool, inner: str = "numba"):
     """Step 1 for one chunk: ([(A, B, c, kappa, aggregator) per term], warnings). ``cfg`` has dense
-    neighbours (the lists are the pair tasks' business). The features come back as host (NumPy) arrays
-    whichever ``inner`` computed them: N D numbers per term, what the pair tasks exchange."""
+    neighbours (the lists are the pair tasks' business). The features stay where ``inner`` computed
+    them (inner "cuda": on the worker's GPU, as do the pair results and gB rows made from them; Dask
+    moves them between workers through the host when a task needs another worker's)."""
     caught: list = []
     try:
         rec = _Record()
@@ -315,11 +343,12 @@ def _features_task(arrays: dict, cfg, population, r0: int, validate: bool, inner
             family_of(cfg).energy_and_gradient(arrays, cfg, backend)
     except StateError as e:
         raise ChunkError.wrap(e, r0) from None
-    h = host_array
-    terms = [(h(A), h(B), h(c), kappa, agg) for A, B, c, kappa, agg in rec.terms]
+    keep = _rows_kernels(inner)[4]
+    terms = [(keep(A), keep(B), keep(c), kappa, agg) for A, B, c, kappa, agg in rec.terms]
     return terms, [_shift_warning(w, r0) for w in caught]
 
 
+@device_task
 def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows, inner: str = "numba"):
     """Step 4 for one chunk: (terms, grads as host arrays, warnings). ``pairs``: this chunk's pair
     results; ``gB_rows``: per term, the float64 gB of the chunk's agents as senders."""
@@ -342,7 +371,8 @@ def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows
 
 # ---- pair tasks and the gB passes -----------------------------------------------------------------------
 def _rows_kernels(inner: str):
-    """(dense receivers, dense senders, sparse rows, to the kernels' device, back to host) of ``inner``."""
+    """(dense receivers, dense senders, sparse rows, to the kernels' device, what the tasks keep of
+    their results) of ``inner``: with "cuda" the results stay on the worker's GPU."""
     if inner == "cuda":
         from . import cuda_backend as cb
 
@@ -352,20 +382,21 @@ def _rows_kernels(inner: str):
             cb.pairwise_dense_senders,
             cb.pairwise_sparse_rows,
             xp.asarray,
-            host_array,
+            _identity,
         )
     k = (pairwise_dense_receivers, pairwise_dense_senders, pairwise_sparse_rows)
     return (*k, np.asarray, np.asarray)
 
 
+@device_task
 def _dense_receivers_task(feats, r0: int, inner: str, *every):
     """Step 2 (pass 1), dense: per term (E, gA, gc, (m, inv_s, abar)) of the chunk's receivers against
-    every sender, ``every`` chunk's features (host arrays; inner "cuda": computed on the worker's GPU)."""
-    recv, _, _, dev, host = _rows_kernels(inner)
+    every sender, ``every`` chunk's features (inner "cuda": on the worker's GPU, as are the results)."""
+    recv, _, _, dev, keep = _rows_kernels(inner)
     senders = _all_senders(*every)
     out = []
     for (A, _, c, kappa, agg), B in zip(feats[0], senders, strict=True):
-        erow, gA, gc, *stats = (host(x) for x in recv(dev(A), dev(c), dev(B), r0, kappa, agg))
+        erow, gA, gc, *stats = (keep(x) for x in recv(dev(A), dev(c), dev(B), r0, kappa, agg))
         out.append((float(erow.sum()), gA, gc, tuple(stats)))
     return out
 
@@ -374,7 +405,7 @@ def _gather_features(*feats):
     """Every chunk's features as those of one chunk (the chunks' rows concatenated in order)."""
     terms = []
     for t, (_, _, _, kappa, agg) in enumerate(feats[0][0]):
-        A, B, c = (np.concatenate([f[0][t][i] for f in feats]) for i in range(3))
+        A, B, c = (_rows([f[0][t][i] for f in feats]) for i in range(3))
         terms.append((A, B, c, kappa, agg))
     return terms, []
 
@@ -383,13 +414,14 @@ def _gather_stats(*pairs):
     """Every chunk's pass-1 row statistics as those of one chunk (what pass 2 reads of them)."""
     out = []
     for t in range(len(pairs[0])):
-        out.append((None, None, None, tuple(np.concatenate([p[t][3][k] for p in pairs]) for k in range(3))))
+        out.append((None, None, None, tuple(_rows([p[t][3][k] for p in pairs]) for k in range(3))))
     return out
 
 
-def _rows(parts: list) -> np.ndarray:
-    """The row blocks ``parts`` stacked in order (one block: itself, no copy; tasks only read it)."""
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+def _rows(parts: list):
+    """The row blocks ``parts`` (NumPy, or CuPy on a GPU worker) stacked in order (one block: itself,
+    no copy; tasks only read it)."""
+    return parts[0] if len(parts) == 1 else array_module(parts[0]).concatenate(parts)
 
 
 def _all_senders(*feats):
@@ -443,19 +475,21 @@ def _all_receivers(n_chunks: int, *parts):
     return out
 
 
+@device_task
 def _dense_senders_task(feats, s0: int, inner: str, *parts):
     """Step 3 (pass 2), dense: per term the float64 gB of the chunk's agents as senders (agents s0 ..),
     from every receiver's features and row statistics (``parts``: every chunk's features, then every
-    chunk's pass-1 results; host arrays)."""
-    _, send, _, dev, host = _rows_kernels(inner)
+    chunk's pass-1 results; inner "cuda": on the worker's GPU, as is the result)."""
+    _, send, _, dev, keep = _rows_kernels(inner)
     receivers = _all_receivers(len(parts) // 2, *parts)
     out = []
     for (_, B, _, kappa, agg), (A, c, m, inv_s, abar) in zip(feats[0], receivers, strict=True):
         args = (dev(A), dev(c), dev(m), dev(inv_s), dev(abar), dev(B))
-        out.append(host(send(*args, s0, kappa, agg)))
+        out.append(keep(send(*args, s0, kappa, agg)))
     return out
 
 
+@device_task
 def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "numba", key=None):
     """Step 2, sparse: per term (E, gA, gc, [gB share (n_s, D) float64 per sender part]).
 
@@ -466,15 +500,15 @@ def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "
     copy of them here)."""
     sizes = [len(f[0][0][1]) if f[0] else 0 for f in sender_feats]
     offs = np.cumsum([0, *sizes])
-    _, _, rows, dev, host = _rows_kernels(inner)
+    _, _, rows, dev, keep = _rows_kernels(inner)
     kw = {"key": key} if inner == "cuda" else {}
     if inner != "cuda":
         local = np.asarray(local, np.int64)  # the plan may store int32 rows; the CPU kernels read int64
     out = []
     for t, (A, _, c, kappa, agg) in enumerate(feats[0]):
-        B = np.concatenate([f[0][t][1] for f in sender_feats]) if sender_feats else A[:0]
+        B = _rows([f[0][t][1] for f in sender_feats]) if sender_feats else A[:0]
         args = (dev(A), dev(c), dev(B), local, mask, kappa, agg)
-        erow, gA, gc, share = (host(x) for x in rows(*args, **kw))
+        erow, gA, gc, share = (keep(x) for x in rows(*args, **kw))
         out.append((float(erow.sum()), gA, gc, [share[offs[s] : offs[s + 1]] for s in range(len(sizes))]))
     return out
 
@@ -482,7 +516,9 @@ def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "
 def _take_senders(feats, rows: np.ndarray):
     """The features of a chunk's agents ``rows`` as senders (B only: what a pair task reads of them),
     in the structure of the chunk's features. Runs beside the chunk's features: only the rows travel."""
-    return [(None, B[rows], None, kappa, agg) for _, B, _, kappa, agg in feats[0]], []
+    return [
+        (None, B[array_module(B).asarray(rows)], None, kappa, agg) for _, B, _, kappa, agg in feats[0]
+    ], []
 
 
 def _sparse_gB_rows(n: int, parts: list, *pairs):
@@ -495,12 +531,13 @@ def _sparse_gB_rows(n: int, parts: list, *pairs):
         acc = None
         for p, (s, rows) in zip(pairs, parts, strict=True):
             share = p[t][3][s]
+            xp = array_module(share)
             if acc is None:
-                acc = np.zeros((n, share.shape[1]), np.float64)
+                acc = xp.zeros((n, share.shape[1]), np.float64)
             if rows is None:
                 acc += share
             else:
-                acc[rows] += share
+                acc[xp.asarray(rows)] += share  # the rows are distinct
         out.append(acc)
     return out
 
@@ -669,7 +706,7 @@ def _is_field(cfg) -> bool:
 
 
 def _zero_rows(feats):
-    return [np.zeros(B.shape) for _, B, *_ in feats[0]]
+    return [array_module(B).zeros(B.shape) for _, B, *_ in feats[0]]
 
 
 def _reraise(fn, *args):

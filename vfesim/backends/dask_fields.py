@@ -40,6 +40,7 @@ from ..gaussian.energy import NUMPY_AGENT_OPS
 from ..gaussian.features import feature_dim
 from ..state import StateError
 from . import check_outputs
+from .dask_backend import device_task
 
 __all__ = ["field_graph", "field_chunk"]
 
@@ -189,6 +190,7 @@ def _points_kernel(inner: str):
     return partial(pairwise_points, serial=True)
 
 
+@device_task
 def _pairs_task(feats, n_agents: int, inner: str, *all_feats):
     """Step 2 for one receiver chunk: per term (E, gA, gc, gu, [per sender chunk: (rows, gB share, gv
     share)]), the shares float64 over the gathered rows of that chunk."""

@@ -36,6 +36,7 @@ import dask.array as da
 import numpy as np
 import xarray as xr
 
+from ..backends.dask_backend import device_task
 from ..config import ModelConfig
 from ..family import family_of
 from ..state import StateError, validate_state
@@ -120,6 +121,7 @@ def _device_ops(cfg):
 
 
 # ---- per-chunk tasks ------------------------------------------------------------------------------------
+@device_task
 def _flow_task(rule: FlowRule, cfg, arrays, grads, aux, n: int, r0: int, inner: str = "numba"):
     """Gradient flow, one chunk: (moved state arrays, new aux), host arrays. inner "cuda": the fused
     update kernel on the worker's GPU (the cuda backend's), the guard only where its flag is raised."""
