@@ -176,3 +176,26 @@ def test_sparse_rows_refuse_listed_senders_out_of_range(bad):
     mask = np.ones((2, 2), bool)
     with pytest.raises(ValueError, match=r"listed senders must be rows 0 \.\. 4"):
         cuda_backend.pairwise_sparse_rows(A, c, B, index, mask, 1.0, "softmin")
+
+
+def test_gaussian_chunks_run_the_fused_stages_centred_on_the_population(monkeypatch):
+    """inner="cuda" chunks of Gaussian agents run the fused device stages with the population's centre
+    and the chunk's given pairs (not the CuPy array code); means far from the origin, uneven chunks."""
+    made = []
+    real = cuda_backend.FusedStages.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append((kwargs.get("centre") is not None, kwargs.get("given_pairs")))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cuda_backend.FusedStages, "__init__", spy)
+    cfg = vfesim.ModelConfig(K=3, lambda_prior=0.6, neighbours=vfesim.SparseNeighbours.ring(N, 2))
+    state = vfesim.random_state(cfg, N, seed=7)
+    state["mu_q"] = state["mu_q"] + 40.0
+    ref_terms, ref = vfesim.energy_and_gradient(state, cfg, backend="numpy")
+    terms, grads = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(5, 3), inner="cuda")
+    assert made and set(made) == {(True, True)}
+    for k, v in ref_terms.items():
+        assert abs(terms[k] - v) <= 1e-10 * abs(ref_terms["total"]), k
+    for k in ref.data_vars:
+        assert np.abs(grads[k].values - ref[k].values).max() <= 1e-9 * np.abs(ref[k].values).max(), k

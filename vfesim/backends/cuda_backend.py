@@ -297,15 +297,29 @@ class FusedStages:
     Inputs are copied into cached workspace buffers; gradients accumulate in the workspace (``grads`` are
     views of it); both alignment terms share each launch (a term axis); energies stay on the device until
     :meth:`collect` fetches them with one transfer.
+
+    A chunk of a population (the dask backend, :func:`chunk_stages`) gives ``centre`` (mean variable ->
+    (K,), the population's mean of nu, instead of the agents' own) and ``given_pairs``: the pairs of each
+    term then come from the assembly's pairwise function (the chunk's recorded or replayed pair results,
+    in the contract of :func:`vfesim.pairwise.pairwise_dense`) instead of the device's pair kernels.
     """
 
-    def __init__(self, arrays: dict, cfg: ModelConfig, dtype: np.dtype, mode: str):
+    def __init__(
+        self,
+        arrays: dict,
+        cfg: ModelConfig,
+        dtype: np.dtype,
+        mode: str,
+        centre: dict | None = None,
+        given_pairs: bool = False,
+    ):
         xp = array_module()
         N, K = arrays["mu_q"].shape
         width = None if cfg.dense else cfg.neighbours.width
         key = (N, K, dtype.str, cfg.irreps, width, mode)
         self.ws = ws = _lru(_workspaces, key, lambda: _Workspace(N, K, dtype, cfg.irreps, width, mode))
         self.cfg, self.dtype, self.N, self.K, self.xp = cfg, dtype, N, K, xp
+        self.centre, self.given_pairs = centre, given_pairs
         b = ws.buf
         b["mu"][0] = arrays["mu_q"]
         b["mu"][1] = arrays["mu_p"]
@@ -363,14 +377,20 @@ class FusedStages:
             d["R"], d["lam"], d["P"], d["nu"], d["ld"],
         )  # fmt: skip
         # Centre the means on the population mean of nu (see vfesim.gaussian.features).
-        b["nubar"][f0 : f0 + nf] = b["nu"][f0 : f0 + nf].mean(axis=1)
+        if self.centre is None:
+            b["nubar"][f0 : f0 + nf] = b["nu"][f0 : f0 + nf].mean(axis=1)
+        else:
+            for f in terms:
+                b["nubar"][f] = self.xp.asarray(self.centre[("mu_q", "mu_p")[f]], dtype=self.dtype)
         grid = (N, nf) if self.block else (nblk, nf)
         kern["features"][grid, self.nt](
             d["lam"], d["P"], d["nu"], d["nubar"], d["ld"], d["feat_scale"], f0,
             d["A"], d["B"], d["c"], d["nuc"], d["Pnu"],
         )  # fmt: skip
         D = kc.feature_dim(K)
-        if ws.dense and self.block:
+        if self.given_pairs:
+            given = self._given_pairs(terms, active, pairwise_dense)
+        elif ws.dense and self.block:
             for f in terms:
                 # Features hold A / (2 kappa) and c / (2 kappa): logits -KL / kappa, energies / kappa.
                 pairwise_gemm(
@@ -405,10 +425,32 @@ class FusedStages:
             d["phi"], d["G"], d["R"], d["mu"], d["sigma"], self.jitter, d["nuc"], d["P"], d["Pnu"],
             d["gAr"], d["gBs"], d["lam_w"], d["kappa"], f0, nf, d["g_mu"], d["g_sigma"], d["g_phi"],
         )  # fmt: skip
+        if self.given_pairs:
+            as_value = lambda E: self.xp.asarray(E, dtype=np.float64)  # noqa: E731 - a device scalar
+            return [(name, as_value(lam * E)) for E, (name, lam, *_) in zip(given, active, strict=True)]
         return [
             (name, lam * b["energy"][f].sum(dtype=np.float64))
             for f, (name, lam, *_) in zip(terms, active, strict=True)
         ]
+
+    def _given_pairs(self, terms: list, active, pairwise) -> list:
+        """Each term's pairs from ``pairwise`` (contract of :func:`vfesim.pairwise.pairwise_dense`) on its
+        features, written into the workspace as the device's pair kernels write them: the kernels hold
+        A / (2 kappa), c / (2 kappa) and B, and return gAr = [sum_j W_ij B_j, sum_j W_ij] (= 2 [gA, gc])
+        and gBs = sum_i W_ij A_i / (2 kappa) (= gB / kappa). Returns the terms' energies."""
+        b, energies = self.ws.buf, []
+        for f, (_, _, kappa, *_) in zip(terms, active, strict=True):
+            scale = 2.0 * kappa
+            # Fresh arrays: the workspace is reused by the next evaluation of this size.
+            A, B, c = b["A"][f] * scale, b["B"][f].copy(), b["c"][f] * scale
+            E, gA, gB, gc = pairwise(A, B, c, kappa, self.cfg.aggregator)
+            b["gAr"][0, f, :, :-1] = 2 * gA
+            b["gAr"][0, f, :, -1] = 2 * gc
+            b["gBs"][0, f] = gB / kappa
+            b["gAr"][1:, f] = 0  # the adjoint sums the streaming kernels' slices
+            b["gBs"][1:, f] = 0
+            energies.append(E)
+        return energies
 
     def collect(self, values: list) -> dict[str, float]:
         """Energy values from device scalars with one device-to-host transfer (and synchronisation)."""
@@ -433,6 +475,24 @@ def _stages(arrays: dict, cfg: ModelConfig, S: dict):
     if mode == "batched":
         return StagedStages(NUMPY_AGENT_OPS, arrays, cfg, S)
     return FusedStages(arrays, cfg, dtype, mode)
+
+
+def chunk_stages(centre: dict, arrays: dict, cfg: ModelConfig, S: dict):
+    """The Gaussian stages of one chunk of a population on the device (the dask backend's tasks with
+    inner "cuda"): the fused kernels centred on the population's ``centre`` (mean variable -> (K,)), with
+    each term's pairs from the assembly's pairwise function; the staged array code with that centre where
+    the fused kernels do not fit."""
+    dtype = _check_arrays(arrays, cfg, array_module())
+    mode = _mode(arrays["mu_q"].shape[1], dtype)
+    if mode == "batched":
+        from ..gaussian.chunks import chunk_agent_ops
+
+        return StagedStages(chunk_agent_ops(centre), arrays, cfg, S)
+    return FusedStages(arrays, cfg, dtype, mode, centre=centre, given_pairs=True)
+
+
+# Per family, the stages of a population's chunk given the population's centre (dask_backend.POPULATION).
+CHUNK_STAGES = {"gaussian": chunk_stages}
 
 
 def energy_and_gradient(arrays: dict, cfg: ModelConfig) -> tuple[dict[str, float], dict]:

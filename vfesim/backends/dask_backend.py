@@ -295,9 +295,8 @@ def _chunk_backend(pairwise, cfg, population=None, inner: str = "numba") -> Back
         xp, dev, host = cb.array_module, cb.to_device, cb.to_host
         if population is None and name in cb.BACKEND.agent_ops:
             ops = {name: cb.BACKEND.agent_ops[name]}
-        elif population is not None:  # the centre on the device, beside the chunk's arrays
-            centre = {k: xp().asarray(v) for k, v in population.items()}
-            ops = {name: _population_module(cfg).chunk_agent_ops(centre)}
+        elif population is not None:  # the fused device stages with the population's centre
+            ops = {name: functools.partial(cb.CHUNK_STAGES[name], population)}
     return Backend(
         agent_ops=ops,
         name="dask-chunk",
