@@ -9,7 +9,9 @@ rows, so an evaluation splits into tasks over agent chunks ``[r0, r1)``:
    function that records each term's (A, B, c, kappa, aggregator) and returns zero energy and zero
    cotangents (the per-agent work of the chunk, O(n K^3), nothing pairwise);
 2. *pairs* (one task per receiver chunk): the chunk's receivers against every sender (dense) or against
-   the sender chunks its neighbour lists name (sparse), serial Numba kernels (``nogil``) of
+   the rows its neighbour lists name (sparse: its own chunk whole, and of another chunk only the rows it
+   names when they are at most half of it, cut out by a small task beside that chunk's features, see
+   :func:`_sparse_plan`), serial Numba kernels (``nogil``) of
    :mod:`vfesim_kernels.pairwise_cpu`, or with inner "cuda" their device twins in ``cuda_backend``.
    Dense with inner "numba": :func:`~vfesim_kernels.pairwise_cpu.pairwise_dense_rows`, the fused serial
    kernel: row energies, gA, gc and these receivers' float64 share (N, D) of every sender's gB. Dense
@@ -23,8 +25,9 @@ rows, so an evaluation splits into tasks over agent chunks ``[r0, r1)``:
    two: no (N, D) share per task and no reduction tree, the same pair work on the GPU; on the CPU's tiled
    path, D < 32, it would evaluate each weight once more than the fused kernel, so inner "numba" keeps
    the one pass); sparse, the shares are split by
-   sender chunk and each sender chunk sums the shares of the receiver chunks that name it, in ascending
-   order. Both fixed by the chunking: deterministic;
+   sender part and each sender chunk sums the shares of the receiver chunks that name it, in ascending
+   order (a part with a subset of the chunk's rows adds into those rows). Both fixed by the chunking:
+   deterministic;
 4. *assembly* (one task per chunk): the family's assembly again on the chunk's arrays, with a pairwise
    function that returns the chunk's precomputed (E, gA, gB, gc): the chain rule back to the state
    variables and the per-agent terms. Terms are summed over chunks in float64 in chunk order.
@@ -35,7 +38,9 @@ a dense receiver task holds its chunk and every sender's B, a dense sender task 
 receiver's A, c and statistics: peak memory per task O(n D + N D), with no (N, D) share. Per-agent
 stages run, with inner "numba", in the serial builds of the family's fused Numba per-agent kernels
 (``numba_backend.SERIAL_OPS``: Numba's parallel builds must not be launched from the scheduler's
-threads), else as the family's array-generic stages (NumPy, or CuPy with inner "cuda").
+threads), with inner "cuda" in the cuda backend's fused device stages (Gaussian chunks given the
+population's centre: ``cuda_backend.chunk_stages``), else as the family's array-generic stages. With inner
+"cuda" every task's results stay on the worker's GPU (CuPy) until a task on another worker reads them.
 
 Chunks: as the state Dataset is chunked along ``agent`` (``state.chunk(agent=n)``; the gradient Dataset
 comes back chunked the same way, persisted), or ``chunks=`` (agents per chunk, or a tuple of chunk sizes)
