@@ -108,6 +108,24 @@ def test_sparse_plan_reads_only_the_boundary_rows_of_neighbouring_chunks():
         assert local.dtype == np.int32
 
 
+def test_sparse_plan_reads_whole_chunks_when_lists_name_many_chunks(monkeypatch):
+    """Lists naming more than TAKE_CHUNKS other chunks (no locality) read whole chunks: no row subsets
+    (each would be one more task per evaluation), and the rows still point at the listed senders."""
+    from vfesim.backends import dask_backend
+
+    nb = vfesim.SparseNeighbours.ring(64, 2)
+    cfg = vfesim.ModelConfig(K=3, neighbours=nb)
+    bounds = (0, 16, 32, 48, 64)
+    monkeypatch.setattr(dask_backend, "TAKE_CHUNKS", 1)  # a ring's chunks name two others
+    for c, (owners, takes, local, msk) in enumerate(dask_backend._sparse_plan(cfg, bounds)):
+        assert takes == [None] * len(owners)
+        senders = np.concatenate([np.arange(bounds[s], bounds[s + 1]) for s in owners])
+        np.testing.assert_array_equal(senders[local][msk], nb.index[bounds[c] : bounds[c + 1]][msk])
+    state = vfesim.random_state(cfg, 64, seed=3)
+    ref = vfesim.energy_and_gradient(state, cfg, backend="numpy")
+    _assert_close(vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=16), ref)
+
+
 def test_gathered_features_give_the_same_bits_as_direct_inputs(monkeypatch):
     """Dense pair tasks take every chunk's features directly (few chunks) or one gathered copy (more than
     DIRECT_CHUNKS chunks): the same rows in the same order, so the same bits."""

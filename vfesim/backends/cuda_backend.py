@@ -136,13 +136,21 @@ class _Workspace:
     """Device buffers of one problem shape, each held as an array and as a numba device view."""
 
     def __init__(
-        self, N: int, K: int, dtype: np.dtype, irreps: tuple[int, ...], width: int | None, mode: str
+        self,
+        N: int,
+        K: int,
+        dtype: np.dtype,
+        irreps: tuple[int, ...],
+        width: int | None,
+        mode: str,
+        pairs: bool = True,
     ):
         xp = array_module()
         D = kc.feature_dim(K)
         self.N, self.K, self.dtype, self.dense = N, K, dtype, width is None
-        # Dense pairs: sender slices of the streaming kernels; the GEMM path (large K) has one slice.
-        streaming = self.dense and mode == "kernels"
+        # Dense pairs: sender slices of the streaming kernels; the GEMM path (large K) has one slice, and
+        # so has a workspace whose pairs are given (``pairs`` False: no pair kernel writes into it).
+        streaming = self.dense and mode == "kernels" and pairs
         self.S, self.chunk = kc.dense_splits(N, kc.PAIR_OPT, kc.PAIR_THREADS) if streaming else (1, 0)
         self.buf: dict[str, Any] = {}
         self.dev: dict[str, Any] = {}
@@ -316,8 +324,11 @@ class FusedStages:
         xp = array_module()
         N, K = arrays["mu_q"].shape
         width = None if cfg.dense else cfg.neighbours.width
-        key = (N, K, dtype.str, cfg.irreps, width, mode)
-        self.ws = ws = _lru(_workspaces, key, lambda: _Workspace(N, K, dtype, cfg.irreps, width, mode))
+        if given_pairs and width is not None:
+            raise ValueError("given_pairs: the pairs of a chunk come with dense-neighbour configs only")
+        key = (N, K, dtype.str, cfg.irreps, width, mode, given_pairs)
+        make = lambda: _Workspace(N, K, dtype, cfg.irreps, width, mode, not given_pairs)  # noqa: E731
+        self.ws = ws = _lru(_workspaces, key, make)
         self.cfg, self.dtype, self.N, self.K, self.xp = cfg, dtype, N, K, xp
         self.centre, self.given_pairs = centre, given_pairs
         b = ws.buf
@@ -365,8 +376,9 @@ class FusedStages:
         return self.ws.buf["e_self"].sum(dtype=np.float64)
 
     def alignment(self, active, pairwise_dense=None, pairwise_sparse=None, neighbours=None) -> list:
-        """Both alignment terms through the same launches (the device's own pair kernels run them; the
-        assembly's pairwise functions serve the staged path)."""
+        """Both alignment terms through the same launches (the device's own pair kernels run them, or
+        with ``given_pairs`` the assembly's ``pairwise_dense``; otherwise the assembly's pairwise functions
+        serve the staged path)."""
         cfg, ws, kern, N, K = self.cfg, self.ws, self.kern, self.N, self.K
         b, d, dt = ws.buf, ws.dev, self.dtype.name
         terms = [("belief_align", "prior_align").index(a[0]) for a in active]  # slots, ascending

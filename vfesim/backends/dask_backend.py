@@ -107,8 +107,10 @@ INNER = ("numba", "cuda")
 # else (and in one process) one gathered copy.
 DIRECT_CHUNKS = 16
 # A sparse receiver chunk reads only the rows it needs of another chunk when they are at most 1 /
-# TAKE_FRACTION of it (a ring's boundary rows), else the whole chunk (:func:`_sparse_plan`).
+# TAKE_FRACTION of it (a ring's boundary rows), else the whole chunk; and only when its lists name at
+# most TAKE_CHUNKS other chunks (lists with locality: each taken part is one more task per evaluation).
 TAKE_FRACTION = 2
+TAKE_CHUNKS = 8
 # Pair-feature products (receivers x senders x D) per task that make >= 100 ms on one core: the serial
 # tiled kernel runs about 1.5e9 products/s at D = 10 (2 sweeps), so 2^28 products is about 180 ms.
 TASK_WORK = 1 << 28
@@ -267,9 +269,7 @@ def _population_task(arrays: dict, cfg, inner: str = "numba"):
     if inner == "cuda":
         from . import cuda_backend as cb
 
-        sums = module.population_sum(
-            cb.to_device(arrays if cb.array_module() is not np else _own(arrays)), cfg
-        )
+        sums = module.population_sum(_task_arrays(arrays, cb.array_module()), cfg)
         return {k: host_array(v) for k, v in sums.items()}
     serial = _serial_stages(cfg, "numba")
     kw = {} if serial is None else {"ops": serial}
@@ -283,9 +283,10 @@ def _population_mean(n: int, *sums):
 
 def _chunk_backend(pairwise, cfg, population=None, inner: str = "numba") -> Backend:
     """The Backend of one chunk's assembly: pairwise kernels ``pairwise``'s (a _Record or _Replay);
-    per-agent stages using the population means where the family has some (the array-generic stages with
-    that centre), else the family's stages of the inner backend. inner "numba": host (NumPy) arrays;
-    "cuda": the worker's GPU (CuPy arrays; NumPy under the CUDA simulator), the cuda backend's stages."""
+    per-agent stages using the population means where the family has some (inner "numba": the serial
+    Numba stages with that centre; "cuda": the cuda backend's fused stages given it,
+    ``cuda_backend.CHUNK_STAGES``), else the family's stages of the inner backend. inner "numba": host
+    (NumPy) arrays; "cuda": the worker's GPU (CuPy arrays; NumPy under the CUDA simulator)."""
     name = family_of(cfg).name
     serial = _serial_stages(cfg, inner)
     if population is None:
@@ -321,10 +322,10 @@ def _own(arrays: dict) -> dict:
     return {k: np.array(v, order="C", copy=True) for k, v in arrays.items()}
 
 
-def _own_host(arrays: dict, backend: Backend) -> dict:
-    """The chunk's arrays as the task's array code reads them: own copies (:func:`_own`) where that
-    code runs on the host; on a GPU the copy to the device is the task's own already."""
-    return arrays if backend.array_module() is not np else _own(arrays)
+def _task_arrays(arrays: dict, xp) -> dict:
+    """The chunk's arrays on the array module ``xp`` of the task's code: own copies (:func:`_own`) on the
+    host (NumPy); on a GPU the copy to the device is the task's own already."""
+    return _own(arrays) if xp is np else {k: xp.asarray(v) for k, v in arrays.items()}
 
 
 @device_task
@@ -338,7 +339,7 @@ def _features_task(arrays: dict, cfg, population, r0: int, validate: bool, inner
         rec = _Record()
         backend = _chunk_backend(rec, cfg, population, inner)
         # The chunk where its kernels run, validated there (on a GPU worker: the device checks).
-        arrays = backend.to_device(_own_host(arrays, backend))
+        arrays = _task_arrays(arrays, backend.array_module())
         if validate:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -365,7 +366,7 @@ def _assembly_task(arrays: dict, cfg, population, r0: int, feats, pairs, gB_rows
             dev = _rows_kernels(inner)[3]
             results = [(E, dev(gA), dev(gB), dev(gc)) for E, gA, gB, gc in results]
             backend = _chunk_backend(_Replay(results), cfg, population, inner)
-            arrays = backend.to_device(_own_host(arrays, backend))
+            arrays = _task_arrays(arrays, backend.array_module())
             terms, grads = family_of(cfg).energy_and_gradient(arrays, cfg, backend)
         check_outputs({}, grads)
     except StateError as e:
@@ -507,7 +508,7 @@ def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "
     _, _, rows, dev, keep = _rows_kernels(inner)
     kw = {"key": key} if inner == "cuda" else {}
     if inner != "cuda":
-        local = np.asarray(local, np.int64)  # the plan may store int32 rows; the CPU kernels read int64
+        local = np.asarray(local, np.int64)  # a plan made for inner "cuda" stores int32 rows
     out = []
     for t, (A, _, c, kappa, agg) in enumerate(feats[0]):
         B = _rows([f[0][t][1] for f in sender_feats]) if sender_feats else A[:0]
@@ -546,13 +547,23 @@ def _sparse_gB_rows(n: int, parts: list, *pairs):
     return out
 
 
-def _sparse_plan(cfg, bounds: tuple[int, ...]):
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """The distinct values of ``a``, ascending (a sort and a mask: NumPy 2's ``unique`` hashes, several
+    times slower on large integer arrays)."""
+    a = np.sort(a)
+    return a[np.concatenate([[True], a[1:] != a[:-1]])] if a.size else a
+
+
+def _sparse_plan(cfg, bounds: tuple[int, ...], wide_rows: bool = False):
     """Per receiver chunk: the sender chunks its lists name (ascending); per named chunk the rows it
     needs of it (sorted), or None where it reads the whole chunk (its own chunk, and any chunk of which it
-    needs more than half: ``TAKE_FRACTION``); its lists as rows of those parts concatenated in that order
-    (``local``, 0 under the mask; int32 when they fit); its mask rows. Lists with locality (rings,
-    grids, windows) so read a few boundary rows of the neighbouring chunks, not whole chunks. Fixed by
-    the lists and the chunking: a run computes it once (:meth:`Plan.persist`), a thread per chunk."""
+    needs more than half: ``TAKE_FRACTION``, and every chunk when the lists name more than ``TAKE_CHUNKS``
+    others); its lists as rows of those parts concatenated in that order
+    (``local``, 0 under the mask; int32 when they fit, unless ``wide_rows``: int64); its mask rows. Lists
+    with locality (rings, grids, windows) so read a few boundary rows of the neighbouring chunks, not
+    whole chunks. Work per receiver chunk O(E log E) for its E listed edges (no array of all agents).
+    Fixed by the lists and the chunking: a run computes it once (:meth:`Plan.persist`), a thread per
+    chunk."""
     index, mask = np.asarray(cfg.neighbours.index), np.asarray(cfg.neighbours.mask)
     bounds_a = np.asarray(bounds)
     sizes = np.diff(bounds_a)
@@ -560,28 +571,27 @@ def _sparse_plan(cfg, bounds: tuple[int, ...]):
     def one(r0: int, r1: int):
         idx, msk = index[r0:r1].astype(np.int64), mask[r0:r1]
         own = int(np.searchsorted(bounds_a[:-1], r0, side="right")) - 1
-        chunk = np.searchsorted(bounds_a[:-1], idx, side="right") - 1  # each sender's chunk
-        owners = np.flatnonzero(np.bincount(chunk[msk], minlength=bounds_a.size - 1))  # ascending
-        offs = np.zeros(bounds_a.size - 1, np.int64)  # a named chunk's first row in the concatenation
-        offs[owners] = np.cumsum(np.concatenate([[0], sizes[owners][:-1]]))
-        local = np.where(msk, idx - bounds_a[chunk] + offs[chunk], 0)
-        del idx, chunk
-        total = int(sizes[owners].sum())
-        need = np.zeros(total, bool)
-        need[local[msk]] = True
-        keep, takes = None, []
-        for s in owners:
-            seg = need[offs[s] : offs[s] + sizes[s]]
-            if s != own and np.count_nonzero(seg) * TAKE_FRACTION <= sizes[s]:
-                keep = np.ones(total, bool) if keep is None else keep
-                keep[offs[s] : offs[s] + sizes[s]] = seg
-                takes.append(np.flatnonzero(seg))
-            else:
-                takes.append(None)
-        if keep is not None:  # renumber the rows into the concatenation of the kept ones
-            local = np.where(msk, (np.cumsum(keep) - 1)[local], 0)
-            total = int(keep.sum())
-        if total < 2**31:
+        # Each sender's chunk (masked slots: the own chunk, whatever their index holds).
+        chunk = np.where(msk, np.searchsorted(bounds_a[:-1], idx, side="right") - 1, own)
+        owners = np.flatnonzero(np.bincount(chunk[msk], minlength=sizes.size))  # ascending
+        if owners.size - (own in owners) <= TAKE_CHUNKS:
+            named = _sorted_unique(idx[msk & (chunk != own)])  # the other chunks' rows named (global)
+        else:  # lists without locality: whole chunks (a task per taken part would cost more)
+            named = idx[:0, 0]
+        first = np.searchsorted(named, bounds_a)  # per chunk, its first entry in ``named``
+        n_named = np.diff(first)
+        taken = (n_named > 0) & (n_named * TAKE_FRACTION <= sizes)
+        taken[own] = False
+        part = np.where(taken, n_named, sizes)  # rows of each chunk's part
+        offs = np.zeros(sizes.size, np.int64)  # a named chunk's part's first row in the concatenation
+        offs[owners] = np.cumsum(np.concatenate([[0], part[owners][:-1]]))
+        local = np.where(msk, idx - bounds_a[chunk] + offs[chunk], 0)  # rows of whole parts
+        cut = np.flatnonzero((msk & taken[chunk]).ravel())
+        if cut.size:  # rows of taken parts: the position among the rows named of that chunk
+            g, c = idx.ravel()[cut], chunk.ravel()[cut]
+            local.ravel()[cut] = np.searchsorted(named, g) - first[c] + offs[c]
+        takes = [named[first[s] : first[s + 1]] - bounds_a[s] if taken[s] else None for s in owners]
+        if not wide_rows and int(part[owners].sum()) < 2**31:
             local = local.astype(np.int32)
         return [int(s) for s in owners], takes, local, msk
 
@@ -602,8 +612,8 @@ def _sum_terms(*results) -> tuple[dict[str, float], list]:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What every evaluation of one population with one chunking shares: ``cfg`` with dense neighbours
-    (the chunk tasks' config, one Delayed), and for sparse neighbours per receiver chunk the sender
-    chunks its lists name and its (index, mask) rows (Delayed). :func:`plan` builds one per call;
+    (the chunk tasks' config, one Delayed), and for sparse neighbours per receiver chunk (owners, takes,
+    local, mask) of :func:`_sparse_plan` (the arrays Delayed). :func:`plan` builds one per call;
     a run persists one (:meth:`persist`) so that the lists travel to the workers once, not per step.
     ``token`` names this plan's lists (unique per plan) for the device caches of the pair tasks."""
 
@@ -626,9 +636,10 @@ def plan(cfg, bounds: tuple[int, ...], inner: str = "numba") -> Plan:
     sparse = None
     if not cfg.dense:
         d = lambda a: dask.delayed(_identity, pure=False)(a)  # noqa: E731
+        # int64 rows for the CPU kernels (which read them at every evaluation); the GPU copies them once.
         sparse = tuple(
             (owners, [None if t is None else d(t) for t in takes], d(local), d(msk))
-            for owners, takes, local, msk in _sparse_plan(cfg, bounds)
+            for owners, takes, local, msk in _sparse_plan(cfg, bounds, wide_rows=inner != "cuda")
         )
     return Plan(tuple(bounds), cfg_d, sparse, inner, uuid.uuid4().hex)
 

@@ -181,9 +181,10 @@ def _jacobi_task(dt: float, dyn, prep, rho, senders: list, n_step: int, r0: int,
 
 def _gauss_seidel_task(dt: float, dyn, prep, rho, olds: list, news: list, own: int, n_step: int, r0: int, u):
     """One Gauss–Seidel step of one chunk: its agents in index order, each reading its senders j < i
-    new and the others old (:func:`.evolve.senders`). ``olds``/``news``: the sender chunks' states at
-    t and after this step (their old states for chunks from this one on); ``own``: this chunk's position
-    among the sender chunks (-1: not one)."""
+    new and the others old (:func:`.evolve.senders`). ``olds``/``news``: the window's sender parts (each
+    named chunk, or the rows of it the window reads) at t and after this step (their old states for
+    chunks from this one on); ``own``: this chunk's position among them (-1: not one; its part is the
+    whole chunk)."""
     P, index = prep
     rho = _own(rho)
     old = np.concatenate([_own(s) for s in olds]) if olds else rho
