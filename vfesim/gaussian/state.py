@@ -185,7 +185,8 @@ def random_state(
             validate_state(block, block_cfg, check_spd=False)
             for k in ("sigma_q", "sigma_p"):
                 if (i := first_not_positive_definite(block[k])) is not None:
-                    raise StateError(k, "is not positive definite", agent=i)
+                    w = np.linalg.eigvalsh(block[k][i].astype(np.float64))
+                    raise StateError(k, f"is not positive definite (smallest eigenvalue {w[0]:.3g})", agent=i)
         except StateError as e:
             message = str(e).split(": ", 1)[-1]
             raise StateError(e.variable, message, agent=None if e.agent is None else e.agent + r0) from None
