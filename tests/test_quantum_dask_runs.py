@@ -214,3 +214,22 @@ def test_run_dynamics_on_dask_matches_numpy(chunked_input):
             np.testing.assert_allclose(h[k].values, h_ref[k].values, rtol=1e-12, atol=1e-13, err_msg=k)
     with pytest.raises(ValueError, match="neighbours: a coupling window other than the config's"):
         vfesim.run_dynamics(state, cfg, backend="dask", neighbours="dense", **kw)
+
+
+def test_jacobi_chunks_step_in_the_cpu_kernels(monkeypatch):
+    """A Jacobi step of a chunk runs the channel step's serial CPU kernels with the window's senders given
+    (not the array code's agent_update, which Gauss-Seidel keeps), and equals the numpy run."""
+    import importlib
+
+    qc = importlib.import_module("vfesim.quantum.chunked")
+    qe = importlib.import_module("vfesim.quantum.evolve")  # vfesim.quantum.evolve is also a function
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("array code")
+
+    state, ref, dk = _steppers(CASES["ring-C2-born-gate"], (3, 3, 1))
+    want = ref.step(ref.init(state))
+    monkeypatch.setattr(qc, "agent_update", refuse)
+    monkeypatch.setattr(qe, "agent_update", refuse)
+    got = dk.step(dk.init(state))
+    _close(got.state["rho"].values, want.state["rho"].values)

@@ -9,9 +9,11 @@ beside the state. One step:
 
 * channels, per receiver chunk: the rho rows of the sender chunks its coupling window names are gathered
   (dense: every chunk; ring and causal lists: the chunks of :func:`vfesim.backends.dask_backend.plan`'s
-  sparse plan, the one the alignment terms use), and :func:`.evolve.agent_update` (the NumPy step of the
-  in-process runs) moves the chunk. Order "jacobi": one task per chunk, all in parallel.
-  "gauss_seidel": the chunk's agents in index order, reading the new states of earlier chunks: each chunk
+  sparse plan, the one the alignment terms use, and of those only the rows it names), and order
+  "jacobi" moves the chunk in the serial builds of the channel step's CPU kernels (the numba backend's,
+  given the senders' states and frames; :func:`.evolve.agent_update`, the NumPy step, above their
+  largest d): one task per chunk, all in parallel. "gauss_seidel": :func:`.evolve.agent_update` on the
+  chunk's agents in index order, reading the new states of earlier chunks: each chunk
   waits for the earlier chunks it reads (a chain for dense and causal windows: no parallelism, exact).
   The guard of :func:`.evolve._check` (non-finite, positivity, trace drift) runs on the chunk in its task
   and names the global agent;
@@ -133,7 +135,7 @@ def _frames_task(phi, d: int, dtype):
 
 def _prepare_task(dyn, win: _Window, arrays: dict, U, U_senders: list, n: int, r0: int):
     """The :class:`.evolve.Prepared` caches of one chunk (``index``: the senders' rows in the gathered
-    sender states) and the global senders (nc, w)."""
+    sender states), the global senders (nc, w) and the gathered senders' frames."""
     H, T, rho = _own(arrays["hamiltonian"]), _own(arrays["temperature"]), arrays["rho"]
     nc = rho.shape[0]
     lam, V = hamiltonian_eig(H)
@@ -147,7 +149,7 @@ def _prepare_task(dyn, win: _Window, arrays: dict, U, U_senders: list, n: int, r
     gamma = _per_agent("dephasing_rate", dyn.dephasing_rate, n, np, rdt)[r0 : r0 + nc]
     gamma_th = _per_agent("thermal_rate", dyn.thermal_rate, n, np, rdt)[r0 : r0 + nc]
     P = Prepared(lam, V, T, sigma, l, p, U, None, local, mask, dist, M, eps_c, gamma, gamma_th, {})
-    return P, index
+    return P, index, Us
 
 
 def _guarded(rho, n_step: int, r0: int):
@@ -170,12 +172,16 @@ def _finish_chunk(new, n_step: int, r0: int, u) -> dict:
 
 
 def _jacobi_task(dt: float, dyn, prep, rho, senders: list, n_step: int, r0: int, u) -> dict:
-    """One Jacobi step of one chunk (:func:`.evolve.step`): {"rho"[, "outcome"]}."""
-    P = prep[0]
+    """One Jacobi step of one chunk (:func:`.evolve.step`): {"rho"[, "outcome"]}, in the serial builds
+    of the channel step's CPU kernels (``numba_backend.SERIAL_OPS``; array code above their largest d),
+    the window's senders given with their frames."""
+    from ..backends.numba_backend import SERIAL_OPS
+
+    P, _, U_s = prep
     rho = _own(rho)
     S = np.concatenate([_own(s) for s in senders]) if senders else rho
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # the guard reports instead
-        new = agent_update(P, slice(None), rho, S[P.index], dt, dyn)[0]
+        new = SERIAL_OPS["quantum"].channel_step(P, rho, dt, dyn, senders=(S, U_s))
     return _finish_chunk(new, n_step, r0, u)
 
 
@@ -185,7 +191,7 @@ def _gauss_seidel_task(dt: float, dyn, prep, rho, olds: list, news: list, own: i
     named chunk, or the rows of it the window reads) at t and after this step (their old states for
     chunks from this one on); ``own``: this chunk's position among them (-1: not one; its part is the
     whole chunk)."""
-    P, index = prep
+    P, index, _ = prep
     rho = _own(rho)
     old = np.concatenate([_own(s) for s in olds]) if olds else rho
     new_s = np.concatenate([_own(s) for s in news]) if news else rho.copy()

@@ -138,8 +138,10 @@ class QuantumOps(NamedTuple):
     pull_vjp(gA, gB, U, a, log a) -> (a_bar, log_a_bar, U_bar): adjoint of pull_features
     dk_log(s, W, E) -> Dlog(x)[E];  dk_exp(l, p, V, E) -> Dexp(L)[E] (Daleckii–Krein)
     frames_vjp(U_bar, cache, J) -> phi_bar (N, 3)
-    channel_step(P, rho, dt, dynamics) -> rho after one Jacobi step of the channels, forward only
-        (vfesim.quantum.evolve: P its Prepared caches, dynamics a QuantumDynamics)
+    channel_step(P, rho, dt, dynamics, senders=None) -> rho after one Jacobi step of the channels,
+        forward only (vfesim.quantum.evolve: P its Prepared caches, dynamics a QuantumDynamics);
+        ``senders`` = (states, frames) of the agents the coupling window P.index names when they are
+        not rho's (a chunk of a population; P.M then transports from those frames)
     step_vjp(d) -> the adjoint of ``channel_step`` for d x d states by per-agent kernels (a
         ``vjp(P, rho, out_bar, dt, dynamics)`` of :func:`.kernel_ops.kernel_step_vjp`, forward recomputed
         per agent), or None where ``channel_step`` is array code: rollouts then differentiate the array
@@ -162,10 +164,11 @@ class QuantumOps(NamedTuple):
     pairwise_sparse: Callable | None = None
 
 
-def _channel_step(P, rho, dt, dyn):
+def _channel_step(P, rho, dt, dyn, senders=None):
     from .evolve import agent_update, window  # evolve imports this module
 
-    return agent_update(P, slice(None), rho, rho[window(P, _xp(rho))[0]], dt, dyn)[0]
+    S = rho if senders is None else senders[0]  # a chunk's senders: (states, frames) of other agents
+    return agent_update(P, slice(None), rho, S[window(P, _xp(rho))[0]], dt, dyn)[0]
 
 
 NUMPY_OPS = QuantumOps(

@@ -128,12 +128,15 @@ def kernel_ops(
         run("frames_vjp", V, c(U_bar), c(k), c(V), xp.array(J, V.dtype), out)
         return out
 
-    def channel_step(P, rho, dt, dyn):
+    def channel_step(P, rho, dt, dyn, senders=None):
         xp = array_module()
         rho = c(rho)
         args, (gmin, gmin_v) = _step_args(xp, c, view, P, rho, dt, dyn)
         out = xp.empty_like(rho)
-        xt = _sender_states(launch, xp, view, P, rho, dyn, args[2])
+        if senders is None:
+            xt = _sender_states(launch, xp, view, P, rho, dyn, args[2])
+        else:  # a chunk of a population: the window's senders are other agents (their states, frames)
+            xt = _chunk_sender_states(launch, xp, c, view, P, rho, dyn, senders)
         run("channel_step", rho, rho, xt, *args, out, gmin_v)
         if dyn.gate != "none":
             _refuse_non_positive(xp, gmin <= 0, gmin)
@@ -212,6 +215,17 @@ def _sender_states(launch, xp, view, P, rho, dyn, U):
     _, xt = _buffer(P, xp, view, ("xt", rho.dtype.str), lambda: xp.empty_like(rho))
     N, d = rho.shape[0], rho.shape[-1]
     launch("sender_states", N, d, rho.dtype, rho, U, xt)
+    return xt
+
+
+def _chunk_sender_states(launch, xp, c, view, P, rho, dyn, senders):
+    """:func:`_sender_states` of senders that are not the stepped agents: ``senders`` = (their states
+    (n_s, d, d), their frames (n_s, d, d)), the rows the coupling window ``P.index`` names."""
+    if not _coupled(P, dyn):
+        return rho
+    S, U_s = (c(a) for a in senders)
+    xt = xp.empty_like(S)
+    launch("sender_states", S.shape[0], S.shape[-1], S.dtype, S, view(U_s), view(xt))
     return xt
 
 
@@ -321,8 +335,8 @@ def sized_ops(small: QuantumOps, large: QuantumOps, max_d: int) -> QuantumOps:
         i = _SIZE_ARG[name]
         lo, hi = getattr(small, name), getattr(large, name)
 
-        def stage(*args):
-            return (lo if args[i].shape[-1] <= max_d else hi)(*args)
+        def stage(*args, **kwargs):
+            return (lo if args[i].shape[-1] <= max_d else hi)(*args, **kwargs)
 
         stage.__name__ = name
         return stage
