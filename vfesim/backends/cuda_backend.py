@@ -458,9 +458,7 @@ class FusedStages:
             E, gA, gB, gc = pairwise(A, B, c, kappa, self.cfg.aggregator)
             b["gAr"][0, f, :, :-1] = 2 * gA
             b["gAr"][0, f, :, -1] = 2 * gc
-            b["gBs"][0, f] = gB / kappa
-            b["gAr"][1:, f] = 0  # the adjoint sums the streaming kernels' slices
-            b["gBs"][1:, f] = 0
+            b["gBs"][0, f] = gB / kappa  # (a given-pairs workspace has one slice: S = 1)
             energies.append(E)
         return energies
 
@@ -499,7 +497,8 @@ def chunk_stages(centre: dict, arrays: dict, cfg: ModelConfig, S: dict):
     if mode == "batched":
         from ..gaussian.chunks import chunk_agent_ops
 
-        return StagedStages(chunk_agent_ops(centre), arrays, cfg, S)
+        xp = array_module()  # the centre beside the chunk's arrays
+        return StagedStages(chunk_agent_ops({k: xp.asarray(v) for k, v in centre.items()}), arrays, cfg, S)
     return FusedStages(arrays, cfg, dtype, mode, centre=centre, given_pairs=True)
 
 
