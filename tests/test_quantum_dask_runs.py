@@ -233,3 +233,20 @@ def test_jacobi_chunks_step_in_the_cpu_kernels(monkeypatch):
     monkeypatch.setattr(qe, "agent_update", refuse)
     got = dk.step(dk.init(state))
     _close(got.state["rho"].values, want.state["rho"].values)
+
+
+def test_jacobi_chunks_above_the_kernels_largest_d_run_the_array_code():
+    """Above the CPU kernels' largest d the chunk's step falls back to the array code, the window's
+    senders given as the kernels get them: the numpy run's states."""
+    from vfesim.backends.numba_backend import QUANTUM_JACOBI_MAX_D
+
+    d = dict(_scenario("channels", "ring", coupling="C1", coupling_strength=0.3, dephasing_rate=0.2))
+    d["quantum"] = {**d["quantum"], "d": QUANTUM_JACOBI_MAX_D + 1}
+    scn = Scenario.from_dict(d)
+    make = lambda backend: scn.spec.make_integrator(scn.model, scn.integrator, backend=backend, seed=5)  # noqa: E731
+    state = scn.initial_state()
+    ref = make("numpy")
+    want = ref.step(ref.init(state))
+    dk = make(dataclasses.replace(get("dask"), chunks=(3, 3, 1)))
+    got = dk.step(dk.init(state))
+    _close(got.state["rho"].values, want.state["rho"].values)
