@@ -262,6 +262,11 @@ def big_run(client, g: int, args) -> tuple[float, float, float, float]:
         "run": {"n_steps": 10, "save_every": 5, "checkpoint_every": args.big_checkpoint_every,
                 "backend": "dask", "dtype": "float32", "chunks": -(-args.big_n // (4 * g))},
     }  # fmt: skip
+    marks = _Marks()  # when the store was created and when the run finished (vfesim's log records)
+    vlog = logging.getLogger("vfesim")
+    level = vlog.level
+    vlog.addHandler(marks)
+    vlog.setLevel(min(level or logging.INFO, logging.INFO))
     with tempfile.TemporaryDirectory(dir=args.out) as tmp, client.as_current():
         with get_task_stream(client) as ts:
             if args.profile:  # time-stamped progress, and every thread's stack on SIGUSR1
@@ -276,11 +281,32 @@ def big_run(client, g: int, args) -> tuple[float, float, float, float]:
                     scenario, out=Path(tmp) / "big.zarr", progress=None if args.profile else False
                 )
             wall = time.perf_counter() - t0
+    vlog.removeHandler(marks)
+    vlog.setLevel(level)
     n_workers = len(client.scheduler_info()["workers"])
     print(f"big run, N = {args.big_n}: compute by task (s per worker): {task_split(ts.data, n_workers, 12)}")
+    if {"run", "done"} <= marks.at.keys():
+        setup, steps = marks.at["run"] - t0, marks.at["done"] - marks.at["run"]
+        print(
+            f"big run, N = {args.big_n}: setup (population, graphs, first evaluation, store) {setup:.1f} s; "
+            f"steps (10, with their frames and checkpoints) {steps:.1f} s"
+        )
     if args.profile:
         prof.dump_stats(Path(args.out) / "big_run.prof")
     return (wall, *stream_split(ts.data, n_workers, wall))
+
+
+class _Marks(logging.Handler):
+    """Times (``time.perf_counter``) of vfesim's "run ..." (store created) and "done ..." log records."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.at: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for key in ("run", "done"):
+            if str(record.msg).startswith(key + " ") or str(record.msg).startswith(key + ":"):
+                self.at[key] = time.perf_counter()
 
 
 def gpu_name() -> str:
