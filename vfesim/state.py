@@ -210,7 +210,35 @@ def check_spd_batch(S, name: str):
     bad = asym > tol * scale
     if bool(bad.any()):
         _raise_spd(S[int(np.argmax(bad))], name, int(np.argmax(bad)), tol)
-    return _cholesky_or_raise(S, name), None
+    if S.shape[-1] > BATCH_CHOLESKY_MAX_K:
+        return _cholesky_or_raise(S, name), None
+    L, i = batch_cholesky(S)
+    if i is not None:
+        _raise_spd(S[i], name, i, tol)
+    return L, None
+
+
+# Host SPD checks of matrices up to this size factorise the whole batch at once in array code (K (K + 1) / 2
+# vectorised steps), larger ones by LAPACK per matrix: a LAPACK call per agent dominated a state's
+# validation at small K, and took minutes for 4e7 agents when many threads shared a threaded LAPACK.
+BATCH_CHOLESKY_MAX_K = 8
+
+
+def batch_cholesky(S: np.ndarray) -> tuple[np.ndarray, int | None]:
+    """(L, the first agent whose S is not positive definite, or None) for a batch S (n, K, K) of symmetric
+    finite matrices: the Cholesky factors, column by column over every agent at once, in S's precision
+    (the failing agents' columns hold placeholders)."""
+    n, K = S.shape[:2]
+    L = np.zeros_like(S)
+    ok = np.ones(n, bool)
+    for j in range(K):
+        d = S[:, j, j] - np.einsum("nk,nk->n", L[:, j, :j], L[:, j, :j])
+        ok &= d > 0
+        L[:, j, j] = np.sqrt(np.where(d > 0, d, 1))
+        for i in range(j + 1, K):
+            L[:, i, j] = (S[:, i, j] - np.einsum("nk,nk->n", L[:, i, :j], L[:, j, :j])) / L[:, j, j]
+    bad = np.flatnonzero(~ok)
+    return L, (int(bad[0]) if bad.size else None)
 
 
 def _check_spd_device(S, name: str, tol: float):

@@ -348,9 +348,7 @@ def _features_task(arrays: dict, cfg, population, r0: int, validate: bool, inner
             family_of(cfg).energy_and_gradient(arrays, cfg, backend)
     except StateError as e:
         raise ChunkError.wrap(e, r0) from None
-    keep = _rows_kernels(inner)[4]
-    terms = [(keep(A), keep(B), keep(c), kappa, agg) for A, B, c, kappa, agg in rec.terms]
-    return terms, [_shift_warning(w, r0) for w in caught]
+    return rec.terms, [_shift_warning(w, r0) for w in caught]
 
 
 @device_task
@@ -507,8 +505,6 @@ def _sparse_pairs_task(feats, sender_feats, local, mask, r0: int, inner: str = "
     offs = np.cumsum([0, *sizes])
     _, _, rows, dev, keep = _rows_kernels(inner)
     kw = {"key": key} if inner == "cuda" else {}
-    if inner != "cuda":
-        local = np.asarray(local, np.int64)  # a plan made for inner "cuda" stores int32 rows
     out = []
     for t, (A, _, c, kappa, agg) in enumerate(feats[0]):
         B = _rows([f[0][t][1] for f in sender_feats]) if sender_feats else A[:0]
