@@ -288,6 +288,36 @@ def test_device_conditioning_verdicts_match_the_host(K):
     vfesim.validate_state(st.copy(data={k: cupy.asarray(st[k].values) for k in st.data_vars}), cfg)
 
 
+@pytest.mark.parametrize("K", [3, 21])
+def test_device_checks_one_pass(K):
+    """device_checks: every array's peak and each covariance's first failing agent and largest bound from
+    one launch and one transfer; validate_state reports faults in the host's order (values first)."""
+    import cupy
+
+    from vfesim.state import device_checks
+
+    cfg = vfesim.ModelConfig(K=K, **BASE)
+    st = vfesim.random_state(cfg, n_agents=200, seed=6)
+    host = {k: st[k].values.copy() for k in st.data_vars}
+    host["sigma_q"][150] = -host["sigma_q"][150]
+    host["sigma_p"][9] = -host["sigma_p"][9]
+    host["sigma_p"][30] = -host["sigma_p"][30]
+    dev = {k: cupy.asarray(v) for k, v in host.items()}
+    peaks, spd = device_checks(dev, {k: dev[k] for k in ("sigma_q", "sigma_p")})
+    assert peaks == {k: float(np.abs(v).max()) for k, v in host.items()}
+    assert spd["sigma_q"][0] == 150 and spd["sigma_p"][0] == 9
+    clean = {k: cupy.asarray(st[k].values) for k in ("sigma_q", "sigma_p")}
+    _, spd = device_checks({}, clean)
+    for k, (first, bounds, worst) in spd.items():
+        exact = np.linalg.cond(st[k].values)
+        assert first is None and worst == float(bounds.max()) and np.all(bounds.get() >= exact * (1 - 1e-12))
+    # A NaN in phi is reported before the indefinite covariances (as on the host).
+    host["phi"][77, 2] = np.nan
+    for arrays in (host, {k: cupy.asarray(v) for k, v in host.items()}):
+        with pytest.raises(vfesim.StateError, match=r"phi\[agent=77\]: contains NaN or Inf"):
+            vfesim.validate_state(st.copy(data=arrays), cfg)
+
+
 @pytest.mark.parametrize(
     "dyn",
     [dict(coupling="C1"), dict(coupling="C1", gate="soft", dephasing_basis="energy"), dict(coupling="C2")],

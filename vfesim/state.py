@@ -30,6 +30,7 @@ __all__ = [
     "state_dims",
     "state_dataset",
     "check_spd_batch",
+    "device_checks",
     "check_conditioning",
     "cholesky_named",
     "linalg_named",
@@ -193,29 +194,65 @@ def state_arrays(state: xr.Dataset) -> dict[str, Any]:
     return {k: state[k].data for k in state.data_vars}
 
 
-def check_spd_batch(S, name: str):
+def check_spd_batch(S, name: str, checked=None):
     """Symmetric to rounding and Cholesky-factorisable, per agent; raise naming the first failure.
 
-    Returns (L, bounds) for :func:`check_conditioning`. NumPy arrays are checked on the host: L is the
-    Cholesky factor (N, K, K), bounds None. Device (CuPy) arrays are checked by one kernel on the device
-    (:mod:`vfesim_kernels.cuda.checks`), with only the first failing agent brought to the host: L is None
-    and bounds the kernel's upper bounds of the condition numbers (N,) (device, float64).
+    Returns (L, bounds, worst) for :func:`check_conditioning`. NumPy arrays are checked on the host: L is
+    the Cholesky factor (N, K, K), bounds and worst None. Device (CuPy) arrays are checked by one kernel on
+    the device (:mod:`vfesim_kernels.cuda.checks`), with only the first failing agent brought to the host:
+    L is None, bounds the kernel's upper bounds of the condition numbers (N,) (device, float64) and worst
+    their largest (host float). ``checked``: this covariance's entry of :func:`device_checks`, which ran
+    the kernel already.
     """
     xp = array_module(S)
-    tol = 64 * np.finfo(S.dtype).eps
+    tol = spd_tolerance(S.dtype)
     if xp is not np:
-        return None, _check_spd_device(S, name, tol)
+        first, bounds, worst = checked if checked is not None else device_checks({}, {name: S})[1][name]
+        if first is not None:
+            _raise_spd(S[first].get(), name, first, tol)
+        return None, bounds, worst
     scale = np.abs(S).reshape(S.shape[0], -1).max(axis=1)
     asym = np.abs(S - np.swapaxes(S, 1, 2)).reshape(S.shape[0], -1).max(axis=1)
     bad = asym > tol * scale
     if bool(bad.any()):
         _raise_spd(S[int(np.argmax(bad))], name, int(np.argmax(bad)), tol)
     if S.shape[-1] > BATCH_CHOLESKY_MAX_K:
-        return _cholesky_or_raise(S, name), None
+        return _cholesky_or_raise(S, name), None, None
     L, i = batch_cholesky(S)
     if i is not None:
         _raise_spd(S[i], name, i, tol)
-    return L, None
+    return L, None, None
+
+
+def spd_tolerance(dtype) -> float:
+    """Relative asymmetry a covariance of ``dtype`` may have: 64 eps."""
+    return 64 * float(np.finfo(dtype).eps)
+
+
+def device_checks(arrays: Mapping[str, Any], covariances: Mapping[str, Any]) -> tuple[dict, dict]:
+    """The first pass of validating device (CuPy) arrays: one kernel and one transfer to the host
+    (:func:`vfesim_kernels.cuda.checks.state_checks`). Gives max |x| of each of ``arrays`` (+inf when an
+    entry is not finite, as :func:`vfesim.arrays.max_abs`) and the SPD verdict on each of ``covariances``
+    (at most two, each also in ``arrays`` when its peak is wanted; at most four other arrays).
+
+    Returns (peaks {name: float}, {covariance name: (first failing agent or None, condition-number bounds
+    (N,) on the device, their largest)}); callers raise in their own order (:func:`check_spd_batch`).
+    """
+    from vfesim_kernels.cuda.checks import FIRSTS, PEAKS, WORSTS, state_checks
+
+    mats = list(covariances.values())
+    if not 1 <= len(mats) <= 2:
+        raise ValueError(f"device_checks: one or two covariances, got {len(mats)}")
+    vectors = {k: a for k, a in arrays.items() if k not in covariances}
+    out, _, bound = state_checks(list(vectors.values()), mats[0], mats[-1], spd_tolerance(mats[0].dtype))
+    out = out.tolist()
+    peaks = {k: out[PEAKS + v] for v, k in enumerate(vectors)}
+    peaks |= {k: out[PEAKS + 4 + c] for c, k in enumerate(covariances) if k in arrays}
+    spd = {
+        k: (None if out[FIRSTS + c] == np.inf else int(out[FIRSTS + c]), bound[c], out[WORSTS + c])
+        for c, k in enumerate(covariances)
+    }
+    return {k: peaks[k] for k in arrays}, spd
 
 
 # Host SPD checks of matrices up to this size factorise the whole batch at once in array code (K (K + 1) / 2
@@ -241,17 +278,6 @@ def batch_cholesky(S: np.ndarray) -> tuple[np.ndarray, int | None]:
     return L, (int(bad[0]) if bad.size else None)
 
 
-def _check_spd_device(S, name: str, tol: float):
-    from vfesim_kernels.cuda.checks import spd_codes
-
-    code, bound = spd_codes(S, tol)
-    bad = code != 0
-    if bool(bad.any()):
-        i = int(bad.argmax())
-        _raise_spd(S[i].get(), name, i, tol)
-    return bound
-
-
 def _raise_spd(Si: np.ndarray, name: str, i: int, tol: float):
     """The StateError for agent i's matrix Si (host), which failed a check."""
     if not np.isfinite(Si).all():
@@ -263,14 +289,15 @@ def _raise_spd(Si: np.ndarray, name: str, i: int, tol: float):
     raise StateError(name, f"is not positive definite (smallest eigenvalue {w[0]:.3g})", agent=i)
 
 
-def check_conditioning(S, L, name: str, mode: str = "exact", bounds=None) -> None:
+def check_conditioning(S, L, name: str, mode: str = "exact", bounds=None, worst=None) -> None:
     """Condition numbers of SPD covariances S (N, K, K) against the dtype's limits (README, "Numerics").
 
     mode "exact": cond = lambda_max / lambda_min (eigvalsh, float64); above ``COND_MAX`` raise
     :class:`StateError`, above ``COND_WARN`` warn (:class:`ConditioningWarning`), naming the worst agent.
     Given ``bounds``, upper bounds of the condition numbers (N,) (the device check of
     :func:`check_spd_batch`), eigenvalues are computed only for agents whose bound exceeds ``COND_WARN``
-    (the same verdicts, usually no eigensolver at all).
+    (the same verdicts, usually no eigensolver at all). ``worst``, the largest of ``bounds`` as a host
+    float: when it is within the mode's limit, nothing is computed (no device round trip).
     mode "estimate" (cheap, for every integrator step): the lower bound (max L_kk / min L_kk)^2 from the
     Cholesky factor L (computed here when None); only ``COND_MAX`` is enforced. mode "off": nothing.
     """
@@ -280,6 +307,8 @@ def check_conditioning(S, L, name: str, mode: str = "exact", bounds=None) -> Non
         raise ValueError(f"conditioning must be 'exact', 'estimate' or 'off', got {mode!r}")
     xp = array_module(S)
     dtype = np.dtype(S.dtype).name
+    if worst is not None and worst <= (COND_WARN if mode == "exact" else COND_MAX)[dtype]:
+        return
     if mode == "exact" and bounds is not None:
         sel = xp.flatnonzero(bounds > COND_WARN[dtype])
         if sel.size == 0:

@@ -88,7 +88,7 @@ def kernel_signatures(K: int, dtype: str) -> dict[str, str]:
     """Numba signature strings of every kernel for (K, dtype), for ``cuda.compile_ptx`` (tests)."""
     f = "float32" if np.dtype(dtype) == np.float32 else "float64"
     a1, a2, a3, a4 = (f"{f}[{', '.join([':'] * (n - 1) + ['::1'])}]" for n in (1, 2, 3, 4))
-    i = "int64"
+    i, d1 = "int64", "float64[::1]"
     return {
         "prep": f"void({a2}, {a3}, {i}, {a3}, {a4}, {f}, {i}, {i}, {a3}, {a4}, {a4}, {a3}, {a2})",
         "features": f"void({a4}, {a4}, {a3}, {a2}, {a2}, {a1}, {i}, {a3}, {a3}, {a2}, {a3}, {a3})",
@@ -102,7 +102,7 @@ def kernel_signatures(K: int, dtype: str) -> dict[str, str]:
         "grads": f"void({a3}, {a3}, {a2}, {a2}, {a2}, {a2}, {i}, {i}, {i}, {a4})",
         "rows": f"void({a3}, {a3}, {a2}, {i}[:, ::1], boolean[:, ::1], {a1}, {i}, {a3}, {a2}, {a4})",
         "senders": f"void({a3}, {a3}, {i}[::1], {i}[::1], {i}[::1], {i}, {a4})",
-        "spd": f"void({a3}, {f}, int32[::1], float64[::1])",
+        "state": f"void({a2}, {a2}, {a2}, {a2}, {a3}, {a3}, {f}, int32[:, ::1], float64[:, ::1], {d1})",
     }
 
 

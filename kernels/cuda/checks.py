@@ -1,15 +1,19 @@
-"""Input checks on the device: one launch classifies every matrix of a batch, so validating a state on
-the GPU costs a kernel and one small transfer instead of host-side work per agent.
+"""Input checks on the device: one launch checks a whole Gaussian state, so validating it on the GPU costs
+one kernel and one small transfer instead of host-side work per agent.
 
-spd[launch](S, tol, code, bound): for S (n, K, K), code[i] = 0 when S[i] is finite, symmetric to
-``tol * max|S[i]|`` and Cholesky-factorisable in the array's own precision (the verdict of NumPy's
-``cholesky`` on the host, up to rounding), else 1 (NaN or Inf), 2 (not symmetric) or 3 (not positive
-definite). Callers name the first agent with a nonzero code. For code 0, bound[i] (float64) is an upper
-bound of the 2-norm condition number, ||S||_F ||L^-1||_F^2 >= ||S|| ||S^-1|| (S = L L^T), at most
-about K^1.5 times too large: callers compute exact condition numbers only where it exceeds a limit.
+state[launch](V1, V2, V3, V4, S1, S2, tol, code, bound, out) checks, for every agent i, the rows V_v[i]
+of up to four vector variables (n, m_v) (m_v = 0 for an absent one) and two batches of K x K matrices
+S_c[i]. For the matrices: code[c, i] = 0 when S_c[i] is finite, symmetric to ``tol * max|S_c[i]|`` and
+Cholesky-factorisable in the array's own precision (the verdict of NumPy's ``cholesky`` on the host, up to
+rounding), else 1 (NaN or Inf), 2 (not symmetric) or 3 (not positive definite); bound[c, i] (float64) is
+an upper bound of the 2-norm condition number, ||S||_F ||L^-1||_F^2 >= ||S|| ||S^-1|| (S = L L^T), at
+most about K^1.5 times too large (+inf for a failing matrix): callers compute exact condition numbers
+only where it exceeds a limit. ``out`` (float64, OUT_SIZE entries, initialised by :func:`state_checks`)
+receives, by atomics: max |x| of V1..V4, S1, S2 (+inf where an entry is not finite), the first failing
+agent of S1 and S2 (+inf when none) and the largest bound of S1 and S2.
 
-One source, two launch shapes (as the Gaussian kernels): one thread per matrix for small K, and one warp
-per matrix from ``WARP_FROM_K`` on, where a thread's serial Cholesky would leave the GPU latency-bound
+One source, two launch shapes (as the Gaussian kernels): one thread per agent for small K, and one warp
+per agent from ``WARP_FROM_K`` on, where a thread's serial Cholesky would leave the GPU latency-bound
 (N = 16 384 matrices are only 512 warps); the warp's threads own rows of a right-looking factorisation.
 """
 
@@ -29,20 +33,27 @@ __all__ = [
     "SPD_ASYMMETRIC",
     "SPD_INDEFINITE",
     "WARP_FROM_K",
+    "OUT_SIZE",
+    "PEAKS",
+    "FIRSTS",
+    "WORSTS",
     "make_check_kernels",
-    "spd_launch",
-    "spd_codes",
+    "check_launch",
+    "out_initial",
+    "state_checks",
 ]
 
 SPD_OK, SPD_NONFINITE, SPD_ASYMMETRIC, SPD_INDEFINITE = 0, 1, 2, 3
 WARP_FROM_K = 9
 WARP = 4 if SIMULATOR else 32  # the simulator runs a Python thread per CUDA thread
+# out: peaks of V1..V4, S1, S2; first failing agent of S1, S2; largest bound of S1, S2
+PEAKS, FIRSTS, WORSTS, OUT_SIZE = 0, 6, 8, 10
 
 
 @functools.cache
 def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
-    """The ``spd`` kernel for K x K matrices of ``dtype``: one thread per matrix, or (``blockwise``)
-    one block per matrix (launch: :func:`spd_launch`)."""
+    """The ``state`` kernel for K x K matrices of ``dtype``: one thread per agent, or (``blockwise``)
+    one block per agent (launch: :func:`check_launch`)."""
     dt = _NB[np.dtype(dtype)]
     zero = np.dtype(dtype).type(0.0)  # typed: a float literal would promote float32 to float64
     one = np.dtype(dtype).type(1.0)
@@ -53,18 +64,22 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
         if blockwise:
             cuda.syncthreads()
 
-    def spd(S, tol, code, bound):
-        if blockwise:
-            i, t, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
-        else:
-            i, t, nt = cuda.grid(1), 0, 1
-        if i >= S.shape[0]:
-            return
-        L = cuda.shared.array((K, K), dt) if blockwise else cuda.local.array((K, K), dt)
+    @device
+    def row_peak(V, i, t, nt):
+        """max |V[i, e]| over this thread's entries, +inf when one is not finite (float64)."""
+        m = 0.0
+        for e in range(t, V.shape[1], nt):
+            v = float64(V[i, e])
+            m = max(m, abs(v)) if math.isfinite(v) else math.inf
+        return m
+
+    @device
+    def matrix(S, i, t, nt, tol, L, red, sums):
+        """(code, condition-number bound, max |S[i]| or +inf) of S[i], the same in every thread of the
+        block. Thread t reads entries t, t + nt, ... and owns rows t, t + nt, ... of the factorisation."""
         # red: max |S|, max |S - S^T|, 1 where an entry is not finite (maxima: any order, same result);
         # sums: ||S||_F^2 and ||L^-1||_F^2 in float64 (bounds only: their summation order does not matter)
-        red = cuda.shared.array(3, dt) if blockwise else cuda.local.array(3, dt)
-        sums = cuda.shared.array(2, float64) if blockwise else cuda.local.array(2, float64)
+        barrier()  # the previous matrix's readers of L, red and sums are done
         if t == 0:
             red[0] = zero
             red[1] = zero
@@ -96,19 +111,18 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
             red[0], red[1], red[2] = scale, asym, bad
             sums[0] = fro
         barrier()
-        if red[2] > zero or red[1] > tol * red[0]:
-            if t == 0:
-                code[i] = SPD_NONFINITE if red[2] > zero else SPD_ASYMMETRIC
-            return
-        # Right-looking Cholesky of the lower triangle; thread t owns rows t, t + nt, ... A pivot that is
-        # not > 0 fails (every thread reads the same pivot, so all leave together).
+        if red[2] > zero:
+            return SPD_NONFINITE, math.inf, math.inf
+        peak = float64(red[0])
+        if red[1] > tol * red[0]:
+            return SPD_ASYMMETRIC, math.inf, peak
+        # Right-looking Cholesky of the lower triangle. A pivot that is not > 0 fails (every thread reads
+        # the same pivot, so all leave together).
         for j in range(K):
             barrier()
             d = L[j, j]
             if not d > zero:
-                if t == 0:
-                    code[i] = SPD_INDEFINITE
-                return
+                return SPD_INDEFINITE, math.inf, peak
             ljj = math.sqrt(d)
             for r in range(j + 1 + t, K, nt):
                 L[r, j] = L[r, j] / ljj
@@ -135,31 +149,86 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
         else:
             sums[1] = inv
         barrier()
-        if t == 0:
-            code[i] = SPD_OK
-            bound[i] = math.sqrt(sums[0]) * sums[1]
+        return SPD_OK, math.sqrt(sums[0]) * sums[1], peak
 
-    return compile_kernels({"spd": spd})
+    @device
+    def record(acc, c, i, code, bound, peak):
+        """One matrix's verdict into the block's accumulators (a single thread)."""
+        cuda.atomic.max(acc, PEAKS + 4 + c, peak)
+        if code != SPD_OK:
+            cuda.atomic.min(acc, FIRSTS + c, float64(i))
+        else:
+            cuda.atomic.max(acc, WORSTS + c, bound)
+
+    def state(V1, V2, V3, V4, S1, S2, tol, code, bound, out):
+        if blockwise:
+            i, t, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+        else:
+            i, t, nt = cuda.grid(1), 0, 1
+        tid, threads = cuda.threadIdx.x, cuda.blockDim.x
+        # The block's accumulators (initial values: out's), pushed to out by one atomic each at the end.
+        acc = cuda.shared.array(OUT_SIZE, float64)
+        for e in range(tid, OUT_SIZE, threads):
+            acc[e] = out[e]
+        cuda.syncthreads()
+        if i < S1.shape[0]:  # uniform across a block in blockwise launches (one agent per block)
+            cuda.atomic.max(acc, PEAKS, row_peak(V1, i, t, nt))
+            cuda.atomic.max(acc, PEAKS + 1, row_peak(V2, i, t, nt))
+            cuda.atomic.max(acc, PEAKS + 2, row_peak(V3, i, t, nt))
+            cuda.atomic.max(acc, PEAKS + 3, row_peak(V4, i, t, nt))
+            L = cuda.shared.array((K, K), dt) if blockwise else cuda.local.array((K, K), dt)
+            red = cuda.shared.array(3, dt) if blockwise else cuda.local.array(3, dt)
+            sums = cuda.shared.array(2, float64) if blockwise else cuda.local.array(2, float64)
+            c1, b1, p1 = matrix(S1, i, t, nt, tol, L, red, sums)
+            c2, b2, p2 = matrix(S2, i, t, nt, tol, L, red, sums)
+            if t == 0:
+                code[0, i], code[1, i] = c1, c2
+                bound[0, i], bound[1, i] = b1, b2
+                record(acc, 0, i, c1, b1, p1)
+                record(acc, 1, i, c2, b2, p2)
+        cuda.syncthreads()
+        for e in range(tid, OUT_SIZE, threads):
+            if FIRSTS <= e < WORSTS:
+                cuda.atomic.min(out, e, acc[e])
+            else:
+                cuda.atomic.max(out, e, acc[e])
+
+    return compile_kernels({"state": state})
 
 
-def spd_launch(n: int, K: int) -> tuple[bool, int, int]:
-    """(blockwise, blocks, threads per block) of the ``spd`` kernel for n matrices of size K."""
+def check_launch(n: int, K: int) -> tuple[bool, int, int]:
+    """(blockwise, blocks, threads per block) of the ``state`` kernel for n agents of size K."""
     if K >= WARP_FROM_K:
         return True, n, WARP
     return False, -(-n // BLOCK), BLOCK
 
 
-def spd_codes(S, tol: float):
-    """Device arrays (code int32 (n,), condition-number bound float64 (n,)) of the ``spd`` kernel for a
-    device batch S (n, K, K)."""
+def out_initial() -> np.ndarray:
+    """``out``'s initial values: peaks and largest bounds 0, first failing agents +inf."""
+    out = np.zeros(OUT_SIZE)
+    out[FIRSTS:WORSTS] = np.inf
+    return out
+
+
+def state_checks(vectors, S1, S2, tol: float):
+    """Launch the ``state`` kernel on device arrays: up to four vector variables (each (n, ...), reshaped to
+    rows) and two covariance batches (n, K, K) (pass one twice to check one). Returns (out (host float64,
+    OUT_SIZE: see the module docstring), code (2, n) int32 and bound (2, n) float64 on the device); the
+    launch and ``out``'s transfer are the only device work."""
     import cupy
 
-    n, K, _ = S.shape
-    code = cupy.empty(n, np.int32)
-    bound = cupy.full(n, np.inf)
-    if n:
-        blockwise, blocks, threads = spd_launch(n, K)
-        k = make_check_kernels(K, np.dtype(S.dtype).name, blockwise)["spd"]
-        S = as_device_view(cupy.ascontiguousarray(S))
-        k[blocks, threads](S, S.dtype.type(tol), as_device_view(code), as_device_view(bound))
-    return code, bound
+    n, K, _ = S1.shape
+    if len(vectors) > 4:
+        raise ValueError(f"state_checks: at most 4 vector variables, got {len(vectors)}")
+    rows = [cupy.ascontiguousarray(v).reshape(n, -1) for v in vectors]
+    rows += [cupy.empty((n, 0), S1.dtype)] * (4 - len(rows))
+    code = cupy.empty((2, n), np.int32)
+    bound = cupy.empty((2, n), np.float64)
+    out = cupy.asarray(out_initial())
+    blockwise, blocks, threads = check_launch(n, K)
+    k = make_check_kernels(K, np.dtype(S1.dtype).name, blockwise)["state"]
+    views = [as_device_view(a) for a in (*rows, cupy.ascontiguousarray(S1), cupy.ascontiguousarray(S2))]
+    k[blocks, threads](
+        *views, S1.dtype.type(tol), as_device_view(code), as_device_view(bound), as_device_view(out)
+    )
+    return out.get(), code, bound

@@ -232,44 +232,64 @@ def test_block_kernels_deterministic(monkeypatch):
 
 @pytest.mark.parametrize("K", [3, 10])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_spd_check_kernel_classifies_like_numpy(dtype, K):
-    """The device SPD check (kernels/cuda/checks.py; a thread per matrix at K = 3, a block per matrix at
-    K = 10) gives each matrix the verdict of the host checks."""
+def test_state_check_kernel_classifies_like_numpy(dtype, K):
+    """The device state check (kernels/cuda/checks.py; a thread per agent at K = 3, a block per agent at
+    K = 10) gives each matrix the verdict of the host checks, a condition-number upper bound, and the
+    state's peaks, first failing agents and largest bounds in ``out``."""
     from vfesim_kernels.cuda import checks
 
+    n = 8
     rng = np.random.default_rng(0)
-    L = rng.standard_normal((8, K, K))
-    S = (L @ L.transpose(0, 2, 1) + 0.1 * np.eye(K)).astype(dtype)
-    S[1, 0, 2] = np.nan  # non-finite
-    S[2, 0, 1] += 1e-2  # not symmetric
-    S[3] = np.diag(np.r_[1.0, -1e-3, np.full(K - 2, 2.0)])  # indefinite
-    S[4] = np.diag(np.r_[1.0, 0.0, np.full(K - 2, 2.0)])  # singular: the Cholesky pivot is 0
-    S[5, 1, 0] = S[5, 0, 1] = 0.0  # a symmetric edit: stays SPD or not, whatever NumPy says
+    L = rng.standard_normal((2, n, K, K))
+    S = (L @ L.transpose(0, 1, 3, 2) + 0.1 * np.eye(K)).astype(dtype)
+    S1, S2 = S[0].copy(), S[1].copy()
+    S1[1, 0, 2] = np.nan  # non-finite
+    S1[2, 0, 1] += 1e-2  # not symmetric
+    S1[3] = np.diag(np.r_[1.0, -1e-3, np.full(K - 2, 2.0)])  # indefinite
+    S1[4] = np.diag(np.r_[1.0, 0.0, np.full(K - 2, 2.0)])  # singular: the Cholesky pivot is 0
+    S1[5, 1, 0] = S1[5, 0, 1] = 0.0  # a symmetric edit: stays SPD or not, whatever NumPy says
     tol = 64 * np.finfo(dtype).eps
-    S[6, K - 1, K - 2] = S[6, K - 2, K - 1] = 50.0  # symmetric, indefinite only at the last pivot
-    code = np.full(8, -1, np.int32)
-    blockwise, blocks, threads = checks.spd_launch(8, K)
+    S1[6, K - 1, K - 2] = S1[6, K - 2, K - 1] = 50.0  # symmetric, indefinite only at the last pivot
+    S2[5] = -S2[5]
+    V = [rng.standard_normal((n, m)).astype(dtype) for m in (K, 3, 1)]
+    V[1][6, 2] = np.inf
+    V[2][3, 0] = -7.5
+    V.append(np.empty((n, 0), dtype))  # an absent variable
+    code = np.full((2, n), -1, np.int32)
+    bound = np.full((2, n), -1.0)
+    out = checks.out_initial()
+    blockwise, blocks, threads = checks.check_launch(n, K)
     assert blockwise == (K >= checks.WARP_FROM_K)
-    bound = np.full(8, -1.0)
-    checks.make_check_kernels(K, dtype, blockwise)["spd"][blocks, threads](S, S.dtype.type(tol), code, bound)
-    expect = []
-    for Si in S:
+    kernel = checks.make_check_kernels(K, dtype, blockwise)["state"]
+    kernel[blocks, threads](*V, S1, S2, S1.dtype.type(tol), code, bound, out)
+
+    def verdict(Si):
         if not np.isfinite(Si).all():
-            expect.append(checks.SPD_NONFINITE)
-        elif np.abs(Si - Si.T).max() > tol * np.abs(Si).max():
-            expect.append(checks.SPD_ASYMMETRIC)
-        else:
-            try:
-                np.linalg.cholesky(Si)
-                expect.append(checks.SPD_OK)
-            except np.linalg.LinAlgError:
-                expect.append(checks.SPD_INDEFINITE)
-    assert code.tolist() == expect
-    assert code[[1, 2, 3, 4, 6]].tolist() == [1, 2, 3, 3, 3]
-    for i in np.flatnonzero(code == checks.SPD_OK):  # an upper bound of cond, at most ~K^1.5 too large
-        w = np.linalg.eigvalsh(S[i].astype(np.float64))
-        cond = w[-1] / w[0]
-        assert cond * (1 - 1e-4) <= bound[i] <= 2 * K**1.5 * cond
+            return checks.SPD_NONFINITE
+        if np.abs(Si - Si.T).max() > tol * np.abs(Si).max():
+            return checks.SPD_ASYMMETRIC
+        try:
+            np.linalg.cholesky(Si)
+            return checks.SPD_OK
+        except np.linalg.LinAlgError:
+            return checks.SPD_INDEFINITE
+
+    assert code.tolist() == [[verdict(Si) for Si in Sc] for Sc in (S1, S2)]
+    assert code[0, [1, 2, 3, 4, 6]].tolist() == [1, 2, 3, 3, 3] and code[1, 5] == 3
+    worst = [0.0, 0.0]
+    for c, Sc in enumerate((S1, S2)):
+        for i in range(n):
+            if code[c, i] != checks.SPD_OK:
+                assert bound[c, i] == np.inf
+                continue
+            w = np.linalg.eigvalsh(Sc[i].astype(np.float64))  # an upper bound, at most ~K^1.5 too large
+            assert w[-1] / w[0] * (1 - 1e-4) <= bound[c, i] <= 2 * K**1.5 * w[-1] / w[0]
+            worst[c] = max(worst[c], bound[c, i])
+    peaks = [np.inf, np.inf, 7.5, 0.0, np.inf, float(np.abs(S2).max())]
+    assert out[checks.PEAKS : checks.PEAKS + 6].tolist()[1:] == peaks[1:]
+    assert out[checks.PEAKS] == float(np.abs(V[0]).max())
+    assert out[checks.FIRSTS : checks.WORSTS].tolist() == [1.0, 5.0]
+    assert out[checks.WORSTS :].tolist() == worst
 
 
 @pytest.mark.parametrize("aggregator", ["softmin", "expected"])

@@ -186,15 +186,16 @@ def energy_and_gradient(
             f"energy_and_gradient: option(s) {sorted(options)} are not options of backend {be.name!r} "
             "(chunks= and inner= are the dask backend's)"
         )
-    arrays = be.to_device({k: state[k].data for k in state.data_vars})
+    given = {k: state.variables[k].data for k in state.data_vars}
+    arrays = be.to_device(given)
     if validate:
         # Where the arrays will be used: on a GPU, one transfer and device-side checks.
-        on_device = any(a is not state[k].data for k, a in arrays.items())
+        on_device = any(a is not given[k] for k, a in arrays.items())
         validate_state(state.copy(data=arrays) if on_device else state, cfg)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # check_outputs reports
         terms, grads = be.energy_and_gradient(arrays, cfg)
     check_outputs(terms, grads)
-    grads = be.to_host(grads) if isinstance(state[next(iter(state.data_vars))].data, np.ndarray) else grads
+    grads = be.to_host(grads) if isinstance(next(iter(given.values())), np.ndarray) else grads
     return terms, gradient_dataset(state, grads)
 
 
@@ -203,5 +204,9 @@ def gradient_dataset(state: xr.Dataset, grads: Mapping[str, Any]) -> xr.Dataset:
     it is dF/dx (:func:`vfesim.schema.gradient_attrs`)."""
     from ..schema import gradient_attrs
 
-    data = {k: (state[k].dims, v, gradient_attrs(state[k].attrs)) for k, v in grads.items()}
-    return xr.Dataset(data, coords=state.coords, attrs=dict(state.attrs))
+    # copy(data=...) shares the dims and coordinates (a fraction of a new Dataset's construction cost).
+    out = (state if set(grads) == set(state.data_vars) else state[list(grads)]).copy(data=dict(grads))
+    for k in grads:
+        v = out.variables[k]
+        v.attrs, v.encoding = gradient_attrs(state.variables[k].attrs), {}
+    return out

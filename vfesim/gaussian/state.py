@@ -13,7 +13,6 @@ from collections.abc import Mapping
 import numpy as np
 import xarray as xr
 
-from .. import state as _core
 from ..arrays import array_module, max_abs
 from ..config import ModelConfig
 from ..state import (
@@ -23,6 +22,7 @@ from ..state import (
     block_rng,
     check_conditioning,
     check_spd_batch,
+    device_checks,
     in_blocks,
     precision_limit,
     state_dataset,
@@ -153,10 +153,10 @@ def random_state(
     if cfg.obs_dim:
         shapes["obs"] = (cfg.obs_dim,)
     out = {k: np.empty((n_agents, *s), dtype) for k, s in shapes.items()}
-    # Several blocks are checked in their threads when no check can warn (a warning would name an agent
-    # of its block): condition numbers <= hi/lo well below COND_WARN, |phi| <= phi_radius < pi.
+    # Blocks are checked in their threads, without an eigensolver, when no check can warn (a warning would
+    # name an agent of its block): condition numbers <= hi/lo well below COND_WARN, |phi| <= phi_radius < pi.
     ratio = max(hi / lo for lo, hi in (eig_range, prior_eig_range or eig_range))
-    in_threads = n_agents > _core.BLOCK and ratio <= COND_WARN[np.dtype(dtype).name] / 4
+    in_threads = ratio <= COND_WARN[np.dtype(dtype).name] / 4
     block_cfg = cfg.replace(neighbours="dense") if in_threads else None
 
     def check(r0: int, r1: int) -> None:
@@ -196,7 +196,9 @@ def validate_state(
     |phi| <= phi_limit), symmetry and SPD (Cholesky) and the covariances' condition numbers
     (``conditioning``: see :func:`vfesim.state.check_conditioning`).
     """
-    get = (lambda k: state[k].data) if isinstance(state, xr.Dataset) else (lambda k: state[k])
+    # A Dataset's variables, not its DataArrays (each of those is a construction).
+    variables = state.variables if isinstance(state, xr.Dataset) else state
+    get = (lambda k: variables[k].data) if isinstance(state, xr.Dataset) else (lambda k: state[k])
     names = set(state.data_vars) if isinstance(state, xr.Dataset) else set(state)
     for k in REQUIRED:
         if k not in names:
@@ -231,14 +233,19 @@ def validate_state(
     ordered = sorted(names, key=list(VARIABLES).index)
     for k in ordered:
         a = get(k)
-        if isinstance(state, xr.Dataset) and state[k].dims != VARIABLES[k]:
-            raise StateError(k, f"dims must be {VARIABLES[k]}, got {state[k].dims}")
+        if isinstance(state, xr.Dataset) and variables[k].dims != VARIABLES[k]:
+            raise StateError(k, f"dims must be {VARIABLES[k]}, got {variables[k].dims}")
         if tuple(a.shape) != expect[k]:
             raise StateError(k, f"shape must be {expect[k]} (agents={n}, K={K}), got {tuple(a.shape)}")
         if np.dtype(a.dtype) != dtype:
             raise StateError(k, f"dtype {a.dtype} differs from mu_q's {dtype}")
-    # One pass per variable and one transfer: the per-agent search below runs only for a failing one.
-    peaks = dict(zip(ordered, max_abs(get(k) for k in ordered), strict=True))
+    # One pass per variable and one transfer (on a device, with the SPD kernel's verdicts): the per-agent
+    # search below runs only for a failing variable.
+    checked = {}
+    if array_module(get("mu_q")) is np:
+        peaks = dict(zip(ordered, max_abs(get(k) for k in ordered), strict=True))
+    else:
+        peaks, checked = device_checks({k: get(k) for k in ordered}, {k: get(k) for k in COVARIANCES})
     for k in ordered:
         if peaks[k] <= big:
             continue
@@ -264,12 +271,12 @@ def validate_state(
     if check_spd:
         for k in COVARIANCES:
             S = get(k)
-            L, bounds = check_spd_batch(S, k)
+            L, bounds, worst = check_spd_batch(S, k, checked.get(k))
             if cfg.jitter != 0.0 and conditioning != "off":  # the energy sees S + jitter I
                 xp = array_module(S)
                 S = S + cfg.jitter * xp.eye(K, dtype=S.dtype)
-                L, bounds = xp.linalg.cholesky(S), None
-            check_conditioning(S, L, k, conditioning, bounds=bounds)
+                L, bounds, worst = xp.linalg.cholesky(S), None, None
+            check_conditioning(S, L, k, conditioning, bounds=bounds, worst=worst)
 
 
 def _check_phi(phi, dtype, conditioning: str) -> None:

@@ -163,7 +163,7 @@ def validate_state(
     >= -tolerance; rank-deficient rho is legal). Tolerances: module docstring.
     """
     is_ds = isinstance(state, xr.Dataset)
-    get = (lambda k: state[k].data) if is_ds else (lambda k: state[k])
+    get = (lambda k: state.variables[k].data) if is_ds else (lambda k: state[k])  # no DataArray per access
     names = set(state.data_vars) if is_ds else set(state)
     for k in REQUIRED:
         if k not in names:
@@ -197,7 +197,7 @@ def validate_state(
     }
     for k in sorted(names, key=list(VARIABLES).index):
         a = get(k)
-        if is_ds and state[k].dims != VARIABLES[k]:
+        if is_ds and state.variables[k].dims != VARIABLES[k]:
             raise StateError(k, f"dims must be {VARIABLES[k]}, got {state[k].dims}")
         shape, dt = expect[k]
         if tuple(a.shape) != shape:
