@@ -397,9 +397,28 @@ def api_row(K: int, N: int, dtype: str, dev: str) -> dict:
         "transfers": lambda: cb.to_host(cb.to_device({k: host[k].values for k in host.data_vars})),
     }
     row = dict(kind="api", device=dev, K=K, N=N, dtype=dtype)
-    for name, fn in fns.items():
-        row[name] = timeit(fn, min_reps=5, max_reps=30, target_s=1.0)[0]
+    row.update(interleaved(fns, rounds=API_ROUNDS))
     return row
+
+
+API_ROUNDS = 40
+
+
+def interleaved(fns: dict, rounds: int) -> dict:
+    """Median wall time (s) of each fn() (synchronised) over ``rounds`` rounds that call every fn once, in
+    an order rotated each round: the ratios between them do not drift with the machine's state."""
+    names = list(fns)
+    times = {k: [] for k in names}
+    for k in names:
+        fns[k]()  # warm-up
+    for r in range(rounds):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            fns[k]()
+            cp.cuda.Device().synchronize()
+            times[k].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def api_sweep(out: Path) -> None:
@@ -414,7 +433,8 @@ def api_sweep(out: Path) -> None:
 def format_api(rows) -> str:
     cols = ["numpy", "numpy_novalidate", "cupy", "cupy_novalidate", "kernels", "transfers"]
     lines = [
-        f"# {rows[0]['device']}: one vfesim.energy_and_gradient(Dataset, backend='cuda'), median ms.",
+        f"# {rows[0]['device']}: one vfesim.energy_and_gradient(Dataset, backend='cuda'), median ms of "
+        f"{API_ROUNDS} interleaved rounds.",
         "# numpy/cupy: where the Dataset's arrays live; _novalidate: validate=False; kernels:",
         "# energy_and_gradient_arrays on device arrays; transfers: the state host->device and the",
         "# gradients device->host.",
