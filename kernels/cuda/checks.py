@@ -25,7 +25,7 @@ import math
 import numpy as np
 from numba import float64
 
-from .core import _NB, BLOCK, SIMULATOR, as_device_view, compile_kernels, cuda, device
+from .core import _NB, BLOCK, SIMULATOR, compile_kernels, cuda, device, launch_view
 
 __all__ = [
     "SPD_OK",
@@ -38,6 +38,7 @@ __all__ = [
     "FIRSTS",
     "WORSTS",
     "make_check_kernels",
+    "CHECK_BLOCKS",
     "check_launch",
     "out_initial",
     "state_checks",
@@ -74,23 +75,31 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
         return m
 
     @device
-    def matrix(S, i, t, nt, tol, L, red, sums):
+    def block_reduce(part, t, nt):
+        """Tree reduction over the block's threads (nt a power of two) into part[:, 0]: rows 0-2 by max,
+        row 3 by sum (fixed pairs: the same result run to run). A no-op for one thread per agent."""
+        s = nt // 2
+        while s > 0:
+            barrier()
+            if t < s:
+                part[0, t] = max(part[0, t], part[0, t + s])
+                part[1, t] = max(part[1, t], part[1, t + s])
+                part[2, t] = max(part[2, t], part[2, t + s])
+                part[3, t] += part[3, t + s]
+            s //= 2
+        barrier()
+
+    @device
+    def matrix(S, i, t, nt, tol, L, part):
         """(code, condition-number bound, max |S[i]| or +inf) of S[i], the same in every thread of the
         block. Thread t reads entries t, t + nt, ... and owns rows t, t + nt, ... of the factorisation."""
-        # red: max |S|, max |S - S^T|, 1 where an entry is not finite (maxima: any order, same result);
-        # sums: ||S||_F^2 and ||L^-1||_F^2 in float64 (bounds only: their summation order does not matter)
-        barrier()  # the previous matrix's readers of L, red and sums are done
-        if t == 0:
-            red[0] = zero
-            red[1] = zero
-            red[2] = zero
-            sums[0] = 0.0
-            sums[1] = 0.0
-        barrier()
+        # part[:, t]: this thread's max |S|, max |S - S^T|, 1 where an entry is not finite (maxima: any
+        # order, same result) and ||S||_F^2 (float64; a bound only: its summation order does not matter)
         scale = zero
         asym = zero
         bad = zero
         fro = 0.0
+        barrier()  # the previous matrix's readers of L and part are done
         for e in range(t, KK, nt):
             a = e // K
             b = e - a * K
@@ -102,20 +111,14 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
                 scale = max(scale, abs(v))
                 asym = max(asym, abs(v - S[i, b, a]))
                 fro += float64(v) * float64(v)
-        if blockwise:
-            cuda.atomic.max(red, 0, scale)
-            cuda.atomic.max(red, 1, asym)
-            cuda.atomic.max(red, 2, bad)
-            cuda.atomic.add(sums, 0, fro)
-        else:
-            red[0], red[1], red[2] = scale, asym, bad
-            sums[0] = fro
-        barrier()
-        if red[2] > zero:
+        part[0, t], part[1, t], part[2, t], part[3, t] = scale, asym, bad, fro
+        block_reduce(part, t, nt)
+        if part[2, 0] > 0.0:
             return SPD_NONFINITE, math.inf, math.inf
-        peak = float64(red[0])
-        if red[1] > tol * red[0]:
+        peak = part[0, 0]
+        if dt(part[1, 0]) > tol * dt(peak):  # in the array's precision, as the host check
             return SPD_ASYMMETRIC, math.inf, peak
+        fro = part[3, 0]
         # Right-looking Cholesky of the lower triangle. A pivot that is not > 0 fails (every thread reads
         # the same pivot, so all leave together).
         for j in range(K):
@@ -144,16 +147,13 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
                     v -= float64(L[r, k]) * y[k]
                 y[r] = v / float64(L[r, r])
                 inv += y[r] * y[r]
-        if blockwise:
-            cuda.atomic.add(sums, 1, inv)
-        else:
-            sums[1] = inv
-        barrier()
-        return SPD_OK, math.sqrt(sums[0]) * sums[1], peak
+        part[0, t], part[1, t], part[2, t], part[3, t] = 0.0, 0.0, 0.0, inv
+        block_reduce(part, t, nt)
+        return SPD_OK, math.sqrt(fro) * part[3, 0], peak
 
     @device
     def record(acc, c, i, code, bound, peak):
-        """One matrix's verdict into the block's accumulators (a single thread)."""
+        """One matrix's verdict into the block's accumulators (one thread per agent)."""
         cuda.atomic.max(acc, PEAKS + 4 + c, peak)
         if code != SPD_OK:
             cuda.atomic.min(acc, FIRSTS + c, float64(i))
@@ -161,26 +161,27 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
             cuda.atomic.max(acc, WORSTS + c, bound)
 
     def state(V1, V2, V3, V4, S1, S2, tol, code, bound, out):
-        if blockwise:
-            i, t, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+        n = S1.shape[0]
+        if blockwise:  # a block per agent, striding over the agents (few blocks: few atomics on out)
+            i0, step, t, nt = cuda.blockIdx.x, cuda.gridDim.x, cuda.threadIdx.x, cuda.blockDim.x
         else:
-            i, t, nt = cuda.grid(1), 0, 1
+            i0, step, t, nt = cuda.grid(1), n, 0, 1
         tid, threads = cuda.threadIdx.x, cuda.blockDim.x
         # The block's accumulators (initial values: out's), pushed to out by one atomic each at the end.
         acc = cuda.shared.array(OUT_SIZE, float64)
         for e in range(tid, OUT_SIZE, threads):
             acc[e] = out[e]
         cuda.syncthreads()
-        if i < S1.shape[0]:  # uniform across a block in blockwise launches (one agent per block)
+        L = cuda.shared.array((K, K), dt) if blockwise else cuda.local.array((K, K), dt)
+        part = cuda.shared.array((4, WARP), float64) if blockwise else cuda.local.array((4, 1), float64)
+        for i in range(i0, n, step):  # the same agents in every thread of a block
+            # each thread its share of the rows
             cuda.atomic.max(acc, PEAKS, row_peak(V1, i, t, nt))
             cuda.atomic.max(acc, PEAKS + 1, row_peak(V2, i, t, nt))
             cuda.atomic.max(acc, PEAKS + 2, row_peak(V3, i, t, nt))
             cuda.atomic.max(acc, PEAKS + 3, row_peak(V4, i, t, nt))
-            L = cuda.shared.array((K, K), dt) if blockwise else cuda.local.array((K, K), dt)
-            red = cuda.shared.array(3, dt) if blockwise else cuda.local.array(3, dt)
-            sums = cuda.shared.array(2, float64) if blockwise else cuda.local.array(2, float64)
-            c1, b1, p1 = matrix(S1, i, t, nt, tol, L, red, sums)
-            c2, b2, p2 = matrix(S2, i, t, nt, tol, L, red, sums)
+            c1, b1, p1 = matrix(S1, i, t, nt, tol, L, part)
+            c2, b2, p2 = matrix(S2, i, t, nt, tol, L, part)
             if t == 0:
                 code[0, i], code[1, i] = c1, c2
                 bound[0, i], bound[1, i] = b1, b2
@@ -196,10 +197,15 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
     return compile_kernels({"state": state})
 
 
+# Blocks of a blockwise launch (each strides over the agents): enough to fill an H100 or H200 several
+# times over, few enough that the blocks' atomics on ``out`` stay negligible.
+CHECK_BLOCKS = 4096
+
+
 def check_launch(n: int, K: int) -> tuple[bool, int, int]:
     """(blockwise, blocks, threads per block) of the ``state`` kernel for n agents of size K."""
     if K >= WARP_FROM_K:
-        return True, n, WARP
+        return True, min(n, CHECK_BLOCKS), WARP
     return False, -(-n // BLOCK), BLOCK
 
 
@@ -222,13 +228,12 @@ def state_checks(vectors, S1, S2, tol: float):
         raise ValueError(f"state_checks: at most 4 vector variables, got {len(vectors)}")
     rows = [cupy.ascontiguousarray(v).reshape(n, -1) for v in vectors]
     rows += [cupy.empty((n, 0), S1.dtype)] * (4 - len(rows))
+    mats = [cupy.ascontiguousarray(S) for S in (S1, S2)]
     code = cupy.empty((2, n), np.int32)
     bound = cupy.empty((2, n), np.float64)
     out = cupy.asarray(out_initial())
     blockwise, blocks, threads = check_launch(n, K)
     k = make_check_kernels(K, np.dtype(S1.dtype).name, blockwise)["state"]
-    views = [as_device_view(a) for a in (*rows, cupy.ascontiguousarray(S1), cupy.ascontiguousarray(S2))]
-    k[blocks, threads](
-        *views, S1.dtype.type(tol), as_device_view(code), as_device_view(bound), as_device_view(out)
-    )
+    views = [launch_view(a) for a in (*rows, *mats, code, bound, out)]  # the arrays live until queued
+    k[blocks, threads](*views[:6], S1.dtype.type(tol), *views[6:])
     return out.get(), code, bound
