@@ -12,9 +12,11 @@ only where it exceeds a limit. ``out`` (float64, OUT_SIZE entries, initialised b
 receives, by atomics: max |x| of V1..V4, S1, S2 (+inf where an entry is not finite), the first failing
 agent of S1 and S2 (+inf when none) and the largest bound of S1 and S2.
 
-One source, two launch shapes (as the Gaussian kernels): one thread per agent for small K, and one warp
-per agent from ``WARP_FROM_K`` on, where a thread's serial Cholesky would leave the GPU latency-bound
-(N = 16 384 matrices are only 512 warps); the warp's threads own rows of a right-looking factorisation.
+One source, two launch shapes: one thread per agent, and from ``WARP_FROM_K`` on one warp per agent (the
+warp's threads own rows of a right-looking factorisation), for matrices too large for a thread's local
+memory. Measured on an H100 (float32, GPU time of one launch): a thread per agent 67 / 252 / 1018 us at
+K = 3 / 9 / 21 (N = 65 536 / 65 536 / 16 384), a warp per agent 524 / 1328 / 1047 us; hence warps only
+above K = 21.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ __all__ = [
 ]
 
 SPD_OK, SPD_NONFINITE, SPD_ASYMMETRIC, SPD_INDEFINITE = 0, 1, 2, 3
-WARP_FROM_K = 9
+WARP_FROM_K = 22
 WARP = 4 if SIMULATOR else 32  # the simulator runs a Python thread per CUDA thread
 # out: peaks of V1..V4, S1, S2; first failing agent of S1, S2; largest bound of S1, S2
 PEAKS, FIRSTS, WORSTS, OUT_SIZE = 0, 6, 8, 10
