@@ -18,18 +18,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import zarr
-from zarr.codecs import Crc32cCodec, ZstdCodec
 
-__all__ = ["COMPRESSORS", "Damage", "ArrayReport", "GroupReport", "check_array", "checksummed_encoding"]
+__all__ = ["compressors", "Damage", "ArrayReport", "GroupReport", "check_array", "checksummed_encoding"]
 
-# The bytes-to-bytes codecs of every array vfesim writes: zstd, then a CRC-32C of the compressed chunk.
-COMPRESSORS = (ZstdCodec(level=0), Crc32cCodec())
+
+def compressors() -> tuple:
+    """The bytes-to-bytes codecs of every array vfesim writes: zstd, then a CRC-32C of the compressed chunk.
+    (zarr is imported on first use throughout :mod:`vfesim.io`: a process that only computes does not pay
+    its import.)"""
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+
+    return (ZstdCodec(level=0), Crc32cCodec())
 
 
 def checksummed_encoding(names) -> dict:
     """xarray ``to_zarr`` encoding giving the variables ``names`` the checksummed codecs."""
-    return {k: {"compressors": COMPRESSORS} for k in names}
+    codecs = compressors()
+    return {k: {"compressors": codecs} for k in names}
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,8 @@ def check_array(root: Path, node: str, frames_written: int | None = None) -> Arr
     frames_written: for an array whose first dimension is ``time`` (trajectory), only the chunks
     holding frames below it must exist (the rest are not written yet); None: every chunk must exist.
     """
+    import zarr
+
     where = Path(root) / node
     meta_file = where / "zarr.json"
     try:

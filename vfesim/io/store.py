@@ -56,8 +56,9 @@ from pathlib import Path
 
 import numpy as np
 import xarray as xr
-import zarr
 
+# zarr is imported in the functions that use it: `import vfesim` for energies or dynamics alone does not
+# pay its import (about a quarter of a second of every process's start on the GPU hosts).
 from .._version import __version__
 from ..family import family_named
 from ..schema import attrs_of, dim_coords, term_var
@@ -260,6 +261,8 @@ class RunStore:
         place, so a run killed before its first checkpoint leaves no half-made store at ``path``. A
         failure here (disk full, no memory) removes the temporary store and names ``path``.
         """
+        import zarr
+
         cls.probe(path, overwrite)
         final = Path(path)
         tmp = final.absolute().parent / f"{_creating_prefix(final)}{uuid.uuid4().hex[:8]}"
@@ -371,6 +374,8 @@ class RunStore:
 
     def set_attrs(self, **attrs) -> None:
         """Update root attrs (the root zarr.json is replaced atomically by the local store)."""
+        import zarr
+
         zarr.open_group(self.path, mode="r+", zarr_format=3).attrs.update(attrs)
 
     def check_entries(self) -> None:
@@ -404,6 +409,8 @@ class RunStore:
 
     def trajectory(self) -> dict[str, tuple[str, ...]]:
         """Trajectory variable -> its dims without ``time`` (read once from the store)."""
+        import zarr
+
         if self._dims is None:
             names = self.attrs.get("trajectory_variables")
             names = json.loads(names) if names else _LEGACY_TRAJECTORY
@@ -414,9 +421,13 @@ class RunStore:
         return self._dims
 
     def n_frames(self) -> int:
+        import zarr
+
         return zarr.open_array(self.path / "saved", mode="r", zarr_format=3).shape[0]
 
     def time_chunk(self) -> int:
+        import zarr
+
         return zarr.open_array(self.path / "saved", mode="r", zarr_format=3).chunks[0]
 
     def extend(self, n_steps: int, save_every: int, dt: float) -> None:
@@ -426,6 +437,8 @@ class RunStore:
         grid) is marked unsaved, with every frame after it, before the coordinates change, so the
         store never labels a frame with a step it does not hold; resume rewrites those frames.
         Idempotent: rerun after a kill mid-way, it finishes the job."""
+        import zarr
+
         # Every chunk is written, even one equal to the fill value (verify expects every chunk).
         with zarr.config.set({"array.write_empty_chunks": True}):
             g = zarr.open_group(self.path, mode="r+", zarr_format=3)
@@ -474,6 +487,8 @@ class RunStore:
 
     def dims_of(self, name: str) -> tuple[str, ...]:
         """Dims (``time`` first) of a time-indexed array of the store (read once per array)."""
+        import zarr
+
         if name not in self._all_dims:
             meta = zarr.open_array(self.path / name, mode="r", zarr_format=3).metadata
             self._all_dims[name] = tuple(meta.dimension_names)
@@ -481,10 +496,14 @@ class RunStore:
 
     def _chunks(self, name: str) -> tuple[int, ...]:
         """Zarr chunk shape of a time-indexed array."""
+        import zarr
+
         return tuple(zarr.open_array(self.path / name, mode="r", zarr_format=3).chunks)
 
     def agent_chunk(self) -> int | None:
         """Agents per Zarr chunk of the trajectory (None: the store has no agent-indexed trajectory)."""
+        import zarr
+
         for k, dims in self.trajectory().items():
             if dims and dims[0] == "agent":
                 return zarr.open_array(self.path / k, mode="r", zarr_format=3).chunks[1]
@@ -701,6 +720,8 @@ class RunStore:
     def frames_written(self) -> int:
         """Frames the run wrote, as far as an undamaged record says: the longest prefix of ``saved``
         and the ``frames_saved`` of every readable checkpoint."""
+        import zarr
+
         n = 0
         for p in self.ckpt_dir.iterdir() if self.ckpt_dir.is_dir() else []:
             try:
