@@ -24,7 +24,6 @@ cuda backend's); memory O(rows D + block), never agents x agents x points.
 from __future__ import annotations
 
 import numpy as np
-from scipy import sparse
 
 from .reference import aggregator_check, row_weights
 
@@ -71,7 +70,9 @@ def pairwise_sparse_weighted(A, B, c, index, mask, u, v, kappa: float, aggregato
     rows = np.broadcast_to(np.arange(A.shape[0])[:, None], index.shape)
     sel, r = index[mask], rows[mask]
     # Sender sums as sparse (n_s, n_r) products (no duplicate senders in a row): deterministic, and
-    # about 10x faster than np.add.at at (rows, k, D) = (6e4, 15, 10).
+    # about 10x faster than np.add.at at (rows, k, D) = (6e4, 15, 10). (scipy.sparse loads on first use.)
+    from scipy import sparse
+
     WT = sparse.csr_matrix((W[mask], (sel, r)), shape=(B.shape[0], A.shape[0]))
     gB = (0.5 * (WT @ A)).astype(B.dtype, copy=False)
     gv = sparse.csr_matrix((Wm[mask] * u[r], (sel, r)), shape=(v.shape[0], A.shape[0])).sum(axis=1)
