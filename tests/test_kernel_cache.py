@@ -1,5 +1,6 @@
 """The on-disk kernel cache: keyed by the kernel sources (an edit of an inlined helper module alone gives a
-new cache folder), NUMBA_CACHE_DIR takes precedence, and first uses of CUDA kernels are announced."""
+new cache folder), NUMBA_CACHE_DIR takes precedence, first uses of CUDA kernels are announced, and the
+package's import stays light (the rest of a process's start)."""
 
 import logging
 import os
@@ -87,3 +88,11 @@ def test_first_compile_of_cpu_kernels_is_announced_only_with_an_empty_cache(capl
         in text
     )
     assert text.count("compiling the CPU kernels") == 1 and text.count("CPU kernels ready in") == 1
+
+
+def test_import_loads_no_storage_or_scale_out_library():
+    """`import vfesim` (energies, dynamics) does not load zarr, scipy or dask: runs and the dask backend
+    import them on first use, so every process's start stays short (issue 9, cold start)."""
+    code = "import sys, vfesim; print(sorted(m for m in ('zarr', 'scipy', 'dask') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
