@@ -194,11 +194,3 @@ def test_points_kernel_compiles_for_sm90(D, dtype, agg, name):
     assert re.search(r"\.entry\s", ptx), "no kernel entry point"
     if dtype == "float32":
         assert not re.search(r"\.f64\b", ptx), "float64 arithmetic in a float32 kernel"
-
-
-def test_blockwise_state_check_compiles_for_sm90():
-    """The warp-per-agent shape of the state check (K >= WARP_FROM_K), which CASES do not reach."""
-    K = kc.checks.WARP_FROM_K
-    ks = kc.checks.make_check_kernels(K, "float32", True)
-    ptx = kc.cuda.compile_ptx(ks["_py"]["state"], kc.kernel_signatures(K, "float32")["state"], cc=(9, 0))[0]
-    assert ".target sm_90" in ptx and re.search(r"\.entry\s", ptx)

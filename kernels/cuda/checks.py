@@ -13,10 +13,11 @@ receives, by atomics: max |x| of V1..V4, S1, S2 (+inf where an entry is not fini
 agent of S1 and S2 (+inf when none) and the largest bound of S1 and S2.
 
 One source, two launch shapes: one thread per agent, and from ``WARP_FROM_K`` on one warp per agent (the
-warp's threads own rows of a right-looking factorisation), for matrices too large for a thread's local
-memory. Measured on an H100 (float32, GPU time of one launch): a thread per agent 67 / 252 / 1018 us at
-K = 3 / 9 / 21 (N = 65 536 / 65 536 / 16 384), a warp per agent 524 / 1328 / 1047 us; hence warps only
-above K = 21.
+warp's threads own rows of a right-looking factorisation). Measured on an H100 (float32, GPU time of
+launches in a row): a thread per agent 67 / 252 / 1018 us at K = 3 / 9 / 21 (N = 65 536 / 65 536 /
+16 384), a warp per agent 524 / 1328 / 1047 us. But inside the energy's sequence of launches a thread per
+agent at K = 21 cost 6.6 ms (likely cause: its K x K local arrays need ~0.5 GB of local memory over the
+GPU's resident threads, reserved again after other kernels ran). Warps from K = 9 keep local memory small.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 SPD_OK, SPD_NONFINITE, SPD_ASYMMETRIC, SPD_INDEFINITE = 0, 1, 2, 3
-WARP_FROM_K = 22
+WARP_FROM_K = 9
 WARP = 4 if SIMULATOR else 32  # the simulator runs a Python thread per CUDA thread
 # out: peaks of V1..V4, S1, S2; first failing agent of S1, S2; largest bound of S1, S2
 PEAKS, FIRSTS, WORSTS, OUT_SIZE = 0, 6, 8, 10
