@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xarray as xr
 import zarr
 
 import vfesim
@@ -108,6 +109,24 @@ def test_states_and_gradients_carry_attrs_and_coordinates(family):
     assert grads[next(iter(grads.data_vars))].attrs["long_name"].startswith("gradient of F")
     again = vfesim.make_state(cfg, *(state[k].values for k in state.data_vars))
     assert all(again[k].attrs == state[k].attrs for k in state.data_vars)
+
+
+def test_gradient_dataset_has_the_state_coordinates_and_no_file_encoding(tmp_path):
+    """A gradient Dataset keeps every coordinate of the state (also when a variable has no gradient) and
+    none of the state's file encoding (a state opened from a store names that store in its encoding)."""
+    from vfesim.backends import gradient_dataset
+
+    cfg = vfesim.ModelConfig(K=3, lambda_obs=1.0, W=np.ones((2, 3)), R=np.eye(2))
+    state = vfesim.random_state(cfg, 4, seed=2)
+    state.to_zarr(tmp_path / "s.zarr", zarr_format=3, consolidated=False)
+    opened = xr.open_zarr(tmp_path / "s.zarr", zarr_format=3, consolidated=False).load()
+    assert opened.encoding  # the store's path
+    _, grads = vfesim.energy_and_gradient(opened, cfg)
+    assert grads.encoding == {} and all(grads[k].encoding == {} for k in grads.data_vars)
+    assert grads.coords.to_dataset().identical(opened.coords.to_dataset())
+    some = gradient_dataset(state, {k: np.zeros_like(state[k].values) for k in ("mu_q", "phi")})
+    assert list(some.data_vars) == ["mu_q", "phi"] and list(some.coords) == list(state.coords)
+    assert dict(some.sizes) == dict(state.sizes)
 
 
 def _docs_rows() -> dict[str, tuple[str, str]]:

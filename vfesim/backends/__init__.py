@@ -205,7 +205,10 @@ def gradient_dataset(state: xr.Dataset, grads: Mapping[str, Any]) -> xr.Dataset:
     from ..schema import gradient_attrs
 
     # copy(data=...) shares the dims and coordinates (a fraction of a new Dataset's construction cost).
-    out = (state if set(grads) == set(state.data_vars) else state[list(grads)]).copy(data=dict(grads))
+    # drop_vars, not state[list(grads)]: a coordinate of a dim only a dropped variable has stays.
+    missing = [k for k in state.data_vars if k not in grads]
+    out = (state.drop_vars(missing) if missing else state).copy(data=dict(grads))
+    out.encoding = {}  # a state opened from a store names it: the gradient was not read from there
     for k in grads:
         v = out.variables[k]
         v.attrs, v.encoding = gradient_attrs(state.variables[k].attrs), {}
