@@ -5,7 +5,8 @@
   device functions;
 - :mod:`.pairwise`: family-free pairwise kernels over feature rows (dense streaming, sparse, GEMM rows),
   keyed by the feature width D;
-- :mod:`.checks`: input checks of a state on the device (SPD batches);
+- :mod:`.checks`: input checks of a Gaussian state on the device (every variable's largest entry, the
+  covariances' SPD verdicts and condition-number bounds) in one launch;
 - :mod:`.quantum`: density-matrix per-agent stages (Jacobi eigensolver, Daleckii–Krein adjoints), one
   thread per agent;
 - :mod:`.gaussian`: Gaussian per-agent stages, one source for two launch shapes: one thread per agent

@@ -57,7 +57,8 @@ PEAKS, FIRSTS, WORSTS, OUT_SIZE = 0, 6, 8, 10
 @functools.cache
 def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
     """The ``state`` kernel for K x K matrices of ``dtype``: one thread per agent, or (``blockwise``)
-    one block per agent (launch: :func:`check_launch`)."""
+    one block of ``WARP`` threads per agent at a time, each block striding over the agents (launch:
+    :func:`check_launch`)."""
     dt = _NB[np.dtype(dtype)]
     zero = np.dtype(dtype).type(0.0)  # typed: a float literal would promote float32 to float64
     one = np.dtype(dtype).type(1.0)
