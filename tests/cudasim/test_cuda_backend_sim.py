@@ -296,6 +296,40 @@ def test_state_check_kernel_classifies_like_numpy(monkeypatch, dtype, K, blocks)
     assert out[checks.WORSTS :].tolist() == worst
 
 
+@pytest.mark.parametrize("n, K, blocks", [(1, 3, None), (9, 3, None), (1, 9, None), (9, 9, 2)])
+def test_state_check_kernel_partial_blocks_and_second_matrix(monkeypatch, n, K, blocks):
+    """Agents that do not fill the last block (a thread per agent), one agent, blocks striding over an
+    uneven share (a warp per agent): a fault only in the second batch (an all-NaN matrix, an indefinite
+    one) is found there, the first batch's verdicts stay clean, and the peaks are the arrays'."""
+    from vfesim_kernels.cuda import checks
+
+    if blocks:
+        monkeypatch.setattr(checks, "CHECK_BLOCKS", blocks)
+    rng = np.random.default_rng(1)
+    L = rng.standard_normal((2, n, K, K))
+    S1, S2 = L @ L.transpose(0, 1, 3, 2) + 0.1 * np.eye(K)
+    S2[n - 1] = np.nan
+    if n > 1:
+        S2[n // 2] = -S2[n // 2]
+    V = [rng.standard_normal((n, K)), np.empty((n, 0)), rng.standard_normal((n, 3)), np.empty((n, 0))]
+    V[2][n - 1, 1] = 40.0
+    code, bound, out = np.full((2, n), -1, np.int32), np.full((2, n), -1.0), checks.out_initial()
+    blockwise, grid, threads = checks.check_launch(n, K)
+    kernel = checks.make_check_kernels(K, "float64", blockwise)["state"]
+    kernel[grid, threads](*V, S1, S2, 64 * np.finfo(np.float64).eps, code, bound, out)
+    expect = [checks.SPD_OK] * n
+    expect[n - 1] = checks.SPD_NONFINITE
+    if n > 1:
+        expect[n // 2] = checks.SPD_INDEFINITE
+    assert code[0].tolist() == [checks.SPD_OK] * n and code[1].tolist() == expect
+    first = n // 2 if n > 1 else n - 1
+    assert out[checks.FIRSTS : checks.WORSTS].tolist() == [np.inf, float(first)]
+    assert out[checks.WORSTS] == bound[0].max() and np.all(np.isfinite(bound[0]))
+    assert out[checks.WORSTS + 1] == max((b for b in bound[1] if np.isfinite(b)), default=0.0)
+    peaks = [np.abs(V[0]).max(), 0.0, 40.0, 0.0, np.abs(S1).max(), np.inf]
+    assert out[checks.PEAKS : checks.PEAKS + 6].tolist() == peaks
+
+
 @pytest.mark.parametrize("aggregator", ["softmin", "expected"])
 def test_dense_rows_sum_to_all_pairs(aggregator):
     """pairwise_dense_rows (a receiver range against every sender, the unit of a scheduler task) over a
