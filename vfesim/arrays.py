@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["array_module", "device_peaks", "host_array", "is_host", "max_abs"]
+__all__ = ["array_module", "host_array", "is_host", "max_abs"]
 
 
 def array_module(a):
@@ -69,18 +69,10 @@ def max_abs(arrays) -> list[float]:
             m = float(np.abs(v).max(initial=0.0))
             out.append(m if np.isfinite(v).all() else float("inf"))
         return out
-    return [float(x) for x in device_peaks(arrays).tolist()]
-
-
-def device_peaks(arrays):
-    """The device (CuPy) array (len(arrays),) float64 of :func:`max_abs`'s values, nothing transferred: for
-    callers that bring it to the host together with other results."""
-    import cupy
-
     k = _max_abs_kernel()
     parts = []
     for a in arrays:
-        v = cupy.ascontiguousarray(a)
-        v = v.view(v.real.dtype) if cupy.iscomplexobj(v) else v
-        parts.append(k(v.ravel()) if v.size else cupy.zeros((), np.float64))
-    return cupy.stack(parts)
+        v = xp.ascontiguousarray(a)
+        v = v.view(v.real.dtype) if xp.iscomplexobj(v) else v
+        parts.append(k(v.ravel()) if v.size else xp.zeros((), np.float64))
+    return [float(x) for x in xp.stack(parts).tolist()]
