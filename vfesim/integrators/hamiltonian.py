@@ -229,6 +229,8 @@ def _make_init(c: _Setup, seed: int, restore, riemann: bool):
     still = getattr(family_of(c.cfg).geometry, "frozen", None)
 
     def init(state: xr.Dataset) -> Carry:
+        if c.dev is not None:  # checked where it will live (the device checks); restore keeps it there
+            state = c.dev.put_state(state)
         validate_state(state, c.cfg)
         rng = np.random.default_rng(seed)
         rest = None if still is None else host_array(still(state))
@@ -246,7 +248,7 @@ def _make_init(c: _Setup, seed: int, restore, riemann: bool):
                 continue
             z = rng.standard_normal(shape)
             if riemann and kind == "mean":
-                L = np.linalg.cholesky(np.asarray(state[cov].data, np.float64))
+                L = np.linalg.cholesky(host_array(state[cov].data).astype(np.float64))
                 z = np.linalg.solve(np.swapaxes(L, -1, -2), z[..., None])[..., 0]  # cov L^-T L^-1 = Sigma^-1
             elif riemann and kind == "cov":
                 g = fisher_metric_theta(theta_to_L(aux[f"theta_{field}"].astype(np.float64), c.K))
