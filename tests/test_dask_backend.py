@@ -401,6 +401,27 @@ def test_local_cluster_two_processes(client, family, neighbours, aggregator, laz
         _assert_close(out, vfesim.energy_and_gradient(state, cfg, backend="numpy"))
 
 
+def test_in_memory_chunks_are_scattered_over_the_workers(client, monkeypatch):
+    """An in-memory state's chunks go to the workers before the graph (spread, not all on one worker);
+    the result is the threaded scheduler's."""
+    cfg = _config("gaussian", "dense", "softmin")
+    state = vfesim.random_state(cfg, N, seed=12)
+    ref = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(20, 17))
+    scattered = []
+    real = client.scatter
+
+    def spy(data, **kw):
+        futures = real(data, **kw)
+        scattered.append(client.who_has(futures))  # key -> the workers holding it
+        return futures
+
+    monkeypatch.setattr(client, "scatter", spy)
+    with client.as_current():
+        out = vfesim.energy_and_gradient(state, cfg, backend="dask", chunks=(20, 17))
+    assert len(scattered) == 1 and len({w for ws in scattered[0].values() for w in ws}) == 2  # both workers
+    _assert_close(out, ref, rtol=0.0)
+
+
 def test_cuda_tasks_take_turns_on_the_device():
     """Tasks with inner "cuda" hold the process's device lock (numba-cuda's first kernel load is not
     thread safe); inner "numba" tasks run freely."""

@@ -764,13 +764,17 @@ def _log_client() -> None:
 # ---- entry points ---------------------------------------------------------------------------------------
 def _distributed() -> bool:
     """Whether Dask's current scheduler is a dask.distributed client's."""
+    return _client() is not None
+
+
+def _client():
+    """The current dask.distributed client, or None."""
     try:
         from distributed import default_client
 
-        default_client()
+        return default_client()
     except (ImportError, ValueError):
-        return False
-    return True
+        return None
 
 
 def _workers_have_gpus() -> bool:
@@ -836,6 +840,11 @@ def energy_and_gradient_arrays(
     bounds = chunk_bounds(n, auto_chunk(cfg, n, arrays) if chunks is None else chunks)
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
     chunk_arrays = [{k: np.ascontiguousarray(v[r0:r1]) for k, v in arrays.items()} for r0, r1 in spans]
+    if (client := _client()) is not None and not _is_field(cfg):
+        # Spread over the workers first (scattered data, not recomputed should a worker die mid-call):
+        # chunks inside the graph all started on one worker, their tasks having no inputs to place them,
+        # and work stealing spread them only after a while (2 processes, N = 16 384: 1.8 -> 1.0 s).
+        chunk_arrays = client.scatter(chunk_arrays, hash=False)
     _log_client()
     (results,) = _reraise(dask.compute, _graph(chunk_arrays, cfg, bounds, False, plan(cfg, bounds, inner)))
     terms, recorded = _sum_terms(*results)
