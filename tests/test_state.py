@@ -125,6 +125,21 @@ def test_non_symmetric_names_agent():
         build(**a)
 
 
+@pytest.mark.parametrize("K", [3, 11])  # batched factorisation and LAPACK per matrix
+def test_first_failing_agent_is_named_whichever_check_it_fails(K):
+    """An indefinite agent before an asymmetric one is named first (and vice versa), as on the device."""
+    cfg = ModelConfig(K=K)
+    a = arrays(cfg, n=10)
+    indefinite = np.diag(np.r_[1.0, -0.5, np.full(K - 2, 2.0)])
+    a["sigma_q"][3] = indefinite
+    a["sigma_q"][7, 0, 1] += 0.1
+    with pytest.raises(StateError, match=r"^sigma_q\[agent=3\]: is not positive definite"):
+        build(cfg, **a)
+    a["sigma_q"][1, 0, 1] += 0.1
+    with pytest.raises(StateError, match=r"^sigma_q\[agent=1\]: is not symmetric"):
+        build(cfg, **a)
+
+
 def test_singular_covariance():
     a = arrays()
     a["sigma_p"][4] = np.ones((3, 3))

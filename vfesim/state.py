@@ -211,16 +211,19 @@ def check_spd_batch(S, name: str, checked=None):
         if first is not None:
             _raise_spd(S[first].get(), name, first, tol)
         return None, bounds, worst
+    # The first agent failing either check is named (as on the device), whichever check it fails.
     scale = np.abs(S).reshape(S.shape[0], -1).max(axis=1)
     asym = np.abs(S - np.swapaxes(S, 1, 2)).reshape(S.shape[0], -1).max(axis=1)
     bad = asym > tol * scale
-    if bool(bad.any()):
-        _raise_spd(S[int(np.argmax(bad))], name, int(np.argmax(bad)), tol)
+    first_asym = int(np.argmax(bad)) if bool(bad.any()) else S.shape[0]
     if S.shape[-1] > BATCH_CHOLESKY_MAX_K:
-        return _cholesky_or_raise(S, name), None, None
-    L, i = batch_cholesky(S)
-    if i is not None:
-        _raise_spd(S[i], name, i, tol)
+        L = _cholesky_or_raise(S[:first_asym], name)  # names an earlier indefinite agent
+    else:
+        L, i = batch_cholesky(S[:first_asym])
+        if i is not None:
+            _raise_spd(S[i], name, i, tol)
+    if first_asym < S.shape[0]:
+        _raise_spd(S[first_asym], name, first_asym, tol)
     return L, None, None
 
 
