@@ -524,6 +524,12 @@ def format_cold(rows) -> str:
     lines = [
         f"# {r0['device']}: fresh processes, N = {r0['N']}, K = {r0['K']}, {r0['dtype']}, backend cuda,",
         "# verlet;",
+        *(
+            ["# PYTHONDONTWRITEBYTECODE is set: without .pyc files (python -m compileall) every process also"]
+            + ["# compiles Python sources (about a second on the GPU hosts), which a pip install does not."]
+            if sys.flags.dont_write_bytecode
+            else []
+        ),
         "# seconds per phase (energy_1: first vfesim.energy_and_gradient; step_1: first integrator step),",
         "# wall = the whole process; compile = numba kernel compilation (or loading from the disk cache).",
         f"{'run':>10} " + " ".join(f"{p:>13}" for p in phases) + f" {'wall':>7} {'compile':>8}",
