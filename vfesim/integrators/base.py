@@ -175,16 +175,20 @@ __all__ += ["check_fields", "state_arrays", "update_ops"]
 
 
 def make_restore(name: str, cfg: ModelConfig, aux_names, dev, efn: EnergyFn, make_carry: Callable):
-    """``restore(state, step, aux, rng_state)`` for an integrator: validates, moves host checkpoints onto
-    the device (``dev`` is None on the CPU) and recomputes the cached force at ``state``, so a restored
-    carry steps bitwise like the original. ``make_carry(state, step, aux, terms, grads, rng_state)``."""
+    """``restore(state, step, aux, rng_state, *, validate=True)`` for an integrator: validates (unless the
+    caller just did, where the state lives), moves host checkpoints onto the device (``dev`` is None on
+    the CPU) and recomputes the cached force at ``state``, so a restored carry steps bitwise like the
+    original. ``make_carry(state, step, aux, terms, grads, rng_state)``."""
 
-    def restore(state: xr.Dataset, step: int, aux: dict, rng_state: dict | None = None) -> Carry:
+    def restore(
+        state: xr.Dataset, step: int, aux: dict, rng_state: dict | None = None, *, validate: bool = True
+    ) -> Carry:
         if set(aux) != set(aux_names):
             raise ValueError(f"{name} restore: aux keys {sorted(aux)} != expected {sorted(aux_names)}")
         if dev is not None:  # checkpoints and initial states may arrive on the host
             state, aux = dev.put_state(state), dev.put_aux(aux)
-        validate_state(state, cfg)  # where the state will be used (device checks on a GPU)
+        if validate:
+            validate_state(state, cfg)  # where the state will be used (device checks on a GPU)
         terms, grads = efn(state_arrays(state))
         return make_carry(state, int(step), dict(aux), terms, grads, rng_state)
 

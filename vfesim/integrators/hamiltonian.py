@@ -256,7 +256,8 @@ def _make_init(c: _Setup, seed: int, restore, riemann: bool):
             if rest is not None:
                 z[rest] = 0.0
             aux[name] = (math.sqrt(c.mass[field]) * z).astype(dtype)
-        return restore(with_arrays(state, new), 0, aux, rng.bit_generator.state)
+        # Validated above, where it lives; the covariances are theta_to_sigma of their own factors.
+        return restore(with_arrays(state, new), 0, aux, rng.bit_generator.state, validate=False)
 
     return init
 
