@@ -250,7 +250,7 @@ def device_checks(arrays: Mapping[str, Any], covariances: Mapping[str, Any]) -> 
     out, _, bound = state_checks(list(vectors.values()), mats[0], mats[-1], spd_tolerance(mats[0].dtype))
     out = out.tolist()
     peaks = {k: out[PEAKS + v] for v, k in enumerate(vectors)}
-    peaks |= {k: out[PEAKS + 4 + c] for c, k in enumerate(covariances) if k in arrays}
+    peaks |= {k: out[PEAKS + 4 + c] for c, k in enumerate(covariances)}
     spd = {
         k: (None if out[FIRSTS + c] == np.inf else int(out[FIRSTS + c]), bound[c], out[WORSTS + c])
         for c, k in enumerate(covariances)

@@ -156,8 +156,8 @@ def random_state(
     # Blocks are checked in their threads, without an eigensolver, when no check can warn (a warning would
     # name an agent of its block): condition numbers <= hi/lo well below COND_WARN, |phi| <= phi_radius < pi.
     ratio = max(hi / lo for lo, hi in (eig_range, prior_eig_range or eig_range))
-    in_threads = ratio <= COND_WARN[np.dtype(dtype).name] / 4
-    block_cfg = cfg.replace(neighbours="dense") if in_threads else None
+    block_checks = ratio <= COND_WARN[np.dtype(dtype).name] / 4
+    block_cfg = cfg.replace(neighbours="dense") if block_checks else None
 
     def check(r0: int, r1: int) -> None:
         # Condition numbers are at most hi/lo by construction (<= COND_WARN / 4 here): no eigensolver.
@@ -179,12 +179,12 @@ def random_state(
         out["phi"][r0:r1] = direction * (phi_radius * rng.uniform(size=(n, 1)) ** (1 / 3))
         if cfg.obs_dim:
             out["obs"][r0:r1] = obs_scale * rng.standard_normal((n, cfg.obs_dim))
-        if in_threads:
+        if block_checks:
             check(r0, r1)
 
     in_blocks(n_agents, draw, threads)
     arrays = (out["mu_q"], out["sigma_q"], out["mu_p"], out["sigma_p"], out["phi"], out.get("obs"))
-    return make_state(cfg, *arrays, validate=not in_threads)
+    return make_state(cfg, *arrays, validate=not block_checks)
 
 
 def validate_state(
