@@ -117,9 +117,21 @@ def test_cuda_chunked_flow_guard_names_the_global_agent():
     assert (err.step, err.variable, err.agent) == (2, "mu_q", 4)
 
 
-def test_quantum_run_steps_with_cuda_chunks_match_numpy():
-    """A density-matrix run on dask with inner "cuda": the energy of the mirror steps on the device, the
-    channel step on the host; equal to the numpy run."""
+@pytest.mark.parametrize("coupling", ["C1", "C2"])
+def test_quantum_run_steps_with_cuda_chunks_match_numpy(coupling, monkeypatch):
+    """A density-matrix run on dask with inner "cuda": the Jacobi channel step of every chunk in the cuda
+    backend's kernels, given the window's senders, and the energy of the mirror steps on the device;
+    equal to the numpy run."""
+    calls = []
+
+    def channel_step(P, rho, dt, dyn, senders=None):
+        calls.append(rho.shape[0])
+        assert senders is not None
+        return kernel_step(P, rho, dt, dyn, senders=senders)
+
+    ops = cuda_backend.QUANTUM_OPS
+    kernel_step = ops.channel_step
+    monkeypatch.setattr(cuda_backend, "QUANTUM_OPS", ops._replace(channel_step=channel_step))
     scn = Scenario.from_dict(
         {
             "quantum": {"d": 2, "lambda_self": 0.3, "lambda_belief": 1.0, "lambda_obs": 0.2},
@@ -127,7 +139,7 @@ def test_quantum_run_steps_with_cuda_chunks_match_numpy():
             "integrator": {
                 "method": "channels",
                 "dt": 0.1,
-                "coupling": "C1",
+                "coupling": coupling,
                 "coupling_strength": 0.3,
                 "observe": "born",
                 "mirror_steps": 1,
@@ -142,6 +154,7 @@ def test_quantum_run_steps_with_cuda_chunks_match_numpy():
     for _ in range(2):
         a, b = ref.step(a), dk.step(b)
     assert dk.layout.inner == "cuda"
+    assert calls == [2, 2, 1] * 2  # every chunk, every step
     x, y = b.state["rho"].values, a.state["rho"].values
     assert np.abs(x - y).max() <= 1e-12 * np.abs(y).max()
     assert abs(b.terms["total"] - a.terms["total"]) <= 1e-12 * abs(a.terms["total"])

@@ -10,9 +10,10 @@ beside the state. One step:
 * channels, per receiver chunk: the rho rows of the sender chunks its coupling window names are gathered
   (dense: every chunk; ring and causal lists: the chunks of :func:`vfesim.backends.dask_backend.plan`'s
   sparse plan, the one the alignment terms use, and of those only the rows it names), and order
-  "jacobi" moves the chunk in the serial builds of the channel step's CPU kernels (the numba backend's,
-  given the senders' states and frames; :func:`.evolve.agent_update`, the NumPy step, above their
-  largest d): one task per chunk, all in parallel. "gauss_seidel": :func:`.evolve.agent_update` on the
+  "jacobi" moves the chunk, given the senders' states and frames, in the serial builds of the channel
+  step's CPU kernels (the numba backend's; :func:`.evolve.agent_update`, the NumPy step, above their
+  largest d) or, with inner "cuda", in the cuda backend's channel step kernels on the worker's GPU: one
+  task per chunk, all in parallel. "gauss_seidel": :func:`.evolve.agent_update` on the
   chunk's agents in index order, reading the new states of earlier chunks: each chunk
   waits for the earlier chunks it reads (a chain for dense and causal windows: no parallelism, exact).
   The guard of :func:`.evolve._check` (non-finite, positivity, trace drift) runs on the chunk in its task
@@ -33,8 +34,9 @@ beside the state. One step:
 Every per-agent result is computed by the in-process run's code on the chunk's rows; reductions (terms,
 the Armijo decrease) add per-chunk float64 sums in chunk order. A run is therefore bitwise reproducible
 for a given chunking on any scheduler, and equal to the in-process "numpy" run to rounding (the sums'
-association; the "numba" backend's kernels differ by rounding as well). The channel step runs in NumPy on
-the host in every task (also with inner "cuda", where the energy runs on the workers' GPUs).
+association; the "numba" backend's kernels differ by rounding as well). With inner "cuda" the Jacobi
+channel step and the energy run on the workers' GPUs, the chunk states stay on the host between tasks;
+Gauss–Seidel steps run the array code on the host.
 Method "fit" (a rollout fit of one Hamiltonian estimate, not a population run) is refused on dask.
 """
 
@@ -47,6 +49,8 @@ import dask
 import numpy as np
 import xarray as xr
 
+from ..arrays import host_array
+from ..backends.dask_backend import device_task
 from ..integrators import chunked as ch
 from ..integrators.base import Carry, DynamicsError
 from .channels import coupling_strengths, pair_distances
@@ -171,17 +175,24 @@ def _finish_chunk(new, n_step: int, r0: int, u) -> dict:
     return out
 
 
-def _jacobi_task(dt: float, dyn, prep, rho, senders: list, n_step: int, r0: int, u) -> dict:
-    """One Jacobi step of one chunk (:func:`.evolve.step`): {"rho"[, "outcome"]}, in the serial builds
-    of the channel step's CPU kernels (``numba_backend.SERIAL_OPS``; array code above their largest d),
-    the window's senders given with their frames."""
-    from ..backends.numba_backend import SERIAL_OPS
-
+@device_task
+def _jacobi_task(dt: float, dyn, prep, rho, senders: list, n_step: int, r0: int, u, inner: str = "numba"):
+    """One Jacobi step of one chunk (:func:`.evolve.step`): {"rho"[, "outcome"]}, the window's senders
+    given with their frames. inner "numba": the serial builds of the channel step's CPU kernels
+    (``numba_backend.SERIAL_OPS``; array code above their largest d); "cuda": the cuda backend's channel
+    step kernels on the worker's GPU (the chunk's caches are copied there at its first step and kept with
+    them; the states travel per step, the new ones back to the host)."""
     P, _, U_s = prep
     rho = _own(rho)
     S = np.concatenate([_own(s) for s in senders]) if senders else rho
+    if inner == "cuda":
+        from ..backends.cuda_backend import QUANTUM_OPS as ops
+    else:
+        from ..backends.numba_backend import SERIAL_OPS
+
+        ops = SERIAL_OPS["quantum"]
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # the guard reports instead
-        new = SERIAL_OPS["quantum"].channel_step(P, rho, dt, dyn, senders=(S, U_s))
+        new = host_array(ops.channel_step(P, rho, dt, dyn, senders=(S, U_s)))
     return _finish_chunk(new, n_step, r0, u)
 
 
@@ -311,13 +322,15 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
             if dyn.order == "jacobi":
                 task = ch._delayed(_jacobi_task)
                 args = (prepared[c], rho[c], win.parts(rho))
+                kw = {"inner": layout.inner}
             else:
                 task = ch._delayed(_gauss_seidel_task)
                 olds = win.parts(rho)
                 news = win.parts(moved + rho[c:])
                 own = win.owners.index(c) if c in win.owners else -1
                 args = (prepared[c], rho[c], olds, news, own)
-            out.append(task(dt, shipped["dyn"], *args, n_step, r0, uniforms[c]))
+                kw = {}
+            out.append(task(dt, shipped["dyn"], *args, n_step, r0, uniforms[c], **kw))
             moved.append(ch._delayed(_item)(out[c], "rho"))
         return out
 
