@@ -9,6 +9,7 @@ device-to-device copy); and the ratio to benchmarks/torch_baseline.py, which mat
     python benchmarks/bench_gpu.py --steps [--step-sizes N ...] [--dtypes ...] [--out DIR]
     python benchmarks/bench_gpu.py --api [--out DIR]
     python benchmarks/bench_gpu.py --cold-start [--out DIR]
+    python benchmarks/bench_gpu.py --tune-registers [--out DIR]
 
 Writes DIR/gpu_bench.jsonl (one record per measurement) and DIR/gpu_bench.txt (the table, also printed).
 ``--steps`` instead times full integrator steps (``step_sweep``): DIR/gpu_steps.jsonl and gpu_steps.txt.
@@ -16,6 +17,9 @@ Writes DIR/gpu_bench.jsonl (one record per measurement) and DIR/gpu_bench.txt (t
 validation) with the kernels alone (``api_sweep``): DIR/gpu_api.jsonl and gpu_api.txt.
 ``--cold-start`` times fresh processes to their first energy and first integrator step, with empty and
 with warm kernel caches (``cold_start``): DIR/gpu_cold.jsonl and gpu_cold.txt.
+``--tune-registers`` times the dense pair kernels alone (``cb.BACKEND.pairwise_dense``) under register caps
+(``tune_registers``), to set ``vfesim_kernels.cuda.pairwise.DENSE_REGISTERS``: DIR/gpu_registers.jsonl
+and gpu_registers.txt.
 """
 
 from __future__ import annotations
@@ -176,6 +180,55 @@ def tune(out_rows):
     kc.PAIR_THREADS, kc.PAIR_OPT = keep
 
 
+# Register caps (stats, grads) of the dense pair kernels tried by --tune-registers: each a resident block
+# of 128 threads more per SM than the compiler's choice where that fits (65 536 registers per SM).
+REGISTER_CAPS = [
+    (None, None), (None, 128), (96, 128), (80, 128), (None, 96), (96, 96), (168, 168), (128, 128),
+]  # fmt: skip
+# (D, dtype): Gaussian K = 3 (D = 10) and density-matrix d = 4 (D = 16)
+REGISTER_CASES = [(10, "float32"), (10, "float64"), (16, "float32"), (16, "float64")]
+
+
+def tune_registers(out: Path, N: int = 65536) -> None:
+    """The dense pair kernels alone (stats, merge, grads of ``cb.BACKEND.pairwise_dense``) at N agents on
+    random feature rows, for each case of REGISTER_CASES under each (stats, grads) cap of REGISTER_CAPS,
+    in interleaved rounds (median of 5 rounds of 3 calls). Capped variants compile without the disk
+    cache."""
+    make = kc.make_dense_kernels
+    rows = []
+    try:
+        for D, dtype in REGISTER_CASES:
+            rng = np.random.default_rng(0)
+            A = cp.asarray(rng.standard_normal((N, D)), dtype)
+            B = cp.asarray(0.3 * rng.standard_normal((N, D)), dtype)
+            c = cp.asarray(rng.standard_normal(N), dtype)
+            times: dict = {caps: [] for caps in REGISTER_CAPS}
+            for _ in range(5):
+                for caps in REGISTER_CAPS:
+                    kc.make_dense_kernels = lambda *a, caps=caps: make(*a, registers=caps)
+                    cb.BACKEND.pairwise_dense(A, B, c, 1.0, "softmin")
+                    cp.cuda.Device().synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        cb.BACKEND.pairwise_dense(A, B, c, 1.0, "softmin")
+                    cp.cuda.Device().synchronize()
+                    times[caps].append((time.perf_counter() - t0) / 3)
+            base = float(np.median(times[(None, None)]))
+            for caps, ts in times.items():
+                t = float(np.median(ts))
+                rows.append(dict(kind="registers", N=N, D=D, dtype=dtype, stats=caps[0], grads=caps[1], t_s=t,
+                                 vs_free=t / base))  # fmt: skip
+                log(f"D={D} {dtype} caps={caps}: {t * 1e3:.2f} ms ({t / base:.3f} of free)")
+    finally:
+        kc.make_dense_kernels = make
+    table = "\n".join(
+        f"{r['D']:3d} {r['dtype']:8s} stats={str(r['stats']):>5s} grads={str(r['grads']):>5s} "
+        f"{r['t_s'] * 1e3:9.2f} ms  {r['vs_free']:.3f}"
+        for r in rows
+    )
+    write_rows(out, "gpu_registers", rows, f"# dense pair kernels alone, N = {N}, softmin\n{table}\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="sizes up to 65536, K=21 up to 4096")
@@ -190,6 +243,7 @@ def main(argv=None):
     ap.add_argument("--step-sizes", type=int, nargs="*", default=STEP_SIZES)
     ap.add_argument("--api", action="store_true", help="only the public-API overhead sweep (api_sweep)")
     ap.add_argument("--cold-start", action="store_true", help="only the fresh-process sweep (cold_start)")
+    ap.add_argument("--tune-registers", action="store_true", help="only the register-cap sweep of the pairs")
     ap.add_argument("--cold-child", nargs=4, metavar=("N", "K", "DTYPE", "T"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.cold_child:
@@ -203,6 +257,8 @@ def main(argv=None):
         return api_sweep(out)
     if args.cold_start:
         return cold_start(out)
+    if args.tune_registers:
+        return tune_registers(out)
     rows: list[dict] = []
     dev = cp.cuda.runtime.getDeviceProperties(0)
     info = dict(kind="device", name=dev["name"].decode(), sms=dev["multiProcessorCount"],

@@ -351,3 +351,30 @@ def test_quantum_rollout_on_the_device_matches_numpy(dyn):
         a = got.grads[k]
         a, b = (a.get() if hasattr(a, "get") else np.asarray(a)), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-10 * float(np.abs(b).max(initial=1.0)), err_msg=k)
+
+
+def test_dense_kernels_honour_register_caps():
+    """A capped variant of the dense pair kernels (benchmarks/bench_gpu.py --tune-registers) compiles
+    within its caps and gives the uncapped kernels' pairs to rounding."""
+    import cupy as cp
+    from vfesim_kernels import cuda as kc
+
+    from vfesim.backends import cuda_backend as cb
+
+    D, dtype, caps = 10, "float32", (80, 96)
+    rng = np.random.default_rng(0)
+    A, B = (cp.asarray(rng.standard_normal((1000, D)), dtype) for _ in range(2))
+    c = cp.asarray(rng.standard_normal(1000), dtype)
+    want = cb.BACKEND.pairwise_dense(A, B, c, 1.0, "softmin")
+    make = kc.make_dense_kernels
+    try:
+        kc.make_dense_kernels = lambda *a: make(*a, registers=caps)
+        got = cb.BACKEND.pairwise_dense(A, B, c, 1.0, "softmin")
+    finally:
+        kc.make_dense_kernels = make
+    ks = make(D, dtype, "softmin", kc.PAIR_THREADS, kc.PAIR_OPT, registers=caps)
+    for name, cap in zip(("stats", "grads"), caps, strict=True):
+        assert max(ks[name].get_regs_per_thread().values()) <= cap, name
+    assert got[0] == pytest.approx(want[0], rel=1e-5)
+    for x, y in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_allclose(cp.asnumpy(x), cp.asnumpy(y), rtol=1e-4, atol=1e-5 * float(abs(y).max()))

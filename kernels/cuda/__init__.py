@@ -41,7 +41,9 @@ from .gaussian import (
     make_block_kernels,
 )
 from .pairwise import (
+    DENSE_REGISTERS,
     ROW_THREADS,
+    dense_registers,
     dense_splits,
     make_dense_kernels,
     make_gemm_row_kernel,
@@ -61,6 +63,8 @@ __all__ = [
     "compile_report",
     "feature_dim",
     "dense_splits",
+    "dense_registers",
+    "DENSE_REGISTERS",
     "make_agent_kernels",
     "make_dense_kernels",
     "make_sparse_kernels",

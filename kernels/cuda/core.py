@@ -65,11 +65,19 @@ def device(fn):
     return cuda.jit(device=True, inline="always")(fn)
 
 
-def compile_kernels(pyfuncs: dict, **opts) -> dict:
+def compile_kernels(pyfuncs: dict, *, cache: bool = True, registers: dict | None = None, **opts) -> dict:
     """A factory's kernels as ``cuda.jit`` dispatchers, name -> kernel, plus the Python functions under
     ``"_py"`` (for ``compile_ptx``). Compiled at first launch and cached on disk (``cache=True``): a later
-    process loads the compiled code instead of compiling again (see :mod:`vfesim_kernels` for where)."""
-    return {name: cuda.jit(fn, cache=True, **opts) for name, fn in pyfuncs.items()} | {"_py": pyfuncs}
+    process loads the compiled code instead of compiling again (see :mod:`vfesim_kernels` for where).
+    ``registers``: name -> register cap (``max_registers``) of that kernel (ignored by the simulator).
+    Numba's disk cache does not key on the cap: give capped variants that the source does not fix
+    ``cache=False``."""
+    registers = {} if SIMULATOR or registers is None else registers
+    out = {}
+    for name, fn in pyfuncs.items():
+        cap = {"max_registers": registers[name]} if registers.get(name) else {}
+        out[name] = cuda.jit(fn, cache=cache, **opts, **cap)
+    return out | {"_py": pyfuncs}
 
 
 def compile_report(*kernel_sets: dict) -> tuple[int, int]:

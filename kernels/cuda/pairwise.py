@@ -55,6 +55,8 @@ from .core import (
 
 __all__ = [
     "make_dense_kernels",
+    "dense_registers",
+    "DENSE_REGISTERS",
     "make_sparse_kernels",
     "make_gemm_row_kernel",
     "make_points_kernels",
@@ -164,8 +166,24 @@ def dense_splits(N: int, opt: int = PAIR_OPT, threads: int = PAIR_THREADS) -> tu
     return S, chunk
 
 
+# Register caps (max_registers) of the dense kernels, (dtype, D) -> (stats, grads); absent or None: the
+# compiler's choice. Kept here, in the kernels' source file: changing it invalidates their disk cache.
+# ptxas (sm_90, 128 threads) gives e.g. D = 10 float32 stats 94 / grads 154 registers, float64 156 / 164,
+# D = 16 float32 121 / 121, float64 222 / 221 (3, 3, 2 blocks of 128 threads per SM where 154-222); grads
+# of D = 10 float32 fits 128 registers without spilling (4 blocks). benchmarks/bench_gpu.py --tune-registers
+# measures caps.
+DENSE_REGISTERS: dict = {}
+
+
+def dense_registers(D: int, dtype) -> tuple:
+    """(stats, grads) register caps of the dense kernels for feature width D and ``dtype``."""
+    return DENSE_REGISTERS.get((np.dtype(dtype).name, D), (None, None))
+
+
 @functools.cache
-def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_THREADS, opt: int = PAIR_OPT):
+def make_dense_kernels(
+    D: int, dtype: str, aggregator: str, threads: int = PAIR_THREADS, opt: int = PAIR_OPT, registers=None
+):
     """Dense streaming kernels ``stats``, ``merge``, ``grads`` for one (feature width D, dtype, aggregator).
 
     Receivers are a contiguous range of the agents: A (nf, NR, D), c (nf, NR) hold receivers r0 ..
@@ -189,6 +207,8 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
     The pair i == j is skipped by a per-pair test only in the shared tiles that hold one of the block's
     own agents (and, in ``grads``, owners past the end only in the last block); every other tile runs
     the same loop without the tests.
+    ``registers``: (stats, grads) register caps; None: :func:`dense_registers` (the tuned table, cached
+    on disk); given: this variant only, not cached on disk (a sweep's).
     """
     dt = _NB[np.dtype(dtype)]
     one = np.dtype(dtype).type(1.0)
@@ -416,7 +436,10 @@ def make_dense_kernels(D: int, dtype: str, aggregator: str, threads: int = PAIR_
     push = device(push)
     send_acc = device(send_acc)
     pyfuncs = {"stats": stats, "merge": merge, "grads": grads}
-    return compile_kernels(pyfuncs) | {"tile": TS, "threads": NT, "opt": OPT}
+    caps = dense_registers(D, dtype) if registers is None else registers
+    stats_cap, grads_cap = caps
+    ks = compile_kernels(pyfuncs, cache=registers is None, registers={"stats": stats_cap, "grads": grads_cap})
+    return ks | {"tile": TS, "threads": NT, "opt": OPT, "registers": caps}
 
 
 @functools.cache

@@ -410,3 +410,29 @@ def test_receiver_sums_follow_a_moving_maximum(aggregator, order, N):
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-13 * np.abs(want).max())
     np.testing.assert_allclose(float(erow.sum()), E, rtol=1e-12)
+
+
+def test_dense_kernels_take_register_caps(monkeypatch, request):
+    """The dense kernels' register caps: the tuned table by default (cached on disk), or a variant's own
+    (a sweep's); the same pairs either way."""
+    monkeypatch.setitem(kc.DENSE_REGISTERS, ("float64", 10), (96, 128))
+    kc.make_dense_kernels.cache_clear()  # kernels made under the patched table go with it (below)
+    request.addfinalizer(kc.make_dense_kernels.cache_clear)
+    default = kc.make_dense_kernels(10, "float64", "softmin", kc.PAIR_THREADS, kc.PAIR_OPT)
+    assert default["registers"] == (96, 128) == kc.dense_registers(10, np.float64)
+    assert kc.dense_registers(10, "float32") == kc.DENSE_REGISTERS.get(("float32", 10), (None, None))
+    variant = kc.make_dense_kernels(
+        10, "float64", "softmin", kc.PAIR_THREADS, kc.PAIR_OPT, registers=(80, 80)
+    )
+    assert variant["registers"] == (80, 80) and variant["stats"] is not default["stats"]
+    rng = np.random.default_rng(1)
+    A, B = rng.standard_normal((2, 40, 10))
+    c = rng.standard_normal(40)
+    want = cb.BACKEND.pairwise_dense(A, B, c, 0.7, "softmin")
+    monkeypatch.setattr(
+        kc, "make_dense_kernels", lambda *a, make=kc.make_dense_kernels: make(*a, registers=(80, 80))
+    )
+    got = cb.BACKEND.pairwise_dense(A, B, c, 0.7, "softmin")
+    assert got[0] == want[0]
+    for x, y in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_array_equal(x, y)
