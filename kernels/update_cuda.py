@@ -36,8 +36,8 @@ _numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False  # small grids at small N are 
 # Threads per block. The simulator spawns one Python thread per CUDA thread of a block: small blocks.
 BLOCK = 8 if SIMULATOR else 128
 
-# IR-level inlining (as in vfesim_kernels.cuda) also lets compile_ptx build kernels without a GPU.
-_device = cuda.jit(device=True, inline="always")
+# Device functions inlined by NVVM, as in vfesim_kernels.cuda (core.device: why not Numba's IR inlining).
+_device = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
 
 
 def _fmod_pos(x, y):

@@ -22,6 +22,21 @@ from vfesim_kernels import cuda as kc  # noqa: E402
 CASES = [(3, "float64"), (3, "float32"), (21, "float32")]
 
 
+@pytest.fixture(autouse=True)
+def _sm90_without_a_gpu(monkeypatch):
+    """Device functions (vfesim_kernels.cuda.core.device) compile for the current device's compute
+    capability, which a machine without a GPU has none of: give them sm_90's, the target here."""
+    from types import SimpleNamespace
+
+    import numba.cuda.dispatcher as dispatcher
+
+    from vfesim.backends import cuda_available
+
+    sm90 = SimpleNamespace(compute_capability=(9, 0))
+    if not cuda_available():
+        monkeypatch.setattr(dispatcher, "get_current_device", lambda: sm90)
+
+
 def _families(K, dtype):
     checks = kc.checks.make_check_kernels(K, dtype, K >= kc.checks.WARP_FROM_K)
     fams = [("agent", kc.make_agent_kernels(K, dtype)), ("checks", checks)]
