@@ -28,6 +28,7 @@ from numba.core import config as _numba_config
 
 from . import update_math as _um
 from .cuda.core import compile_kernels
+from .cuda.core import device as _device
 
 __all__ = ["SIMULATOR", "BLOCK", "device_view", "make_update_kernels", "kernel_signatures", "launch_blocks"]
 
@@ -35,9 +36,6 @@ SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
 _numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False  # small grids at small N are deliberate
 # Threads per block. The simulator spawns one Python thread per CUDA thread of a block: small blocks.
 BLOCK = 8 if SIMULATOR else 128
-
-# Device functions inlined by NVVM, as in vfesim_kernels.cuda (core.device: why not Numba's IR inlining).
-_device = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
 
 
 def _fmod_pos(x, y):

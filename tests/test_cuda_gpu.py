@@ -353,7 +353,7 @@ def test_quantum_rollout_on_the_device_matches_numpy(dyn):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-10 * float(np.abs(b).max(initial=1.0)), err_msg=k)
 
 
-def test_dense_kernels_honour_register_caps():
+def test_dense_kernels_honour_register_caps(monkeypatch):
     """A capped variant of the dense pair kernels (benchmarks/bench_gpu.py --tune-registers) compiles
     within its caps and gives the uncapped kernels' pairs to rounding."""
     import cupy as cp
@@ -367,11 +367,8 @@ def test_dense_kernels_honour_register_caps():
     c = cp.asarray(rng.standard_normal(1000), dtype)
     want = cb.BACKEND.pairwise_dense(A, B, c, 1.0, "softmin")
     make = kc.make_dense_kernels
-    try:
-        kc.make_dense_kernels = lambda *a: make(*a, registers=caps)
-        got = cb.BACKEND.pairwise_dense(A, B, c, 1.0, "softmin")
-    finally:
-        kc.make_dense_kernels = make
+    monkeypatch.setattr(kc, "make_dense_kernels", lambda *a: make(*a, registers=caps))
+    got = cb.BACKEND.pairwise_dense(A, B, c, 1.0, "softmin")
     ks = make(D, dtype, "softmin", kc.PAIR_THREADS, kc.PAIR_OPT, registers=caps)
     for name, cap in zip(("stats", "grads"), caps, strict=True):
         assert max(ks[name].get_regs_per_thread().values()) <= cap, name

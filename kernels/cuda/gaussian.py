@@ -560,8 +560,7 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
             g_phi[i, 2] += g2
 
     pyfuncs = {"prep": prep, "self_kl": self_kl, "features": features, "adjoint": adjoint}
-    opts = {} if max_registers is None or SIMULATOR or not blockwise else {"max_registers": max_registers}
-    return compile_kernels(pyfuncs, **opts)
+    return compile_kernels(pyfuncs, registers=dict.fromkeys(pyfuncs, max_registers) if blockwise else None)
 
 
 def make_agent_kernels(K: int, dtype: str):

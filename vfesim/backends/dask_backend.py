@@ -782,13 +782,8 @@ def _workers_have_gpus() -> bool:
     this process, whose threads run the tasks)."""
     from . import cuda_available
 
-    try:
-        from distributed import default_client
-
-        client = default_client()
-    except (ImportError, ValueError):
-        return cuda_available()
-    return all(client.run(cuda_available).values())
+    client = _client()
+    return cuda_available() if client is None else all(client.run(cuda_available).values())
 
 
 def resolve_inner(inner: str | None) -> str:
