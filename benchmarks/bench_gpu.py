@@ -10,6 +10,7 @@ device-to-device copy); and the ratio to benchmarks/torch_baseline.py, which mat
     python benchmarks/bench_gpu.py --api [--out DIR]
     python benchmarks/bench_gpu.py --cold-start [--out DIR]
     python benchmarks/bench_gpu.py --tune-registers [--out DIR]
+    python benchmarks/bench_gpu.py --tune-splits [--out DIR]
 
 Writes DIR/gpu_bench.jsonl (one record per measurement) and DIR/gpu_bench.txt (the table, also printed).
 ``--steps`` instead times full integrator steps (``step_sweep``): DIR/gpu_steps.jsonl and gpu_steps.txt.
@@ -20,6 +21,9 @@ with warm kernel caches (``cold_start``): DIR/gpu_cold.jsonl and gpu_cold.txt.
 ``--tune-registers`` times the dense pair kernels alone (``cb.BACKEND.pairwise_dense``) under register caps
 (``tune_registers``), to set ``vfesim_kernels.cuda.pairwise.DENSE_REGISTERS``: DIR/gpu_registers.jsonl
 and gpu_registers.txt.
+``--tune-splits`` times each dense pair pass alone (``stats`` + ``merge``, ``grads``) for numbers of slices of
+the other side (``tune_splits``): a grid of few blocks per SM leaves a last partial wave; DIR/gpu_splits.jsonl
+and gpu_splits.txt.
 """
 
 from __future__ import annotations
@@ -229,6 +233,71 @@ def tune_registers(out: Path, N: int = 65536) -> None:
     write_rows(out, "gpu_registers", rows, f"# dense pair kernels alone, N = {N}, softmin\n{table}\n")
 
 
+# (owners, others, D, dtype, slices tried): the receiver pass of a chunk of a 2^20 population on 4 GPUs,
+# and of a whole population of 2^16 and 2^20; the sender pass likewise (owners = senders).
+SPLIT_CASES = [
+    (262144, 1 << 20, 10, "float32", (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)),
+    (1 << 20, 1 << 20, 10, "float32", (1, 2, 3, 4, 6)),
+    (65536, 65536, 10, "float32", (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)),
+    (65536, 65536, 10, "float64", (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)),
+    (65536, 65536, 16, "float32", (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)),
+]
+
+
+def tune_splits(out: Path) -> None:
+    """Each dense pass alone on random feature rows for every case of SPLIT_CASES and number of slices
+    (median of 3 rounds, slices interleaved within a round), with the occupancy (resident blocks per SM)
+    of its kernel and the default choice of slices (``dense_splits``)."""
+    rows = []
+    sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    for NO, NX, D, dtype, tries in SPLIT_CASES:
+        rng = np.random.default_rng(0)
+        Ah = cp.asarray(0.1 * rng.standard_normal((1, max(NO, NX), D)), dtype)
+        Bb = cp.asarray(0.1 * rng.standard_normal((1, max(NO, NX), D)), dtype)
+        ch = cp.asarray(0.1 * rng.standard_normal((1, max(NO, NX))), dtype)
+        ks = kc.make_dense_kernels(D, dtype, "softmin", kc.PAIR_THREADS, kc.PAIR_OPT)
+        nt = ks["threads"]
+        _, _, _, m, inv_s, abar = cb._dense_stats(Ah[:, :NX], Bb[:, :NX], ch[:, :NX], 0, "softmin")
+        # stats: receivers 0 .. NO - 1 against NX senders; grads: senders 0 .. NO - 1 from NX receivers
+        stats_args = (Ah[:, :NO], Bb[:, :NX], ch[:, :NO], 0, "softmin")
+        grads_args = (Ah[:, :NX], Bb[:, :NO], ch[:, :NX], m, inv_s, abar, 0, "softmin")
+        calls = {
+            "stats": lambda S, a=stats_args: cb._dense_stats(*a, splits=S),
+            "grads": lambda S, a=grads_args: cb._dense_grads(*a, splits=S),
+        }
+        for role, call in calls.items():
+            row_bytes = (D + (role == "stats")) * np.dtype(dtype).itemsize
+            default = kc.dense_splits(NO, NX, row_bytes, kc.PAIR_OPT, nt)[0]
+            times: dict = {S: [] for S in tries}
+            for S in tries:
+                call(S)
+            for _ in range(3):
+                for S in tries:
+                    cp.cuda.Device().synchronize()
+                    t0 = time.perf_counter()
+                    call(S)
+                    cp.cuda.Device().synchronize()
+                    times[S].append(time.perf_counter() - t0)
+            kern = next(iter(ks[role].overloads.values()))
+            per_sm = kern.max_cooperative_grid_blocks(nt) // sms
+            blocks = -(-NO // (nt * ks["opt"]))
+            best = min(tries, key=lambda S: np.median(times[S]))
+            for S in tries:
+                t = float(np.median(times[S]))
+                rows.append(dict(kind="splits", role=role, owners=NO, others=NX, D=D, dtype=dtype, S=S, t_s=t,
+                                 blocks=blocks * S, per_sm=per_sm, sms=sms, default=default))  # fmt: skip
+                mark = (" (default)" if S == default else "") + (" (best)" if S == best else "")
+                where = f"{blocks * S} blocks, {per_sm}/SM{mark}"
+                log(f"{role} {NO}x{NX} D={D} {dtype} S={S}: {t * 1e3:.2f} ms, {where}")
+    table = "\n".join(
+        f"{r['role']:5s} {r['owners']:8d} {r['others']:8d} {r['D']:3d} {r['dtype']:8s} S={r['S']:3d} "
+        f"{r['t_s'] * 1e3:9.2f} ms  blocks {r['blocks']:6d} ({r['per_sm']}/SM x {r['sms']})"
+        f"{'  default' if r['S'] == r['default'] else ''}"
+        for r in rows
+    )
+    write_rows(out, "gpu_splits", rows, f"# dense passes alone, softmin\n{table}\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="sizes up to 65536, K=21 up to 4096")
@@ -244,6 +313,7 @@ def main(argv=None):
     ap.add_argument("--api", action="store_true", help="only the public-API overhead sweep (api_sweep)")
     ap.add_argument("--cold-start", action="store_true", help="only the fresh-process sweep (cold_start)")
     ap.add_argument("--tune-registers", action="store_true", help="only the register-cap sweep of the pairs")
+    ap.add_argument("--tune-splits", action="store_true", help="only the slice-count sweep of the pairs")
     ap.add_argument("--cold-child", nargs=4, metavar=("N", "K", "DTYPE", "T"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.cold_child:
@@ -259,6 +329,8 @@ def main(argv=None):
         return cold_start(out)
     if args.tune_registers:
         return tune_registers(out)
+    if args.tune_splits:
+        return tune_splits(out)
     rows: list[dict] = []
     dev = cp.cuda.runtime.getDeviceProperties(0)
     info = dict(kind="device", name=dev["name"].decode(), sms=dev["multiProcessorCount"],

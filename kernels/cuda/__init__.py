@@ -25,7 +25,6 @@ from .core import (
     PAIR_THREADS,
     SHARED_BYTES,
     SIMULATOR,
-    TARGET_BLOCKS,
     as_device_view,
     compile_report,
     cuda,
@@ -44,6 +43,7 @@ from .pairwise import (
     DENSE_REGISTERS,
     ROW_THREADS,
     dense_registers,
+    dense_slices,
     dense_splits,
     make_dense_kernels,
     make_gemm_row_kernel,
@@ -62,6 +62,7 @@ __all__ = [
     "launch_view",
     "compile_report",
     "feature_dim",
+    "dense_slices",
     "dense_splits",
     "dense_registers",
     "DENSE_REGISTERS",
@@ -85,7 +86,6 @@ __all__ = [
     "PAIR_THREADS",
     "ROW_THREADS",
     "SHARED_BYTES",
-    "TARGET_BLOCKS",
 ]
 
 

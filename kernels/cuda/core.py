@@ -22,7 +22,6 @@ __all__ = [
     "BLOCK",
     "PAIR_THREADS",
     "PAIR_OPT",
-    "TARGET_BLOCKS",
     "SHARED_BYTES",
     "NB_TYPES",
     "PAIR_EXP",
@@ -46,10 +45,9 @@ _numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
 # of a block, so it gets small blocks.
 BLOCK = 8 if SIMULATOR else 128
 # Dense pairwise: threads per block, owners per thread (register blocking: each shared-memory row is
-# reused by OPT owners), and the block count the split heuristic aims for (~4 blocks per SM on an H200).
+# reused by OPT owners); the slices of the other side: vfesim_kernels.cuda.pairwise.dense_splits.
 PAIR_THREADS = 4 if SIMULATOR else 128
 PAIR_OPT = 2
-TARGET_BLOCKS = 8 if SIMULATOR else 528
 # Static shared memory per block stays under the 48 KB that needs no opt-in.
 SHARED_BYTES = 40 * 1024
 

@@ -34,7 +34,6 @@ from .core import (
     PAIR_THREADS,
     SHARED_BYTES,
     SIMULATOR,
-    TARGET_BLOCKS,
     accumulate_row,
     compile_kernels,
     cuda,
@@ -61,6 +60,7 @@ __all__ = [
     "make_gemm_row_kernel",
     "make_points_kernels",
     "dense_splits",
+    "dense_slices",
     "ROW_THREADS",
 ]
 
@@ -156,14 +156,38 @@ def _tile_rows(D: int, itemsize: int, threads: int) -> int:
     return int(max(1, min(threads, rows)))
 
 
-def dense_splits(N: int, opt: int = PAIR_OPT, threads: int = PAIR_THREADS) -> tuple[int, int]:
-    """(S, chunk): the others axis is cut into S slices of ``chunk`` rows (a multiple of the thread count)
-    so that the grads launch has about TARGET_BLOCKS blocks even at moderate N."""
-    nb = -(-N // (threads * opt))
-    S = max(1, min(-(-TARGET_BLOCKS // (2 * nb)), 2 if SIMULATOR else N // (4 * threads)))
+# Dense grids: about SPLIT_BLOCKS blocks of owners x slices of the others. With few blocks per SM resident
+# (3-5 at D = 10), a grid of a few waves idles most SMs during its last, partial wave: on an H200 the
+# receiver pass of 2^18 receivers x 2^20 senders takes 526 ms in 1 slice (1024 blocks, 1.55 waves) and
+# 466 ms in 10-16, the sender pass 579 -> 487 ms, and at N = 2^16 both passes lose 15-30 % in 2 slices
+# against 24 (benchmarks/results/gpu_splits_h200.txt). At most SPLIT_MAX slices, each of at least four
+# tiles, and the slices' partial sums (S x owners x row_bytes) within SPLIT_BYTES.
+SPLIT_BLOCKS = 4 if SIMULATOR else 12288
+SPLIT_MAX = 2 if SIMULATOR else 24
+SPLIT_BYTES = 128 << 20
+
+
+def dense_splits(
+    n_owners: int,
+    n_others: int | None = None,
+    row_bytes: int = 0,
+    opt: int = PAIR_OPT,
+    threads: int = PAIR_THREADS,
+) -> tuple[int, int]:
+    """(S, chunk): the others axis (``n_others`` rows, default ``n_owners``) cut into S slices of ``chunk``
+    rows (a multiple of ``threads``) for a launch over ``n_owners`` owners, ``opt`` per thread, whose
+    slices each keep ``row_bytes`` per owner of partial sums (see SPLIT_BLOCKS)."""
+    n_others = n_owners if n_others is None else n_others
+    S = -(-SPLIT_BLOCKS // -(-n_owners // (threads * opt)))
+    if not SIMULATOR:
+        S = min(S, n_others // (4 * threads), SPLIT_BYTES // max(1, n_owners * row_bytes))
+    return dense_slices(n_others, max(1, min(S, SPLIT_MAX)), threads)
+
+
+def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]:
+    """(S, chunk): N others cut into S slices of ``chunk`` rows, a multiple of ``threads``."""
     chunk = -(-N // S)
-    chunk = -(-chunk // threads) * threads
-    return S, chunk
+    return S, -(-chunk // threads) * threads
 
 
 # Register caps (max_registers) of the dense kernels, (dtype, D) -> (stats, grads); absent or None: the

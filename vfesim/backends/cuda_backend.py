@@ -151,7 +151,8 @@ class _Workspace:
         # Dense pairs: sender slices of the streaming kernels; the GEMM path (large K) has one slice, and
         # so has a workspace whose pairs are given (``pairs`` False: no pair kernel writes into it).
         streaming = self.dense and mode == "kernels" and pairs
-        self.S, self.chunk = kc.dense_splits(N, kc.PAIR_OPT, kc.PAIR_THREADS) if streaming else (1, 0)
+        row_bytes = 2 * (D + 1) * np.dtype(dtype).itemsize  # two terms' partial sums per slice
+        self.S, self.chunk = kc.dense_splits(N, N, row_bytes) if streaming else (1, 0)
         self.buf: dict[str, Any] = {}
         self.dev: dict[str, Any] = {}
         shapes = {
@@ -547,18 +548,22 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
 
 
-def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str):
+def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None):
     """The receiver pass of the streaming kernels (``stats`` then ``merge``) on pre-scaled features Ah,
     Bb, ch (1, n, D) (vfesim_kernels.cuda.pairwise: A and c times 1 / (2 kappa)), receivers r0 .. r0 +
     n_r - 1 against all senders: (row energies / kappa, sum_j W_ij B_j, sum_j W_ij, m, inv_s, abar),
-    each (n_r, ...) in the dtype, the first three summed over sender slices in slice order."""
+    each (n_r, ...) in the dtype, the first three summed over sender slices in slice order. ``splits``: the
+    number of sender slices (default: :func:`vfesim_kernels.cuda.dense_splits`)."""
     xp = array_module()
     NR, D = Ah.shape[1:]
     N = Bb.shape[1]
     dt = Ah.dtype
     k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
     nt = k["threads"]
-    S, chunk_s = kc.dense_splits(N, kc.PAIR_OPT, nt)
+    if splits is None:
+        S, chunk_s = kc.dense_splits(NR, N, (D + 1) * dt.itemsize, kc.PAIR_OPT, nt)
+    else:
+        S, chunk_s = kc.dense_slices(N, splits, nt)
     pm, ps, pt = (xp.empty((S, 1, NR), dt) for _ in range(3))
     m, inv_s, abar, energy = (xp.empty((1, NR), dt) for _ in range(4))
     gAr = xp.empty((S, 1, NR, D + 1), dt)
@@ -577,20 +582,21 @@ def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str):
     return energy[0], gA[:, :-1], gA[:, -1], m, inv_s, abar
 
 
-def _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0: int, aggregator: str):
+def _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0: int, aggregator: str, splits: int | None = None):
     """The sender pass of the streaming kernels (``grads``) on pre-scaled features (see _dense_stats):
     every receiver (rows of Ah, ch (1, n_r, D) with statistics m, inv_s, abar (1, n_r), global index r0 +
     i) against the senders Bb (1, n_s, D), the pair with sender r0 + i excluded (r0 may be negative:
     -s0 for senders s0 .. of all agents). Returns sum_i W_ij Ah_i (n_s, D) in the dtype, summed over
-    receiver slices in slice order."""
+    receiver slices in slice order. ``splits``: the number of receiver slices (default: enough blocks for
+    the senders, :func:`vfesim_kernels.cuda.dense_splits`)."""
     xp = array_module()
     NR, D = Ah.shape[1:]
     NS = Bb.shape[1]
     dt = Ah.dtype
     k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
     nt = k["threads"]
-    S, _ = kc.dense_splits(NS, kc.PAIR_OPT, nt)  # slices of receivers: enough blocks for the senders
-    chunk_r = _cdiv(_cdiv(NR, S), nt) * nt
+    S = kc.dense_splits(NS, NR, D * dt.itemsize, kc.PAIR_OPT, nt)[0] if splits is None else splits
+    chunk_r = kc.dense_slices(NR, S, nt)[1]
     gBs = xp.empty((S, 1, NS, D), dt)
     v = kc.as_device_view
     nb_s = _cdiv(NS, nt * k["opt"])

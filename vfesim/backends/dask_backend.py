@@ -190,7 +190,8 @@ DEVICE_LOCK = threading.RLock()
 
 
 def device_task(fn):
-    """``fn``, a task with an ``inner`` argument, holding :data:`DEVICE_LOCK` when inner is "cuda"."""
+    """``fn``, a task with an ``inner`` argument, holding :data:`DEVICE_LOCK` when inner is "cuda" and
+    returning once the device has finished its work."""
     sig = inspect.signature(fn)
     default = sig.parameters["inner"].default
 
@@ -199,7 +200,14 @@ def device_task(fn):
         if sig.bind(*args, **kwargs).arguments.get("inner", default) != "cuda":
             return fn(*args, **kwargs)
         with DEVICE_LOCK:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            # The task ends when its kernels do: Dask's task stream (compute, transfer) and its estimates
+            # of task durations (for placing tasks) then see the GPU's time, not only the launches'.
+            from numba import cuda
+
+            if cuda.is_available():
+                cuda.synchronize()
+            return out
 
     return run
 
@@ -392,32 +400,44 @@ def _rows_kernels(inner: str):
 
 
 @device_task
-def _dense_receivers_task(feats, r0: int, inner: str, *every):
+def _dense_receivers_task(feats, r0: int, inner: str, *senders):
     """Step 2 (pass 1), dense: per term (E, gA, gc, (m, inv_s, abar)) of the chunk's receivers against
-    every sender, ``every`` chunk's features (inner "cuda": on the worker's GPU, as are the results)."""
+    every sender, ``senders`` the parts of :func:`_sender_rows` in chunk order (inner "cuda": on the
+    worker's GPU, as are the results)."""
     recv, _, _, dev, keep = _rows_kernels(inner)
-    senders = _all_senders(*every)
     out = []
-    for (A, _, c, kappa, agg), B in zip(feats[0], senders, strict=True):
+    for (A, _, c, kappa, agg), B in zip(feats[0], _stack(senders), strict=True):
         erow, gA, gc, *stats = (keep(x) for x in recv(dev(A), dev(c), dev(B), r0, kappa, agg))
         out.append((float(erow.sum()), gA, gc, tuple(stats)))
     return out
 
 
-def _gather_features(*feats):
-    """Every chunk's features as those of one chunk (the chunks' rows concatenated in order)."""
-    terms = []
-    for t, (_, _, _, kappa, agg) in enumerate(feats[0][0]):
-        A, B, c = (_rows([f[0][t][i] for f in feats]) for i in range(3))
-        terms.append((A, B, c, kappa, agg))
-    return terms, []
+def _sender_rows(feats):
+    """What a dense receiver task reads of a chunk as senders: per term its B rows (a view)."""
+    return [B for _, B, *_ in feats[0]]
 
 
-def _gather_stats(*pairs):
-    """Every chunk's pass-1 row statistics as those of one chunk (what pass 2 reads of them)."""
+def _receiver_rows(feats, pairs):
+    """What a dense sender task reads of a chunk as receivers: per term (A, c, m, inv_s, abar), its
+    features and pass-1 row statistics (views)."""
+    return [(A, c, *p[3]) for (A, _, c, *_), p in zip(feats[0], pairs, strict=True)]
+
+
+def _gather_rows(*parts):
+    """Several chunks' row parts (:func:`_sender_rows` or :func:`_receiver_rows`) as one part, the rows
+    concatenated in chunk order."""
+    return _stack(parts)
+
+
+def _stack(parts) -> list:
+    """Per term, the row blocks of ``parts`` (each per term an array or a tuple of arrays) stacked in
+    chunk order."""
     out = []
-    for t in range(len(pairs[0])):
-        out.append((None, None, None, tuple(_rows([p[t][3][k] for p in pairs]) for k in range(3))))
+    for t, first in enumerate(parts[0]):
+        if isinstance(first, tuple):
+            out.append(tuple(_rows([p[t][k] for p in parts]) for k in range(len(first))))
+        else:
+            out.append(_rows([p[t] for p in parts]))
     return out
 
 
@@ -427,17 +447,12 @@ def _rows(parts: list):
     return parts[0] if len(parts) == 1 else array_module(parts[0]).concatenate(parts)
 
 
-def _all_senders(*feats):
-    """Per term, every chunk's B rows in chunk order (N, D)."""
-    return [_rows([f[0][t][1] for f in feats]) for t in range(len(feats[0][0]))]
-
-
-def _dense_pairs_task(feats, r0: int, *every):
+def _dense_pairs_task(feats, r0: int, *senders):
     """Step 2, dense, one pass (inner "numba"): per term (E, gA, gc, gB share (N, D) float64) of the
-    chunk's receivers against every sender (``every`` chunk's features), from the fused serial kernel."""
-    senders = _all_senders(*every)
+    chunk's receivers against every sender (``senders``: the parts of :func:`_sender_rows` in chunk
+    order), from the fused serial kernel."""
     out = []
-    for (A, _, c, kappa, agg), B in zip(feats[0], senders, strict=True):
+    for (A, _, c, kappa, agg), B in zip(feats[0], _stack(senders), strict=True):
         erow, gA, gc, share = pairwise_dense_rows(A, c, B, r0, kappa, agg)
         out.append((float(erow.sum()), gA, gc, share))
     return out
@@ -465,28 +480,14 @@ def _dense_gB_rows(total, r0: int, r1: int):
     return [s[r0:r1] for s in _shares(total)]
 
 
-def _all_receivers(n_chunks: int, *parts):
-    """Per term, every receiver's (A, c, m, inv_s, abar) in chunk order: ``parts`` is every chunk's
-    features, then every chunk's pass-1 results."""
-    feats, pairs = parts[:n_chunks], parts[n_chunks:]
-    out = []
-    for t in range(len(feats[0][0])):
-        A = _rows([f[0][t][0] for f in feats])
-        c = _rows([f[0][t][2] for f in feats])
-        stats = [_rows([p[t][3][k] for p in pairs]) for k in range(3)]
-        out.append((A, c, *stats))
-    return out
-
-
 @device_task
-def _dense_senders_task(feats, s0: int, inner: str, *parts):
+def _dense_senders_task(feats, s0: int, inner: str, *receivers):
     """Step 3 (pass 2), dense: per term the float64 gB of the chunk's agents as senders (agents s0 ..),
-    from every receiver's features and row statistics (``parts``: every chunk's features, then every
-    chunk's pass-1 results; inner "cuda": on the worker's GPU, as is the result)."""
+    from every receiver's features and row statistics (``receivers``: the parts of
+    :func:`_receiver_rows` in chunk order; inner "cuda": on the worker's GPU, as is the result)."""
     _, send, _, dev, keep = _rows_kernels(inner)
-    receivers = _all_receivers(len(parts) // 2, *parts)
     out = []
-    for (_, B, _, kappa, agg), (A, c, m, inv_s, abar) in zip(feats[0], receivers, strict=True):
+    for (_, B, _, kappa, agg), (A, c, m, inv_s, abar) in zip(feats[0], _stack(receivers), strict=True):
         args = (dev(A), dev(c), dev(m), dev(inv_s), dev(abar), dev(B))
         out.append(keep(send(*args, s0, kappa, agg)))
     return out
@@ -661,25 +662,28 @@ def _graph(
         delayed(_features_task)(a, cfg_d, population, r0, validate, pl.inner)
         for a, (r0, _) in zip(chunk_arrays, spans, strict=True)
     ]
-    # On a distributed scheduler with few chunks (one per GPU, say) each dense pair task takes every
-    # chunk's features itself: its own are as large as any other's, so the scheduler spreads the tasks by
-    # load (a gathered copy, the largest input, would draw them all to the worker that holds it). With many
-    # chunks one gather task keeps the graph O(chunks); in one process (threads) the tasks share the one
-    # gathered copy instead of each stacking its own.
+    # On a distributed scheduler with few chunks (one per GPU, say) each dense pair task reads every
+    # chunk's rows itself, and only the rows it needs (a receiver task the senders' B; a sender task the
+    # receivers' A, c and row statistics): a task's own chunk's features are then its largest input, so
+    # the scheduler runs it beside them (the chunks' tasks stay spread over the workers as the chunks
+    # are), and a part crosses the network only once. With many chunks one gather task keeps the graph
+    # O(chunks); in one process (threads) the tasks share the one gathered copy instead of each stacking
+    # its own.
     direct = len(feats) <= DIRECT_CHUNKS and _distributed()
-    every = feats if direct else [delayed(_gather_features)(*feats)]
+    gather = (lambda parts: parts) if direct else (lambda parts: [delayed(_gather_rows)(*parts)])  # noqa: E731
+    senders = gather([delayed(_sender_rows)(f) for f in feats])
     if cfg.dense and pl.inner == "numba":  # one pass: the fused CPU kernel, float64 shares in a tree
-        pairs = [delayed(_dense_pairs_task)(f, r0, *every) for f, (r0, _) in zip(feats, spans, strict=True)]
+        pairs = [delayed(_dense_pairs_task)(f, r0, *senders) for f, (r0, _) in zip(feats, spans, strict=True)]
         total = _tree(list(pairs), _add_shares)
         gB_rows = [delayed(_dense_gB_rows)(total, r0, r1) for r0, r1 in spans]
-    elif cfg.dense:  # two passes (inner "cuda"): receivers, then senders from the gathered statistics
+    elif cfg.dense:  # two passes (inner "cuda"): receivers, then senders from the row statistics
         pairs = [
-            delayed(_dense_receivers_task)(f, r0, pl.inner, *every)
+            delayed(_dense_receivers_task)(f, r0, pl.inner, *senders)
             for f, (r0, _) in zip(feats, spans, strict=True)
         ]
-        stats = pairs if direct else [delayed(_gather_stats)(*pairs)]
+        receivers = gather([delayed(_receiver_rows)(f, p) for f, p in zip(feats, pairs, strict=True)])
         gB_rows = [
-            delayed(_dense_senders_task)(f, s0, pl.inner, *every, *stats)
+            delayed(_dense_senders_task)(f, s0, pl.inner, *receivers)
             for f, (s0, _) in zip(feats, spans, strict=True)
         ]
     else:

@@ -55,7 +55,7 @@ from ..integrators import chunked as ch
 from ..integrators.base import Carry, DynamicsError
 from .channels import coupling_strengths, pair_distances
 from .config import QuantumConfig
-from .evolve import Prepared, _check, _per_agent, agent_update
+from .evolve import Prepared, _check, _per_agent, agent_update, resident
 from .flows import _exp_normalised, _log_floored
 from .frames import frames, spin_generators
 from .linalg import dagger
@@ -175,6 +175,21 @@ def _finish_chunk(new, n_step: int, r0: int, u) -> dict:
     return out
 
 
+# The per-agent caches of a step (the coupling window stays on the host: kernel_ops copies it once, window()).
+_DEVICE_FIELDS = ("lam", "V", "T", "sigma", "l", "p", "U", "M", "eps_c", "gamma", "gamma_th")
+
+
+def _on_device(P: Prepared, U_s, xp):
+    """A chunk's caches (and its senders' frames) as arrays of ``xp``, made at its first step on a
+    device and kept in ``P.consts``: the persisted caches stay on their worker, so do their copies."""
+
+    def make():
+        moved = {f: None if getattr(P, f) is None else xp.asarray(getattr(P, f)) for f in _DEVICE_FIELDS}
+        return P._replace(**moved, consts={}), xp.asarray(U_s)
+
+    return resident(P, xp, "device", P.lam, make)
+
+
 @device_task
 def _jacobi_task(dt: float, dyn, prep, rho, senders: list, n_step: int, r0: int, u, inner: str = "numba"):
     """One Jacobi step of one chunk (:func:`.evolve.step`): {"rho"[, "outcome"]}, the window's senders
@@ -186,7 +201,11 @@ def _jacobi_task(dt: float, dyn, prep, rho, senders: list, n_step: int, r0: int,
     rho = _own(rho)
     S = np.concatenate([_own(s) for s in senders]) if senders else rho
     if inner == "cuda":
-        from ..backends.cuda_backend import QUANTUM_OPS as ops
+        from ..backends import cuda_backend as cb
+
+        ops, xp = cb.QUANTUM_OPS, cb.array_module()
+        P, U_s = _on_device(P, U_s, xp)
+        rho, S = xp.asarray(rho), xp.asarray(S)
     else:
         from ..backends.numba_backend import SERIAL_OPS
 
