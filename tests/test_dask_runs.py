@@ -290,3 +290,44 @@ def test_warnings_of_chunk_tasks_reach_the_caller_with_global_agents(method):
         vfesim.run_dynamics(state, cfg, method, 1e-4, 1, backend=backend)
     texts = [str(w.message) for w in rec if issubclass(w.category, ConditioningWarning)]
     assert texts and all("sigma_q[agent=6]" in t for t in texts), texts
+
+
+def test_chunk_tasks_stay_with_their_chunk(client, tmp_path):
+    """Every task of a chunk runs on the worker that holds the chunk (dask_backend.chunk_workers): a
+    sparse gradient-flow run moves, per step, only the rows other chunks read and their gB shares
+    between the workers, not states, features or pair results (which were several times the state per
+    step when the scheduler placed the tasks by their largest input)."""
+    n, steps = 4000, 4
+    scenario = {
+        "model": {"K": 3, "aggregator": "softmin", "lambda_prior": 0.5},
+        "population": {"n_agents": n, "seed": 0, "neighbours": "ring", "half_width": 4},
+        "integrator": {"method": "gradient_flow", "dt": 0.01},
+        "run": {"n_steps": steps, "save_every": 100, "backend": "dask", "chunks": n // 8},
+    }
+    client.wait_for_workers(2, timeout=30)
+    client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+    with client.as_current():
+        simulate(scenario, out=tmp_path / "run.zarr", progress=False)
+    logs = client.run(lambda dask_worker: [e["total"] for e in dask_worker.transfer_incoming_log])
+    moved = sum(sum(v) for v in logs.values())
+    state_bytes = n * (3 + 9 + 3 + 9 + 3) * 8
+    # At most the state once (its first placement) and, per step, a little (the boundary rows and
+    # shares of 8 chunks, a few kB); the scheduler's own placement moved about 3 states per step here.
+    assert moved < state_bytes + steps * 0.1 * state_bytes, (moved, state_bytes)
+
+
+def test_chunk_workers_follow_the_data_within_a_balanced_share(client):
+    """Chunks the workers hold run where they are, up to an even share per worker; the others are dealt
+    in contiguous runs (no client: no placement)."""
+    from vfesim.backends.dask_backend import blocks, chunk_workers
+
+    assert chunk_workers((0, 2, 4, 5)) == [None] * 3
+    client.wait_for_workers(2, timeout=30)
+    w0, w1 = sorted(client.scheduler_info()["workers"])
+    with client.as_current():
+        assert chunk_workers((0, 3, 6, 9, 12)) == [w0, w0, w1, w1]
+        assert chunk_workers((0, 5, 10, 15, 16)) == [w0, w0, w1, w1]  # by agents: 10 and 6
+        x = client.persist(da.zeros((6, 2), chunks=(1, 2)), workers=[w1])  # all six chunks on w1
+        distributed.wait(x)
+        got = chunk_workers(tuple(range(7)), blocks({"x": x}))
+    assert got == [w1, w1, w1, w0, w0, w0]  # w1 keeps its share (3), the rest moves

@@ -523,23 +523,29 @@ def _take_senders(feats, rows: np.ndarray):
     ], []
 
 
-def _sparse_gB_rows(n: int, parts: list, *pairs):
-    """Per term, the gB (n, D) float64 of one sender chunk of n agents: the shares of the receiver chunks
-    ``pairs`` (ascending) that name it; ``parts[r]`` is (its position among pairs[r]'s sender parts, the
-    chunk's rows that part holds or None for all). Summed in that order, each row's shares in the order
-    of the receiver chunks (rows a receiver chunk does not name get nothing from it: exact zeros before)."""
+def _share_of(pair, s: int) -> list:
+    """Per term, a sparse pair result's gB share of its sender part ``s`` (cut out beside the result: only
+    the share travels to the sender chunk's worker)."""
+    return [term[3][s] for term in pair]
+
+
+def _sparse_gB_rows(n: int, rows: list, *shares):
+    """Per term, the gB (n, D) float64 of one sender chunk of n agents from ``shares``, the per-term
+    shares (:func:`_share_of`) of the receiver chunks that name it, ascending; ``rows[r]``: the chunk's
+    rows that share covers, or None for all. Summed in that order, each row's shares in the order of the
+    receiver chunks (rows a receiver chunk does not name get nothing from it: exact zeros before)."""
     out = []
-    for t in range(len(pairs[0])):
+    for t in range(len(shares[0])):
         acc = None
-        for p, (s, rows) in zip(pairs, parts, strict=True):
-            share = p[t][3][s]
+        for sh, r in zip(shares, rows, strict=True):
+            share = sh[t]
             xp = array_module(share)
             if acc is None:
                 acc = xp.zeros((n, share.shape[1]), np.float64)
-            if rows is None:
+            if r is None:
                 acc += share
             else:
-                acc[xp.asarray(rows)] += share  # the rows are distinct
+                acc[xp.asarray(r)] += share  # the rows are distinct
         out.append(acc)
     return out
 
@@ -624,91 +630,114 @@ class Plan:
         return Plan(self.bounds, *dask.persist(self.cfg, self.sparse), self.inner, self.token)
 
 
-def plan(cfg, bounds: tuple[int, ...], inner: str = "numba") -> Plan:
-    """The :class:`Plan` of ``cfg`` chunked at ``bounds`` with the kernels ``inner`` (not persisted)."""
+def plan(cfg, bounds: tuple[int, ...], inner: str = "numba", workers: list | None = None) -> Plan:
+    """The :class:`Plan` of ``cfg`` chunked at ``bounds`` with the kernels ``inner`` (not persisted), its
+    parts beside the chunks that read them: chunk j's on ``workers[j]`` (default: dealt, see
+    :func:`chunk_workers`)."""
     if _is_field(cfg):  # the lists follow the support: computed in the graph (vfesim.backends.dask_fields)
         return Plan(tuple(bounds), dask.delayed(_identity, pure=False)(cfg), None, inner)
     chunk_cfg = cfg if cfg.dense else cfg.replace(neighbours="dense")
     cfg_d = dask.delayed(_identity, pure=False)(chunk_cfg)  # one copy in the graph
     sparse = None
     if not cfg.dense:
-        d = lambda a: dask.delayed(_identity, pure=False)(a)  # noqa: E731
+        w = chunk_workers(bounds) if workers is None else workers
         # int64 rows for the CPU kernels (which read them at every evaluation); the GPU copies them once.
         sparse = tuple(
-            (owners, [None if t is None else d(t) for t in takes], d(local), d(msk))
-            for owners, takes, local, msk in _sparse_plan(cfg, bounds, wide_rows=inner != "cuda")
+            (
+                owners,
+                [None if t is None else at(w[s], _identity)(t) for s, t in zip(owners, takes, strict=True)],
+                at(w[j], _identity)(local),
+                at(w[j], _identity)(msk),
+            )
+            for j, (owners, takes, local, msk) in enumerate(
+                _sparse_plan(cfg, bounds, wide_rows=inner != "cuda")
+            )
         )
     return Plan(tuple(bounds), cfg_d, sparse, inner, uuid.uuid4().hex)
 
 
 def _graph(
-    chunk_arrays: list[dict], cfg, bounds: tuple[int, ...], validate: bool, pl: Plan | None = None
+    chunk_arrays: list[dict],
+    cfg,
+    bounds: tuple[int, ...],
+    validate: bool,
+    pl: Plan | None = None,
+    workers: list | None = None,
 ) -> list:
     """Delayed (terms, grads, warnings) of every chunk (steps 1-4 of the module docstring). ``pl``: a
-    (persisted) :class:`Plan` of ``cfg`` and ``bounds``, else one is made."""
+    (persisted) :class:`Plan` of ``cfg`` and ``bounds``, else one is made. ``workers``: the worker of
+    each chunk's tasks (default: :func:`chunk_workers` of the chunks' data)."""
     delayed = lambda f: dask.delayed(f, pure=False)  # noqa: E731
-    pl = plan(cfg, bounds) if pl is None else pl
     if _is_field(cfg):
         from .dask_fields import field_graph
 
-        return field_graph(chunk_arrays, cfg, bounds, validate, pl.inner)
-    cfg_d = pl.cfg
+        return field_graph(chunk_arrays, cfg, bounds, validate, "numba" if pl is None else pl.inner)
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    w = chunk_workers(bounds, chunk_arrays) if workers is None else workers  # chunk j's tasks on w[j]
+    pl = plan(cfg, bounds, workers=w) if pl is None else pl
+    cfg_d = pl.cfg
     population = None
     if _population_module(cfg) is not None:
-        sums = [delayed(_population_task)(a, cfg_d, pl.inner) for a in chunk_arrays]
+        sums = [at(w[j], _population_task)(a, cfg_d, pl.inner) for j, a in enumerate(chunk_arrays)]
         population = delayed(_population_mean)(bounds[-1], *sums)
     feats = [
-        delayed(_features_task)(a, cfg_d, population, r0, validate, pl.inner)
-        for a, (r0, _) in zip(chunk_arrays, spans, strict=True)
+        at(w[j], _features_task)(a, cfg_d, population, r0, validate, pl.inner)
+        for j, (a, (r0, _)) in enumerate(zip(chunk_arrays, spans, strict=True))
     ]
     # On a distributed scheduler with few chunks (one per GPU, say) each dense pair task reads every
     # chunk's rows itself, and only the rows it needs (a receiver task the senders' B; a sender task the
-    # receivers' A, c and row statistics): a task's own chunk's features are then its largest input, so
-    # the scheduler runs it beside them (the chunks' tasks stay spread over the workers as the chunks
-    # are), and a part crosses the network only once. With many chunks one gather task keeps the graph
-    # O(chunks); in one process (threads) the tasks share the one gathered copy instead of each stacking
-    # its own.
+    # receivers' A, c and row statistics): a part crosses the network only once. With many chunks one
+    # gather task keeps the graph O(chunks); in one process (threads) the tasks share the one gathered
+    # copy instead of each stacking its own.
     direct = len(feats) <= DIRECT_CHUNKS and _distributed()
     gather = (lambda parts: parts) if direct else (lambda parts: [delayed(_gather_rows)(*parts)])  # noqa: E731
-    senders = gather([delayed(_sender_rows)(f) for f in feats])
+    senders = gather([at(w[j], _sender_rows)(f) for j, f in enumerate(feats)])
     if cfg.dense and pl.inner == "numba":  # one pass: the fused CPU kernel, float64 shares in a tree
-        pairs = [delayed(_dense_pairs_task)(f, r0, *senders) for f, (r0, _) in zip(feats, spans, strict=True)]
+        pairs = [
+            at(w[j], _dense_pairs_task)(f, r0, *senders)
+            for j, (f, (r0, _)) in enumerate(zip(feats, spans, strict=True))
+        ]
         total = _tree(list(pairs), _add_shares)
-        gB_rows = [delayed(_dense_gB_rows)(total, r0, r1) for r0, r1 in spans]
+        gB_rows = [at(w[j], _dense_gB_rows)(total, r0, r1) for j, (r0, r1) in enumerate(spans)]
     elif cfg.dense:  # two passes (inner "cuda"): receivers, then senders from the row statistics
         pairs = [
-            delayed(_dense_receivers_task)(f, r0, pl.inner, *senders)
-            for f, (r0, _) in zip(feats, spans, strict=True)
+            at(w[j], _dense_receivers_task)(f, r0, pl.inner, *senders)
+            for j, (f, (r0, _)) in enumerate(zip(feats, spans, strict=True))
         ]
-        receivers = gather([delayed(_receiver_rows)(f, p) for f, p in zip(feats, pairs, strict=True)])
+        receivers = gather(
+            [at(w[j], _receiver_rows)(f, p) for j, (f, p) in enumerate(zip(feats, pairs, strict=True))]
+        )
         gB_rows = [
-            delayed(_dense_senders_task)(f, s0, pl.inner, *receivers)
-            for f, (s0, _) in zip(feats, spans, strict=True)
+            at(w[j], _dense_senders_task)(f, s0, pl.inner, *receivers)
+            for j, (f, (s0, _)) in enumerate(zip(feats, spans, strict=True))
         ]
     else:
-        sparse, task = pl.sparse, delayed(_sparse_pairs_task)
         pairs = []
-        for f, (owners, takes, local, msk), (r0, _) in zip(feats, sparse, spans, strict=True):
+        for j, (f, (owners, takes, local, msk), (r0, _)) in enumerate(
+            zip(feats, pl.sparse, spans, strict=True)
+        ):
             parts = [
-                feats[s] if t is None else delayed(_take_senders)(feats[s], t)
+                feats[s] if t is None else at(w[s], _take_senders)(feats[s], t)
                 for s, t in zip(owners, takes, strict=True)
             ]
-            pairs.append(task(f, parts, local, msk, r0, pl.inner, f"{pl.token}:{r0}"))
+            pairs.append(at(w[j], _sparse_pairs_task)(f, parts, local, msk, r0, pl.inner, f"{pl.token}:{r0}"))
         gB_rows = []
         for s, (s0, s1) in enumerate(spans):
-            users = [r for r, (owners, *_) in enumerate(sparse) if s in owners]
+            users = [r for r, (owners, *_) in enumerate(pl.sparse) if s in owners]
             if users:
-                parts = []
+                rows, shares = [], []
                 for r in users:
-                    pos = sparse[r][0].index(s)
-                    parts.append((pos, sparse[r][1][pos]))
-                gB_rows.append(delayed(_sparse_gB_rows)(s1 - s0, parts, *(pairs[r] for r in users)))
+                    pos = pl.sparse[r][0].index(s)
+                    rows.append(pl.sparse[r][1][pos])
+                    shares.append(at(w[r], _share_of)(pairs[r], pos))
+                gB_rows.append(at(w[s], _sparse_gB_rows)(s1 - s0, rows, *shares))
             else:  # nobody lists these agents: their gB is 0
-                gB_rows.append(delayed(_zero_rows)(feats[s]))
+                gB_rows.append(at(w[s], _zero_rows)(feats[s]))
     return [
-        delayed(_assembly_task)(a, cfg_d, population, r0, f, p, g, pl.inner)
-        for a, (r0, _), f, p, g in zip(chunk_arrays, spans, feats, pairs, gB_rows, strict=True)
+        at(w[j], _assembly_task)(a, cfg_d, population, r0, f, p, g, pl.inner)
+        for j, (a, (r0, _), f, p, g) in enumerate(
+            zip(chunk_arrays, spans, feats, pairs, gB_rows, strict=True)
+        )
     ]
 
 
@@ -781,6 +810,69 @@ def _client():
         return None
 
 
+def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None) -> list:
+    """Per chunk of ``bounds`` (chunk j: agents bounds[j] .. bounds[j + 1] - 1), the worker its tasks run
+    on, or None (threads: no placement).
+
+    With a distributed client, a chunk whose data ``parts[j]`` (its arrays: Futures, or Delayed blocks of
+    Dask arrays) the workers already hold goes where most of it is, as long as that worker's agents stay
+    within an even share (N / workers, plus half the largest chunk); the others are dealt to the workers
+    (sorted by address) in contiguous runs of agents, or to the least loaded one. A run's chunks
+    therefore keep their state, features, pair results, gradient and update on one worker from step to
+    step (only the rows other chunks read cross the network), and neighbouring chunks share a worker.
+    Left to itself the scheduler ran each task where its largest input was (a chunk's neighbour lists,
+    placed once where they fell) and moved state, features and pair results between workers at every
+    step: about nine times a chunk's state per step in a sparse run on 4 workers
+    (benchmarks/results/dask_gpu_h200x4_stop26.txt)."""
+    n_chunks = len(bounds) - 1
+    client = _client()
+    workers = [] if client is None else sorted(client.scheduler_info()["workers"])
+    if not workers:
+        return [None] * n_chunks
+    W, N = len(workers), bounds[-1]
+    sizes = [bounds[j + 1] - bounds[j] for j in range(n_chunks)]
+    dealt = [workers[min(W - 1, (bounds[j] + bounds[j + 1]) * W // (2 * N))] for j in range(n_chunks)]
+    cap = N / W + max(sizes) / 2
+    load = dict.fromkeys(workers, 0)
+    out: list = [None] * n_chunks
+    if parts is not None:
+        objs = [[v for v in (p.values() if isinstance(p, dict) else [p]) if hasattr(v, "key")] for p in parts]
+        # who_has takes the objects (it finds the Futures in their graphs), not bare keys
+        held = client.who_has([v for vs in objs for v in vs]) if any(objs) else {}
+        for j, vs in enumerate(objs):
+            count: dict = {}
+            for v in vs:
+                for w in held.get(v.key, ()):
+                    if w in load:
+                        count[w] = count.get(w, 0) + 1
+            for w in sorted(count, key=lambda w: (-count[w], w)):  # most of the chunk first, then by address
+                if load[w] + sizes[j] <= cap:
+                    out[j] = w
+                    load[w] += sizes[j]
+                    break
+    for j in range(n_chunks):  # the rest: dealt, or the least loaded worker when that one is full
+        if out[j] is None:
+            w = dealt[j] if load[dealt[j]] + sizes[j] <= cap else min(workers, key=lambda w: (load[w], w))
+            out[j] = w
+            load[w] += sizes[j]
+    return out
+
+
+def at(worker, f):
+    """``dask.delayed(f, pure=False)`` whose tasks prefer ``worker`` (None: anywhere). The restriction is
+    loose (``allow_other_workers``): when that worker is gone the tasks run elsewhere."""
+    d = dask.delayed(f, pure=False)
+    if worker is None:
+        return d
+
+    @functools.wraps(f)
+    def call(*args, **kwargs):
+        with dask.annotate(workers=[worker], allow_other_workers=True):
+            return d(*args, **kwargs)
+
+    return call
+
+
 def _workers_have_gpus() -> bool:
     """Whether the scheduler's workers see a CUDA GPU (the distributed client's workers, asked; else
     this process, whose threads run the tasks)."""
@@ -845,7 +937,10 @@ def energy_and_gradient_arrays(
         # and work stealing spread them only after a while (2 processes, N = 16 384: 1.8 -> 1.0 s).
         chunk_arrays = client.scatter(chunk_arrays, hash=False)
     _log_client()
-    (results,) = _reraise(dask.compute, _graph(chunk_arrays, cfg, bounds, False, plan(cfg, bounds, inner)))
+    w = chunk_workers(bounds, chunk_arrays)
+    (results,) = _reraise(
+        dask.compute, _graph(chunk_arrays, cfg, bounds, False, plan(cfg, bounds, inner, w), w)
+    )
     terms, recorded = _sum_terms(*results)
     _emit(recorded)
     grads = {k: np.concatenate([r[1][k] for r in results]) for k in results[0][1]}
@@ -888,7 +983,12 @@ def energy_and_gradient_dataset(
         chunks = state[next(iter(state.data_vars))].chunksizes.get("agent", (n,))
     bounds = chunk_bounds(n, chunks)
     state = rechunk(state, bounds)
-    pl = plan(cfg, bounds, inner)
+    pl = plan(
+        cfg,
+        bounds,
+        inner,
+        chunk_workers(bounds, blocks({k: state[k].data for k in state.data_vars})),
+    )
     summary, grads = lazy_energy({k: state[k].data for k in state.data_vars}, cfg, bounds, validate, pl)
     _log_client()
     summary, grads = _reraise(dask.persist, summary, grads)
@@ -951,13 +1051,20 @@ def chunk_energy(
     Delayed of one), not computed: ``summary`` a Delayed of (terms, recorded warnings), the gradients a
     Delayed dict per chunk. The graph of :func:`lazy_energy` without Dask arrays around it (cheaper to
     build inside a run's step)."""
-    results = _graph(parts, cfg, bounds, validate, pl)
-    grads = [dask.delayed(_pick_grads, pure=False)(r) for r in results]
-    return dask.delayed(_sum_terms, pure=False)(*results), grads
+    w = chunk_workers(bounds, parts)
+    results = _graph(parts, cfg, bounds, validate, pl, w)
+    grads = [at(w[j], _pick_grads)(r) for j, r in enumerate(results)]
+    terms = [at(w[j], _terms_of)(r) for j, r in enumerate(results)]  # not the chunks' gradients
+    return dask.delayed(_sum_terms, pure=False)(*terms), grads
 
 
 def _pick_grads(result):
     return result[1]
+
+
+def _terms_of(result):
+    """An assembly result without its gradients (what the terms' sum reads)."""
+    return result[0], None, result[2]
 
 
 def finish_terms(summary) -> dict[str, float]:

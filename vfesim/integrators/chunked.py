@@ -285,6 +285,12 @@ class _Layout:
     def starts(self) -> tuple[int, ...]:
         return self.bounds[:-1]
 
+    def workers(self) -> list:
+        """Per chunk, the worker its tasks run on (None: anywhere; ``dask_backend.chunk_workers``)."""
+        from ..backends.dask_backend import chunk_workers
+
+        return chunk_workers(self.bounds)
+
     def array(self, a) -> da.Array:
         """``a`` (NumPy or Dask, agents first) chunked at the run's bounds."""
         chunks = (self.sizes, *a.shape[1:])
@@ -393,20 +399,22 @@ def _make_flow(cfg, dt, layout: _Layout, friction: float, options) -> Integrator
             grads = getattr(carry, _CACHE)
         n = carry.step + 1
         sp, gp, ap = _blocks(arrays), _blocks(grads), _blocks(carry.aux)
-        task = dask.delayed(_flow_task, pure=False)
+        w = layout.workers()
         parts = [
-            task(shipped["rule"], layout.plan.cfg, sp[j], gp[j], ap[j] if ap else {}, n, r0, layout.inner)
+            _delayed(_flow_task, w[j])(
+                shipped["rule"], layout.plan.cfg, sp[j], gp[j], ap[j] if ap else {}, n, r0, layout.inner
+            )
             for j, r0 in enumerate(layout.starts)
         ]
-        sp = [_delayed(_merge)(sp[j], parts[j]) for j in range(len(parts))]
-        ap = [_delayed(_second)(p) for p in parts]
+        sp = [_delayed(_merge, w[j])(sp[j], parts[j]) for j in range(len(parts))]
+        ap = [_delayed(_second, w[j])(p) for j, p in enumerate(parts)]
         summary, gp = _chunk_energy(layout, cfg, sp, False)
         sp, ap, gp, summary = _reraise(dask.persist, sp, ap, gp, summary)
         terms = _finish(_reraise(summary.compute))
         if layout.inner == "cuda" and not all(math.isfinite(v) for v in terms.values()):
             # the device update checks finiteness only: the host guard names what went wrong
             guards = [
-                _delayed(_guard_task)(n, sp[j], layout.plan.cfg, ap[j] if ap else {}, r0)
+                _delayed(_guard_task, w[j])(n, sp[j], layout.plan.cfg, ap[j] if ap else {}, r0)
                 for j, r0 in enumerate(layout.starts)
             ]
             _reraise(dask.compute, guards)
@@ -487,7 +495,8 @@ def _make_const(method, cfg, dt, layout: _Layout, friction, seed, backend, optio
         state, aux = _chunk_arrays(layout, state, aux)
         arrays = {k: state[k].data for k in state.data_vars}
         summary, grads = _evaluate(layout, cfg, arrays, validate)
-        sums = [dask.delayed(_kinetic_task, pure=False)(c.p_names, a) for a in _blocks(aux)]
+        w = layout.workers()
+        sums = [_delayed(_kinetic_task, w[j])(c.p_names, a) for j, a in enumerate(_blocks(aux))]
         arrays, aux, grads, summary, sums = _reraise(dask.persist, arrays, aux, grads, summary, sums)
         summary, sums = _reraise(dask.compute, summary, sums)
         eterms = _finish(summary)
@@ -497,9 +506,11 @@ def _make_const(method, cfg, dt, layout: _Layout, friction, seed, backend, optio
         layout.fix(state)
         ship()
         state = _dataset(state, {k: layout.array(state[k].data) for k in state.data_vars})
+        w = layout.workers()
+        blocks = _blocks({k: state[k].data for k in state.data_vars})
         parts = [
-            dask.delayed(_init_task, pure=False)(shipped["c"], b, r0)
-            for b, r0 in zip(_blocks({k: state[k].data for k in state.data_vars}), layout.starts, strict=True)
+            _delayed(_init_task, w[j])(shipped["c"], b, r0)
+            for j, (b, r0) in enumerate(zip(blocks, layout.starts, strict=True))
         ]
         from ..backends.dask_backend import from_blocks
 
@@ -541,28 +552,30 @@ def _make_const(method, cfg, dt, layout: _Layout, friction, seed, backend, optio
         n = carry.step + 1
         arrays = {k: carry.state[k].data for k in carry.state.data_vars}
         sp, ap, gp = _blocks(arrays), _blocks(carry.aux), _blocks(grads)
+        w = layout.workers()
         summaries, valid = [], True
         for i, (kick, drift) in enumerate(table):
             if kick != 0.0 and not valid:
                 summary, gp = _chunk_energy(layout, cfg, sp, False)
                 summaries.append(summary)
                 valid = True
-            task = dask.delayed(_pair_task, pure=False)
             parts = [
-                task(shipped["c"], sp[j], ap[j], gp[j], kick, drift, i == 0, n, r0)
+                _delayed(_pair_task, w[j])(shipped["c"], sp[j], ap[j], gp[j], kick, drift, i == 0, n, r0)
                 for j, r0 in enumerate(layout.starts)
             ]
             if drift != 0.0:
-                sp = [_delayed(_merge)(sp[j], parts[j]) for j in range(len(parts))]
+                sp = [_delayed(_merge, w[j])(sp[j], parts[j]) for j in range(len(parts))]
                 valid = False
-            ap = [_delayed(_second)(p) for p in parts]
+            ap = [_delayed(_second, w[j])(p) for j, p in enumerate(parts)]
         if not valid:
             summary, gp = _chunk_energy(layout, cfg, sp, False)
             summaries.append(summary)
-        task = dask.delayed(_finish_task, pure=False)
-        parts = [task(shipped["c"], sp[j], ap[j], n, r0) for j, r0 in enumerate(layout.starts)]
-        ap = [_delayed(_first)(p) for p in parts]
-        sums = [_delayed(_second)(p) for p in parts]
+        parts = [
+            _delayed(_finish_task, w[j])(shipped["c"], sp[j], ap[j], n, r0)
+            for j, r0 in enumerate(layout.starts)
+        ]
+        ap = [_delayed(_first, w[j])(p) for j, p in enumerate(parts)]
+        sums = [_delayed(_second, w[j])(p) for j, p in enumerate(parts)]
         sp, ap, gp, summaries, sums = _reraise(dask.persist, sp, ap, gp, summaries, sums)
         summaries, sums = _reraise(dask.compute, summaries, sums)
         for s in summaries:
@@ -588,8 +601,11 @@ def _merge(arrays: dict, part) -> dict:
     return {**arrays, **part[0]}
 
 
-def _delayed(f):
-    return dask.delayed(f, pure=False)
+def _delayed(f, worker=None):
+    """``dask.delayed(f, pure=False)``, its tasks on ``worker`` (None: anywhere; ``dask_backend.at``)."""
+    from ..backends.dask_backend import at
+
+    return at(worker, f)
 
 
 def _chunk_energy(layout: _Layout, cfg, parts: list, validate: bool):
