@@ -161,7 +161,8 @@ def _tile_rows(D: int, itemsize: int, threads: int) -> int:
 # receiver pass of 2^18 receivers x 2^20 senders takes 526 ms in 1 slice (1024 blocks, 1.55 waves) and
 # 466 ms in 10-16, the sender pass 579 -> 487 ms, and at N = 2^16 both passes lose 15-30 % in 2 slices
 # against 24 (benchmarks/results/gpu_splits_h200.txt). At most SPLIT_MAX slices, each of at least four
-# tiles, and the slices' partial sums (S x owners x row_bytes) within SPLIT_BYTES.
+# tiles, and the slices' partial-sum buffers (S x owners x row_bytes: the caller counts its buffers) within
+# SPLIT_BYTES.
 SPLIT_BLOCKS = 4 if SIMULATOR else 12288
 SPLIT_MAX = 2 if SIMULATOR else 24
 SPLIT_BYTES = 128 << 20
@@ -185,9 +186,11 @@ def dense_splits(
 
 
 def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]:
-    """(S, chunk): N others cut into S slices of ``chunk`` rows, a multiple of ``threads``."""
+    """(S', chunk): N others cut into slices of ``chunk`` rows, a multiple of ``threads``, at most S of
+    them (S' <= S: rounding the slices up may leave fewer, none empty)."""
     chunk = -(-N // S)
-    return S, -(-chunk // threads) * threads
+    chunk = -(-chunk // threads) * threads
+    return max(1, -(-N // chunk)), chunk
 
 
 # Register caps (max_registers) of the dense kernels, (dtype, D) -> (stats, grads); absent or None: the

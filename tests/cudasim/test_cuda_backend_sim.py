@@ -403,7 +403,7 @@ def test_receiver_sums_follow_a_moving_maximum(aggregator, order, N):
     rank = {"rising": np.arange(N)[::-1], "falling": np.arange(N), "random": rng.permutation(N)}[order]
     B[:, 0] = 400.0 * rank / N  # small B[0] = large logit: "rising" meets ever larger logits
     c = rng.uniform(1.0, 2.0, N)
-    assert kc.dense_splits(N, kc.PAIR_OPT, kc.PAIR_THREADS)[0] == (2 if N == 16 else 1)
+    assert kc.dense_splits(N)[0] == (2 if N == 16 else 1)
     E, gA, gB, gc = pairwise_dense(A, B, c, kappa, aggregator)
     erow, gA_r, gc_r, gB_c = cb.pairwise_dense_rows(A, c, B, 0, kappa, aggregator)
     for got, want in [(gA_r, gA), (gc_r, gc), (gB_c, gB)]:

@@ -151,7 +151,8 @@ class _Workspace:
         # Dense pairs: sender slices of the streaming kernels; the GEMM path (large K) has one slice, and
         # so has a workspace whose pairs are given (``pairs`` False: no pair kernel writes into it).
         streaming = self.dense and mode == "kernels" and pairs
-        row_bytes = 2 * (D + 1) * np.dtype(dtype).itemsize  # two terms' partial sums per slice
+        # per slice and agent: two terms' gAr (D + 1), gBs (D), pm, ps, pt and, for "expected", gAx (D + 1)
+        row_bytes = 2 * (3 * D + 5) * np.dtype(dtype).itemsize
         self.S, self.chunk = kc.dense_splits(N, N, row_bytes) if streaming else (1, 0)
         self.buf: dict[str, Any] = {}
         self.dev: dict[str, Any] = {}
@@ -561,7 +562,8 @@ def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None
     k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
     nt = k["threads"]
     if splits is None:
-        S, chunk_s = kc.dense_splits(NR, N, (D + 1) * dt.itemsize, kc.PAIR_OPT, nt)
+        per_row = (D + 4 + (D + 1) * (aggregator == "expected")) * dt.itemsize  # gAr, pm, ps, pt (, gAx)
+        S, chunk_s = kc.dense_splits(NR, N, per_row, kc.PAIR_OPT, nt)
     else:
         S, chunk_s = kc.dense_slices(N, splits, nt)
     pm, ps, pt = (xp.empty((S, 1, NR), dt) for _ in range(3))
@@ -595,8 +597,10 @@ def _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0: int, aggregator: str, splits: i
     dt = Ah.dtype
     k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
     nt = k["threads"]
-    S = kc.dense_splits(NS, NR, D * dt.itemsize, kc.PAIR_OPT, nt)[0] if splits is None else splits
-    chunk_r = kc.dense_slices(NR, S, nt)[1]
+    if splits is None:
+        S, chunk_r = kc.dense_splits(NS, NR, D * dt.itemsize, kc.PAIR_OPT, nt)
+    else:
+        S, chunk_r = kc.dense_slices(NR, splits, nt)
     gBs = xp.empty((S, 1, NS, D), dt)
     v = kc.as_device_view
     nb_s = _cdiv(NS, nt * k["opt"])

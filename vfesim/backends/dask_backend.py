@@ -60,6 +60,7 @@ import inspect
 import logging
 import os
 import re
+import sys
 import threading
 import uuid
 import warnings
@@ -103,8 +104,8 @@ log = logging.getLogger("vfesim")
 
 # Kernels a task may run on its chunk ("cuda": the GPU of the worker that runs it).
 INNER = ("numba", "cuda")
-# Dense pair tasks on a distributed scheduler take every chunk's features directly up to this many chunks,
-# else (and in one process) one gathered copy.
+# Dense pair tasks on a distributed scheduler take every chunk's rows directly up to this many chunks, else
+# (and in one process) one gathered copy.
 DIRECT_CHUNKS = 16
 # A sparse receiver chunk reads only the rows it needs of another chunk when they are at most 1 /
 # TAKE_FRACTION of it (a ring's boundary rows), else the whole chunk; and only when its lists name at
@@ -190,8 +191,8 @@ DEVICE_LOCK = threading.RLock()
 
 
 def device_task(fn):
-    """``fn``, a task with an ``inner`` argument, holding :data:`DEVICE_LOCK` when inner is "cuda" and
-    returning once the device has finished its work."""
+    """``fn``, a task with an ``inner`` argument, holding :data:`DEVICE_LOCK` when inner is "cuda" (and,
+    on a distributed scheduler, returning once the device has finished its work)."""
     sig = inspect.signature(fn)
     default = sig.parameters["inner"].default
 
@@ -201,12 +202,12 @@ def device_task(fn):
             return fn(*args, **kwargs)
         with DEVICE_LOCK:
             out = fn(*args, **kwargs)
-            # The task ends when its kernels do: Dask's task stream (compute, transfer) and its estimates
-            # of task durations (for placing tasks) then see the GPU's time, not only the launches'.
-            from numba import cuda
-
-            if cuda.is_available():
-                cuda.synchronize()
+            # On a distributed scheduler the task ends when its kernels do: Dask's task stream (compute,
+            # transfer) and its estimates of task durations then see the GPU's time, not only the launches'.
+            # (CuPy is imported wherever a task ran kernels on a GPU; not under the CUDA simulator.)
+            cupy = sys.modules.get("cupy")
+            if cupy is not None and _distributed():
+                cupy.cuda.runtime.deviceSynchronize()
             return out
 
     return run
@@ -530,10 +531,12 @@ def _share_of(pair, s: int) -> list:
 
 
 def _sparse_gB_rows(n: int, rows: list, *shares):
-    """Per term, the gB (n, D) float64 of one sender chunk of n agents from ``shares``, the per-term
-    shares (:func:`_share_of`) of the receiver chunks that name it, ascending; ``rows[r]``: the chunk's
-    rows that share covers, or None for all. Summed in that order, each row's shares in the order of the
-    receiver chunks (rows a receiver chunk does not name get nothing from it: exact zeros before)."""
+    """Per term, the gB (n, D) float64 of one sender chunk of n agents from the receiver chunks that name
+    it, ascending: ``shares[r]`` is (their per-term shares, None) (:func:`_share_of`) or (their pair
+    result, the chunk's position among its sender parts); ``rows[r]``: the chunk's rows that share covers,
+    or None for all. Summed in that order, each row's shares in the order of the receiver chunks (rows a
+    receiver chunk does not name get nothing from it: exact zeros before)."""
+    shares = [sh if pos is None else _share_of(sh, pos) for sh, pos in shares]
     out = []
     for t in range(len(shares[0])):
         acc = None
@@ -632,8 +635,8 @@ class Plan:
 
 def plan(cfg, bounds: tuple[int, ...], inner: str = "numba", workers: list | None = None) -> Plan:
     """The :class:`Plan` of ``cfg`` chunked at ``bounds`` with the kernels ``inner`` (not persisted), its
-    parts beside the chunks that read them: chunk j's on ``workers[j]`` (default: dealt, see
-    :func:`chunk_workers`)."""
+    parts beside the tasks that read them: receiver chunk j's lists on ``workers[j]``, the rows taken of
+    chunk s on ``workers[s]`` (default: dealt, see :func:`chunk_workers`)."""
     if _is_field(cfg):  # the lists follow the support: computed in the graph (vfesim.backends.dask_fields)
         return Plan(tuple(bounds), dask.delayed(_identity, pure=False)(cfg), None, inner)
     chunk_cfg = cfg if cfg.dense else cfg.replace(neighbours="dense")
@@ -686,9 +689,9 @@ def _graph(
     ]
     # On a distributed scheduler with few chunks (one per GPU, say) each dense pair task reads every
     # chunk's rows itself, and only the rows it needs (a receiver task the senders' B; a sender task the
-    # receivers' A, c and row statistics): a part crosses the network only once. With many chunks one
-    # gather task keeps the graph O(chunks); in one process (threads) the tasks share the one gathered
-    # copy instead of each stacking its own.
+    # receivers' A, c and row statistics): a part travels once to each worker that reads it. With many
+    # chunks one gather task keeps the graph O(chunks); in one process (threads) the tasks share the one
+    # gathered copy instead of each stacking its own.
     direct = len(feats) <= DIRECT_CHUNKS and _distributed()
     gather = (lambda parts: parts) if direct else (lambda parts: [delayed(_gather_rows)(*parts)])  # noqa: E731
     senders = gather([at(w[j], _sender_rows)(f) for j, f in enumerate(feats)])
@@ -729,7 +732,9 @@ def _graph(
                 for r in users:
                     pos = pl.sparse[r][0].index(s)
                     rows.append(pl.sparse[r][1][pos])
-                    shares.append(at(w[r], _share_of)(pairs[r], pos))
+                    # across workers only the share travels: cut out beside the pair result
+                    far = w[r] is not None and w[r] != w[s]
+                    shares.append((at(w[r], _share_of)(pairs[r], pos), None) if far else (pairs[r], pos))
                 gB_rows.append(at(w[s], _sparse_gB_rows)(s1 - s0, rows, *shares))
             else:  # nobody lists these agents: their gB is 0
                 gB_rows.append(at(w[s], _zero_rows)(feats[s]))
@@ -817,32 +822,45 @@ def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None) -> list:
     With a distributed client, a chunk whose data ``parts[j]`` (its arrays: Futures, or Delayed blocks of
     Dask arrays) the workers already hold goes where most of it is, as long as that worker's agents stay
     within an even share (N / workers, plus half the largest chunk); the others are dealt to the workers
-    (sorted by address) in contiguous runs of agents, or to the least loaded one. A run's chunks
-    therefore keep their state, features, pair results, gradient and update on one worker from step to
-    step (only the rows other chunks read cross the network), and neighbouring chunks share a worker.
+    (sorted by address) in contiguous runs, each filled up to that share, or go to the least loaded one.
+    Chunks already where the dealt layout puts them stay (a run's chunks, placed so at its first step).
+    A run's chunks therefore keep their state, features, pair results, gradient and update on one
+    worker from step to step (only the rows other chunks read cross the network), and neighbouring
+    chunks share a worker.
     Left to itself the scheduler ran each task where its largest input was (a chunk's neighbour lists,
     placed once where they fell) and moved state, features and pair results between workers at every
     step: about nine times a chunk's state per step in a sparse run on 4 workers
     (benchmarks/results/dask_gpu_h200x4_stop26.txt)."""
     n_chunks = len(bounds) - 1
     client = _client()
-    workers = [] if client is None else sorted(client.scheduler_info()["workers"])
+    # nthreads: every worker (scheduler_info lists at most 5 on some distributed releases)
+    workers = [] if client is None else sorted(client.nthreads())
     if not workers:
         return [None] * n_chunks
     W, N = len(workers), bounds[-1]
     sizes = [bounds[j + 1] - bounds[j] for j in range(n_chunks)]
-    dealt = [workers[min(W - 1, (bounds[j] + bounds[j + 1]) * W // (2 * N))] for j in range(n_chunks)]
-    cap = N / W + max(sizes) / 2
+    share = N / W + max(sizes) / 2
+    dealt, k, filled = [], 0, 0  # contiguous runs, each worker filled up to the share
+    for n in sizes:
+        if filled and filled + n > share and k < W - 1:
+            k, filled = k + 1, 0
+        dealt.append(workers[k])
+        filled += n
+    # at least every dealt worker's load: chunks where the dealt layout put them stay there
+    cap = max(share, *(sum(n for n, d in zip(sizes, dealt, strict=True) if d == w) for w in workers))
     load = dict.fromkeys(workers, 0)
     out: list = [None] * n_chunks
     if parts is not None:
-        objs = [[v for v in (p.values() if isinstance(p, dict) else [p]) if hasattr(v, "key")] for p in parts]
-        # who_has takes the objects (it finds the Futures in their graphs), not bare keys
-        held = client.who_has([v for vs in objs for v in vs]) if any(objs) else {}
-        for j, vs in enumerate(objs):
+        keys = [
+            [v.key for v in (p.values() if isinstance(p, dict) else [p]) if hasattr(v, "key")] for p in parts
+        ]
+        # Only keys this client holds can be on a worker (a step's new tasks are not): no lookup otherwise.
+        mine = [k for ks in keys for k in ks if k in client.futures]
+        held = client.sync(client.scheduler.who_has, keys=mine) if mine else {}
+        for j, ks in enumerate(keys):
             count: dict = {}
-            for v in vs:
-                for w in held.get(v.key, ()):
+            for k in ks:
+                for w in held.get(k, ()):
                     if w in load:
                         count[w] = count.get(w, 0) + 1
             for w in sorted(count, key=lambda w: (-count[w], w)):  # most of the chunk first, then by address
@@ -860,7 +878,8 @@ def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None) -> list:
 
 def at(worker, f):
     """``dask.delayed(f, pure=False)`` whose tasks prefer ``worker`` (None: anywhere). The restriction is
-    loose (``allow_other_workers``): when that worker is gone the tasks run elsewhere."""
+    loose (``allow_other_workers``): when that worker is gone the tasks run elsewhere, and Dask's work
+    stealing may still move a task to an idle worker (its inputs travel then)."""
     d = dask.delayed(f, pure=False)
     if worker is None:
         return d
@@ -934,8 +953,14 @@ def energy_and_gradient_arrays(
     if (client := _client()) is not None and not _is_field(cfg):
         # Spread over the workers first (scattered data, not recomputed should a worker die mid-call):
         # chunks inside the graph all started on one worker, their tasks having no inputs to place them,
-        # and work stealing spread them only after a while (2 processes, N = 16 384: 1.8 -> 1.0 s).
-        chunk_arrays = client.scatter(chunk_arrays, hash=False)
+        # and work stealing spread them only after a while (2 processes, N = 16 384: 1.8 -> 1.0 s). Each
+        # chunk goes to its dealt worker (neighbouring chunks together), where its tasks then run.
+        dealt = chunk_workers(bounds)
+        for worker in dict.fromkeys(dealt):
+            js = [j for j, d in enumerate(dealt) if d == worker]
+            sent = client.scatter([chunk_arrays[j] for j in js], workers=[worker], hash=False)
+            for j, f in zip(js, sent, strict=True):
+                chunk_arrays[j] = f
     _log_client()
     w = chunk_workers(bounds, chunk_arrays)
     (results,) = _reraise(
@@ -983,13 +1008,9 @@ def energy_and_gradient_dataset(
         chunks = state[next(iter(state.data_vars))].chunksizes.get("agent", (n,))
     bounds = chunk_bounds(n, chunks)
     state = rechunk(state, bounds)
-    pl = plan(
-        cfg,
-        bounds,
-        inner,
-        chunk_workers(bounds, blocks({k: state[k].data for k in state.data_vars})),
-    )
-    summary, grads = lazy_energy({k: state[k].data for k in state.data_vars}, cfg, bounds, validate, pl)
+    arrays = {k: state[k].data for k in state.data_vars}
+    w = [None] * (len(bounds) - 1) if _is_field(cfg) else chunk_workers(bounds, blocks(arrays))
+    summary, grads = lazy_energy(arrays, cfg, bounds, validate, plan(cfg, bounds, inner, w), w)
     _log_client()
     summary, grads = _reraise(dask.persist, summary, grads)
     terms = finish_terms(_reraise(summary.compute))
@@ -1032,26 +1053,39 @@ def _pick_item(result, key, name):
 
 
 def lazy_energy(
-    arrays: dict[str, da.Array], cfg, bounds: tuple[int, ...], validate: bool, pl: Plan | None = None
+    arrays: dict[str, da.Array],
+    cfg,
+    bounds: tuple[int, ...],
+    validate: bool,
+    pl: Plan | None = None,
+    workers: list | None = None,
 ) -> tuple[Any, dict[str, da.Array]]:
     """(summary, grads) of agent-chunked Dask arrays (chunks at ``bounds``), not computed: ``summary``
     a Delayed of (terms, recorded warnings) (:func:`finish_terms` reports them), ``grads`` Dask arrays
     chunked like ``arrays`` for every floating variable. ``validate``: each chunk is validated in its
-    task (errors name global agents)."""
+    task (errors name global agents). ``workers``: each chunk's worker (default :func:`chunk_workers`)."""
     sizes = tuple(np.diff(bounds).tolist())
-    summary, parts = chunk_energy(blocks(arrays), cfg, bounds, validate, pl)
+    summary, parts = chunk_energy(blocks(arrays), cfg, bounds, validate, pl, workers)
     floats = {k: v for k, v in arrays.items() if np.issubdtype(v.dtype, np.inexact)}
     return summary, from_blocks(parts, None, floats, sizes)
 
 
 def chunk_energy(
-    parts: list, cfg, bounds: tuple[int, ...], validate: bool, pl: Plan | None = None
+    parts: list,
+    cfg,
+    bounds: tuple[int, ...],
+    validate: bool,
+    pl: Plan | None = None,
+    workers: list | None = None,
 ) -> tuple[Any, list]:
     """(summary, per-chunk gradients) of per-chunk state arrays ``parts`` (each a dict of arrays or a
     Delayed of one), not computed: ``summary`` a Delayed of (terms, recorded warnings), the gradients a
     Delayed dict per chunk. The graph of :func:`lazy_energy` without Dask arrays around it (cheaper to
     build inside a run's step)."""
-    w = chunk_workers(bounds, parts)
+    if _is_field(cfg):  # field graphs place nothing
+        w = [None] * (len(bounds) - 1)
+    else:
+        w = chunk_workers(bounds, parts) if workers is None else workers
     results = _graph(parts, cfg, bounds, validate, pl, w)
     grads = [at(w[j], _pick_grads)(r) for j, r in enumerate(results)]
     terms = [at(w[j], _terms_of)(r) for j, r in enumerate(results)]  # not the chunks' gradients

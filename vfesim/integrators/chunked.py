@@ -286,9 +286,13 @@ class _Layout:
         return self.bounds[:-1]
 
     def workers(self) -> list:
-        """Per chunk, the worker its tasks run on (None: anywhere; ``dask_backend.chunk_workers``)."""
-        from ..backends.dask_backend import chunk_workers
+        """Per chunk, the worker its tasks run on (None: anywhere): the chunks dealt to the current
+        workers (``dask_backend.chunk_workers``), the same while they stay; field agents: no placement
+        (their evaluation graph places nothing)."""
+        from ..backends.dask_backend import _is_field, chunk_workers
 
+        if _is_field(self.cfg):
+            return [None] * len(self.sizes)
         return chunk_workers(self.bounds)
 
     def array(self, a) -> da.Array:
@@ -343,7 +347,7 @@ def make_chunked(
 def _evaluate(layout: _Layout, cfg, arrays: dict, validate: bool):
     from ..backends.dask_backend import lazy_energy
 
-    return lazy_energy(arrays, cfg, layout.bounds, validate, layout.plan)
+    return lazy_energy(arrays, cfg, layout.bounds, validate, layout.plan, layout.workers())
 
 
 def _chunk_arrays(layout: _Layout, state: xr.Dataset, aux: dict) -> tuple[xr.Dataset, dict]:
@@ -611,7 +615,8 @@ def _delayed(f, worker=None):
 def _chunk_energy(layout: _Layout, cfg, parts: list, validate: bool):
     from ..backends.dask_backend import chunk_energy
 
-    return chunk_energy(parts, cfg, layout.bounds, validate, layout.plan)
+    # the run's placement: a step's parts are new tasks, placed like the rest of the step
+    return chunk_energy(parts, cfg, layout.bounds, validate, layout.plan, layout.workers())
 
 
 def _arrays(layout: _Layout, parts: list, like: dict) -> dict:

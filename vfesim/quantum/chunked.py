@@ -42,6 +42,7 @@ Method "fit" (a rollout fit of one Hamiltonian estimate, not a population run) i
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -55,7 +56,7 @@ from ..integrators import chunked as ch
 from ..integrators.base import Carry, DynamicsError
 from .channels import coupling_strengths, pair_distances
 from .config import QuantumConfig
-from .evolve import Prepared, _check, _per_agent, agent_update, resident
+from .evolve import Prepared, _check, _per_agent, agent_update
 from .flows import _exp_normalised, _log_floored
 from .frames import frames, spin_generators
 from .linalg import dagger
@@ -92,18 +93,22 @@ class _Window(NamedTuple):
     mask: Any
     takes: list | None = None
 
-    def parts(self, chunks: list) -> list:
+    def parts(self, chunks: list, workers: list) -> list:
         """The window's sender parts of per-chunk arrays ``chunks`` (Delayed): each named chunk, or the
-        rows of it the window reads."""
+        rows of it the window reads (cut out on ``workers[s]``, the named chunk's worker)."""
         takes = self.takes or [None] * len(self.owners)
         return [
-            chunks[s] if t is None else ch._delayed(_take)(chunks[s], t)
+            chunks[s] if t is None else ch._delayed(_take, workers[s])(chunks[s], t)
             for s, t in zip(self.owners, takes, strict=True)
         ]
 
 
 def _take(x, rows):
     return x[rows]
+
+
+def _identity(x):
+    return x
 
 
 def _own(a):
@@ -179,15 +184,24 @@ def _finish_chunk(new, n_step: int, r0: int, u) -> dict:
 _DEVICE_FIELDS = ("lam", "V", "T", "sigma", "l", "p", "U", "M", "eps_c", "gamma", "gamma_th")
 
 
+# Device copies of chunks' caches in this worker process, by the identity of their host eigenvalues
+# (dropped with them): not in the persisted caches themselves, which Dask may pickle (to move or spill).
+_ON_DEVICE: dict = {}
+
+
 def _on_device(P: Prepared, U_s, xp):
     """A chunk's caches (and its senders' frames) as arrays of ``xp``, made at its first step on a
-    device and kept in ``P.consts``: the persisted caches stay on their worker, so do their copies."""
-
-    def make():
+    device and kept in this process for the next: the persisted caches stay on their worker, so do the
+    copies."""
+    if xp is np:  # the CUDA simulator: host arrays already
+        return P, U_s
+    key = (id(P.lam), xp.__name__)
+    hit = _ON_DEVICE.get(key)
+    if hit is None:
         moved = {f: None if getattr(P, f) is None else xp.asarray(getattr(P, f)) for f in _DEVICE_FIELDS}
-        return P._replace(**moved, consts={}), xp.asarray(U_s)
-
-    return resident(P, xp, "device", P.lam, make)
+        hit = _ON_DEVICE[key] = (P._replace(**moved, consts={}), xp.asarray(U_s))
+        weakref.finalize(P.lam, _ON_DEVICE.pop, key, None)
+    return hit
 
 
 @device_task
@@ -286,7 +300,8 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
         else:
             index = np.asarray(cfg.neighbours.index, np.int64)
             spans = zip(layout.bounds[:-1], layout.bounds[1:], strict=True)
-            rows = [dask.delayed(index[r0:r1], traverse=False) for r0, r1 in spans]
+            w = layout.workers()  # each chunk's rows beside its tasks
+            rows = [ch._delayed(_identity, w[j])(index[r0:r1]) for j, (r0, r1) in enumerate(spans)]
             (rows,) = dask.persist(rows)
             windows = [  # the alignment terms' plan: its local rows and masks are on the workers already
                 _Window("sparse", owners, r, local, msk, takes)
@@ -298,10 +313,11 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
 
     def prepare_parts(parts: list, dtype) -> list:
         """Per chunk, the Delayed (Prepared, global senders) of :func:`_prepare_task`."""
-        U = [ch._delayed(_frames_task)(p["phi"], cfg.d, dtype) for p in parts]
+        w = layout.workers()
+        U = [ch._delayed(_frames_task, w[c])(p["phi"], cfg.d, dtype) for c, p in enumerate(parts)]
         n = layout.bounds[-1]
         return [
-            ch._delayed(_prepare_task)(shipped["dyn"], win, p, U[c], win.parts(U), n, r0)
+            ch._delayed(_prepare_task, w[c])(shipped["dyn"], win, p, U[c], win.parts(U, w), n, r0)
             for c, (win, p, r0) in enumerate(zip(shipped["windows"], parts, layout.starts, strict=True))
         ]
 
@@ -335,47 +351,49 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
     def channels(parts: list, prepared: list, n_step: int, uniforms: list) -> list:
         """Per chunk, the Delayed {"rho"[, "outcome"]} after the channels."""
         rho = [p["rho"] for p in parts]
+        w = layout.workers()
         out: list = []
         moved: list = []  # Gauss-Seidel: the states of the chunks before this one after the step
         for c, (win, r0) in enumerate(zip(shipped["windows"], layout.starts, strict=True)):
             if dyn.order == "jacobi":
-                task = ch._delayed(_jacobi_task)
-                args = (prepared[c], rho[c], win.parts(rho))
+                task = ch._delayed(_jacobi_task, w[c])
+                args = (prepared[c], rho[c], win.parts(rho, w))
                 kw = {"inner": layout.inner}
             else:
-                task = ch._delayed(_gauss_seidel_task)
-                olds = win.parts(rho)
-                news = win.parts(moved + rho[c:])
+                task = ch._delayed(_gauss_seidel_task, w[c])
+                olds = win.parts(rho, w)
+                news = win.parts(moved + rho[c:], w)
                 own = win.owners.index(c) if c in win.owners else -1
                 args = (prepared[c], rho[c], olds, news, own)
                 kw = {}
             out.append(task(dt, shipped["dyn"], *args, n_step, r0, uniforms[c], **kw))
-            moved.append(ch._delayed(_item)(out[c], "rho"))
+            moved.append(ch._delayed(_item, w[c])(out[c], "rho"))
         return out
 
     def mirror(parts: list, n_step: int) -> tuple[list, Any]:
         """``dyn.mirror_steps`` Armijo steps from the chunk states ``parts`` (Delayed dicts, not yet
         persisted) -> (persisted parts, the computed summary of the final state)."""
         known = None  # (computed summary, grads) of the current parts when already evaluated
+        w = layout.workers()
         for _ in range(dyn.mirror_steps):
             if known is None:
                 summary0, grads0 = ch._chunk_energy(layout, cfg, parts, False)
             else:
                 summary0, grads0 = known
-            G = [ch._delayed(_item)(g, "rho") for g in grads0]
-            log_x = [ch._delayed(_log_task)(p) for p in parts]
+            G = [ch._delayed(_item, w[j])(g, "rho") for j, g in enumerate(grads0)]
+            log_x = [ch._delayed(_log_task, w[j])(p) for j, p in enumerate(parts)]
             parts, G, log_x, summary0 = ch._reraise(dask.persist, parts, G, log_x, summary0)
             F0 = None
             eta = float(dyn.mirror_eta)
             for _ in range(dyn.max_backtracks + 1):
                 trials = [
-                    ch._delayed(_trial_task)(lx, g, p, eta, n_step, r0)
-                    for lx, g, p, r0 in zip(log_x, G, parts, layout.starts, strict=True)
+                    ch._delayed(_trial_task, w[j])(lx, g, p, eta, n_step, r0)
+                    for j, (lx, g, p, r0) in enumerate(zip(log_x, G, parts, layout.starts, strict=True))
                 ]
-                tparts = [ch._delayed(_item)(t, 0) for t in trials]
+                tparts = [ch._delayed(_item, w[j])(t, 0) for j, t in enumerate(trials)]
                 summary1, grads1 = ch._chunk_energy(layout, cfg, tparts, False)
-                decs = [ch._delayed(_item)(t, 1) for t in trials]
-                reports = [ch._delayed(_item)(t, 2) for t in trials]
+                decs = [ch._delayed(_item, w[j])(t, 1) for j, t in enumerate(trials)]
+                reports = [ch._delayed(_item, w[j])(t, 2) for j, t in enumerate(trials)]
                 tparts, grads1, summary1, decs, reports = ch._reraise(
                     dask.persist, tparts, grads1, summary1, decs, reports
                 )
@@ -412,7 +430,8 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
             rng_state = rng.bit_generator.state
             uniforms = [u[r0:r1] for r0, r1 in zip(layout.bounds[:-1], layout.bounds[1:], strict=True)]
         moved = channels(parts, prepared, n_step, uniforms)
-        parts = [ch._delayed(_merge)(p, m) for p, m in zip(parts, moved, strict=True)]
+        w = layout.workers()
+        parts = [ch._delayed(_merge, w[c])(p, m) for c, (p, m) in enumerate(zip(parts, moved, strict=True))]
         if dyn.mirror_steps:
             parts, summary = mirror(parts, n_step)
         else:
