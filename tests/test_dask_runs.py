@@ -292,6 +292,16 @@ def test_warnings_of_chunk_tasks_reach_the_caller_with_global_agents(method):
     assert texts and all("sigma_q[agent=6]" in t for t in texts), texts
 
 
+def _bytes_moved(client, scenario: dict, path) -> int:
+    """Bytes the workers received from each other while ``scenario`` ran on ``client``."""
+    client.wait_for_workers(2, timeout=30)
+    client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+    with client.as_current():
+        simulate(scenario, out=path, progress=False)
+    logs = client.run(lambda dask_worker: [e["total"] for e in dask_worker.transfer_incoming_log])
+    return sum(sum(v) for v in logs.values())
+
+
 def test_chunk_tasks_stay_with_their_chunk(client, tmp_path):
     """Every task of a chunk runs on the worker that holds the chunk (dask_backend.chunk_workers): a
     sparse gradient-flow run moves, per step, only the rows other chunks read and their gB shares
@@ -304,12 +314,7 @@ def test_chunk_tasks_stay_with_their_chunk(client, tmp_path):
         "integrator": {"method": "gradient_flow", "dt": 0.01},
         "run": {"n_steps": steps, "save_every": 100, "backend": "dask", "chunks": n // 8},
     }
-    client.wait_for_workers(2, timeout=30)
-    client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
-    with client.as_current():
-        simulate(scenario, out=tmp_path / "run.zarr", progress=False)
-    logs = client.run(lambda dask_worker: [e["total"] for e in dask_worker.transfer_incoming_log])
-    moved = sum(sum(v) for v in logs.values())
+    moved = _bytes_moved(client, scenario, tmp_path / "run.zarr")
     state_bytes = n * (3 + 9 + 3 + 9 + 3) * 8
     # At most the state once (its first placement) and, per step, a little (the boundary rows and
     # shares of 8 chunks, a few kB); the scheduler's own placement moved about 3 states per step here.
@@ -349,11 +354,6 @@ def test_density_matrix_chunk_tasks_stay_with_their_chunk(client, tmp_path):
         },
         "run": {"n_steps": steps, "save_every": 100, "backend": "dask", "chunks": n // 8},
     }
-    client.wait_for_workers(2, timeout=30)
-    client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
-    with client.as_current():
-        simulate(scenario, out=tmp_path / "run.zarr", progress=False)
-    logs = client.run(lambda dask_worker: [e["total"] for e in dask_worker.transfer_incoming_log])
-    moved = sum(sum(v) for v in logs.values())
+    moved = _bytes_moved(client, scenario, tmp_path / "run.zarr")
     state_bytes = n * (2 * 3 * 3 * 16 + 8 + 3 * 8)  # rho, hamiltonian, temperature, phi
     assert moved < 3 * state_bytes, (moved, state_bytes)  # about 2.2 states now (first placement, frames)
