@@ -336,6 +336,11 @@ def test_chunk_workers_follow_the_data_within_a_balanced_share(client):
         distributed.wait(x)
         got = chunk_workers(tuple(range(7)), blocks({"x": x}))
     assert got == [w1, w1, w1, w0, w0, w0]  # w1 keeps its share (3), the rest moves
+    with client.as_current():  # a run's placement: only the chunks of a departed worker move
+        gone = "tcp://gone:1"
+        assert chunk_workers((0, 1, 2, 3, 4), keep=[w1, gone, w1, gone]) == [w1, w0, w1, w0]
+        assert chunk_workers((0, 1, 2, 3, 4), keep=[w1, w1, w1, w0]) == [w1, w1, w1, w0]  # kept as it is
+        assert chunk_workers((0, 3, 6), keep=[gone, gone]) == [w0, w1]  # no worker left: dealt again
 
 
 def test_density_matrix_chunk_tasks_stay_with_their_chunk(client, tmp_path):

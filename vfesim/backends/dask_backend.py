@@ -815,9 +815,13 @@ def _client():
         return None
 
 
-def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None) -> list:
+def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None, keep: Sequence | None = None) -> list:
     """Per chunk of ``bounds`` (chunk j: agents bounds[j] .. bounds[j + 1] - 1), the worker its tasks run
     on, or None (threads: no placement).
+
+    ``keep``: an earlier placement (a run's): its chunks stay on their workers while those are alive,
+    and only the chunks of departed workers move, each to the worker with the fewest agents then (new
+    workers join that way too, not by a reshuffle).
 
     With a distributed client, a chunk whose data ``parts[j]`` (its arrays: Futures, or Delayed blocks of
     Dask arrays) the workers already hold goes where most of it is, as long as that worker's agents stay
@@ -839,6 +843,14 @@ def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None) -> list:
         return [None] * n_chunks
     W, N = len(workers), bounds[-1]
     sizes = [bounds[j + 1] - bounds[j] for j in range(n_chunks)]
+    if keep is not None and any(w in workers for w in keep):
+        out = [w if w in workers else None for w in keep]
+        load = {w: sum(n for n, o in zip(sizes, out, strict=True) if o == w) for w in workers}
+        for j, w in enumerate(out):
+            if w is None:
+                out[j] = min(workers, key=lambda w: (load[w], w))
+                load[out[j]] += sizes[j]
+        return out
     share = N / W + max(sizes) / 2
     dealt, k, filled = [], 0, 0  # contiguous runs, each worker filled up to the share
     for n in sizes:

@@ -257,6 +257,7 @@ class _Layout:
         self.cfg, self.chunks, self.inner = cfg, chunks, inner
         self.bounds: tuple[int, ...] | None = None
         self.plan = None
+        self.placed: list | None = None  # the chunks' workers (workers())
 
     def fix(self, state: xr.Dataset) -> None:
         from ..backends import dask_backend as db
@@ -274,7 +275,8 @@ class _Layout:
             db._check_neighbours(self.cfg, n)
             self.inner = db.resolve_inner(self.inner)
             self.bounds = bounds
-            self.plan = db.plan(self.cfg, bounds, self.inner).persist()
+            self.placed = None
+            self.plan = db.plan(self.cfg, bounds, self.inner, self.workers()).persist()
             db._log_client()
 
     @property
@@ -286,14 +288,16 @@ class _Layout:
         return self.bounds[:-1]
 
     def workers(self) -> list:
-        """Per chunk, the worker its tasks run on (None: anywhere): the chunks dealt to the current
-        workers (``dask_backend.chunk_workers``), the same while they stay; field agents: no placement
-        (their evaluation graph places nothing)."""
+        """Per chunk, the worker its tasks run on (None: anywhere): the chunks dealt to the workers at
+        the first call (``dask_backend.chunk_workers``), kept while those workers live; field agents: no
+        placement (their evaluation graph places nothing)."""
         from ..backends.dask_backend import _is_field, chunk_workers
 
         if _is_field(self.cfg):
             return [None] * len(self.sizes)
-        return chunk_workers(self.bounds)
+        # the run keeps its placement while its workers live (a lost worker's chunks move, nothing else)
+        self.placed = chunk_workers(self.bounds, keep=self.placed)
+        return self.placed
 
     def array(self, a) -> da.Array:
         """``a`` (NumPy or Dask, agents first) chunked at the run's bounds."""
