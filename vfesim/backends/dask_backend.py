@@ -888,6 +888,14 @@ def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None, keep: Se
     return out
 
 
+def graph_workers(
+    cfg, bounds: Sequence[int], parts: Sequence | None = None, keep: Sequence | None = None
+) -> list:
+    """:func:`chunk_workers` for ``cfg``'s evaluation graph: none for field agents (their graph,
+    :func:`vfesim.backends.dask_fields.field_graph`, places nothing)."""
+    return [None] * (len(bounds) - 1) if _is_field(cfg) else chunk_workers(bounds, parts, keep)
+
+
 def at(worker, f):
     """``dask.delayed(f, pure=False)`` whose tasks prefer ``worker`` (None: anywhere). The restriction is
     loose (``allow_other_workers``): when that worker is gone the tasks run elsewhere, and Dask's work
@@ -962,19 +970,17 @@ def energy_and_gradient_arrays(
     bounds = chunk_bounds(n, auto_chunk(cfg, n, arrays) if chunks is None else chunks)
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
     chunk_arrays = [{k: np.ascontiguousarray(v[r0:r1]) for k, v in arrays.items()} for r0, r1 in spans]
-    if (client := _client()) is not None and not _is_field(cfg):
-        # Spread over the workers first (scattered data, not recomputed should a worker die mid-call):
+    w = graph_workers(cfg, bounds)  # dealt (None: threads, or field agents)
+    if (client := _client()) is not None and w[0] is not None:
+        # Each chunk to its worker first (scattered data, not recomputed should a worker die mid-call):
         # chunks inside the graph all started on one worker, their tasks having no inputs to place them,
-        # and work stealing spread them only after a while (2 processes, N = 16 384: 1.8 -> 1.0 s). Each
-        # chunk goes to its dealt worker (neighbouring chunks together), where its tasks then run.
-        dealt = chunk_workers(bounds)
-        for worker in dict.fromkeys(dealt):
-            js = [j for j, d in enumerate(dealt) if d == worker]
+        # and work stealing spread them only after a while (2 processes, N = 16 384: 1.8 -> 1.0 s).
+        for worker in dict.fromkeys(w):
+            js = [j for j, d in enumerate(w) if d == worker]
             sent = client.scatter([chunk_arrays[j] for j in js], workers=[worker], hash=False)
             for j, f in zip(js, sent, strict=True):
                 chunk_arrays[j] = f
     _log_client()
-    w = chunk_workers(bounds, chunk_arrays)
     (results,) = _reraise(
         dask.compute, _graph(chunk_arrays, cfg, bounds, False, plan(cfg, bounds, inner, w), w)
     )
@@ -1021,7 +1027,7 @@ def energy_and_gradient_dataset(
     bounds = chunk_bounds(n, chunks)
     state = rechunk(state, bounds)
     arrays = {k: state[k].data for k in state.data_vars}
-    w = [None] * (len(bounds) - 1) if _is_field(cfg) else chunk_workers(bounds, blocks(arrays))
+    w = graph_workers(cfg, bounds, blocks(arrays))
     summary, grads = lazy_energy(arrays, cfg, bounds, validate, plan(cfg, bounds, inner, w), w)
     _log_client()
     summary, grads = _reraise(dask.persist, summary, grads)
@@ -1094,10 +1100,7 @@ def chunk_energy(
     Delayed of one), not computed: ``summary`` a Delayed of (terms, recorded warnings), the gradients a
     Delayed dict per chunk. The graph of :func:`lazy_energy` without Dask arrays around it (cheaper to
     build inside a run's step)."""
-    if _is_field(cfg):  # field graphs place nothing
-        w = [None] * (len(bounds) - 1)
-    else:
-        w = chunk_workers(bounds, parts) if workers is None else workers
+    w = graph_workers(cfg, bounds, parts) if workers is None else workers
     results = _graph(parts, cfg, bounds, validate, pl, w)
     grads = [at(w[j], _pick_grads)(r) for j, r in enumerate(results)]
     terms = [at(w[j], _terms_of)(r) for j, r in enumerate(results)]  # not the chunks' gradients

@@ -288,15 +288,16 @@ class _Layout:
         return self.bounds[:-1]
 
     def workers(self) -> list:
-        """Per chunk, the worker its tasks run on (None: anywhere): the chunks dealt to the workers at
-        the first call (``dask_backend.chunk_workers``), kept while those workers live; field agents: no
-        placement (their evaluation graph places nothing)."""
-        from ..backends.dask_backend import _is_field, chunk_workers
+        """Per chunk, the worker its tasks run on (None: anywhere), as last placed (:meth:`place`)."""
+        return self.place() if self.placed is None else self.placed
 
-        if _is_field(self.cfg):
-            return [None] * len(self.sizes)
-        # the run keeps its placement while its workers live (a lost worker's chunks move, nothing else)
-        self.placed = chunk_workers(self.bounds, keep=self.placed)
+    def place(self) -> list:
+        """Place the chunks on the live workers (one scheduler round trip; once per step): dealt at the
+        first call (``dask_backend.graph_workers``; field agents: no placement), then kept while their
+        workers live (a lost worker's chunks move, nothing else)."""
+        from ..backends.dask_backend import graph_workers
+
+        self.placed = graph_workers(self.cfg, self.bounds, keep=self.placed)
         return self.placed
 
     def array(self, a) -> da.Array:
@@ -407,7 +408,7 @@ def _make_flow(cfg, dt, layout: _Layout, friction: float, options) -> Integrator
             grads = getattr(carry, _CACHE)
         n = carry.step + 1
         sp, gp, ap = _blocks(arrays), _blocks(grads), _blocks(carry.aux)
-        w = layout.workers()
+        w = layout.place()
         parts = [
             _delayed(_flow_task, w[j])(
                 shipped["rule"], layout.plan.cfg, sp[j], gp[j], ap[j] if ap else {}, n, r0, layout.inner
@@ -560,7 +561,7 @@ def _make_const(method, cfg, dt, layout: _Layout, friction, seed, backend, optio
         n = carry.step + 1
         arrays = {k: carry.state[k].data for k in carry.state.data_vars}
         sp, ap, gp = _blocks(arrays), _blocks(carry.aux), _blocks(grads)
-        w = layout.workers()
+        w = layout.place()
         summaries, valid = [], True
         for i, (kick, drift) in enumerate(table):
             if kick != 0.0 and not valid:

@@ -51,7 +51,7 @@ import numpy as np
 import xarray as xr
 
 from ..arrays import host_array
-from ..backends.dask_backend import device_task
+from ..backends.dask_backend import _identity, device_task
 from ..integrators import chunked as ch
 from ..integrators.base import Carry, DynamicsError
 from .channels import coupling_strengths, pair_distances
@@ -105,10 +105,6 @@ class _Window(NamedTuple):
 
 def _take(x, rows):
     return x[rows]
-
-
-def _identity(x):
-    return x
 
 
 def _own(a):
@@ -419,6 +415,7 @@ def make_chunked(cfg: QuantumConfig, integ: dict, backend, seed: int) -> Quantum
             carry = restore(carry.state, carry.step, carry.aux, carry.rng_state)
             prepared = getattr(carry, _CACHE)
         n_step = carry.step + 1
+        layout.place()  # the step's tasks below read layout.workers()
         arrays = {k: carry.state[k].data for k in carry.state.data_vars}
         parts = ch._blocks(arrays)
         rng_state = carry.rng_state
