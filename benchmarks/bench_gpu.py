@@ -610,7 +610,9 @@ def cold_child(N: int, K: int, dtype: str, launched: float) -> None:
 
     CUDADispatcher.compile = timed_compile
     cfg = config(K, "belief")
+    t1 = time.perf_counter()
     state = vfesim.random_state(cfg, n_agents=N, seed=0, dtype=dtype)
+    t["state"] = time.perf_counter() - t1
 
     def phase(name, fn):
         t1 = time.perf_counter()
@@ -629,15 +631,26 @@ def cold_child(N: int, K: int, dtype: str, launched: float) -> None:
     print(json.dumps(dict(times=t, compiles=compiles)), flush=True)
 
 
+# A child without the dask extra (as a ``vfesim[gpu]`` install): with dask installed, xarray imports
+# dask.array when it builds its first Variable (its duck-array check), about a second on the GPU hosts.
+_WITHOUT_DASK = (
+    "import runpy, sys\n"
+    "sys.modules['dask'] = sys.modules['distributed'] = None  # import dask: ModuleNotFoundError\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
 def cold_start(out: Path) -> None:
     N, K, dtype = COLD_CASE
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, NUMBA_CACHE_DIR=f"{tmp}/numba", CUPY_CACHE_DIR=f"{tmp}/cupy")
-        for run in ("first ever", "second", "third"):
+        for run in ("first ever", "second", "third", "no dask", "no dask 2"):
             t0 = time.perf_counter()
-            cmd = [sys.executable, __file__, "--cold-child", str(N), str(K), dtype, repr(time.time())]
+            prelude = [sys.executable, "-c", _WITHOUT_DASK] if run.startswith("no dask") else [sys.executable]
+            cmd = [*prelude, __file__, "--cold-child", str(N), str(K), dtype, repr(time.time())]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             wall = time.perf_counter() - t0
             rec = json.loads(p.stdout.strip().splitlines()[-1])
@@ -648,7 +661,8 @@ def cold_start(out: Path) -> None:
 
 def format_cold(rows) -> str:
     r0 = rows[0]
-    phases = ["import", "energy_1", "energy_2", "init", "step_1", "step_2", "to_first_step"]
+    phases = ["import", "state", "energy_1", "energy_2", "integrator", "init", "step_1", "step_2"]
+    phases.append("to_first_step")
     lines = [
         f"# {r0['device']}: fresh processes, N = {r0['N']}, K = {r0['K']}, {r0['dtype']}, backend cuda,",
         "# verlet;",
@@ -660,6 +674,8 @@ def format_cold(rows) -> str:
         ),
         "# seconds per phase (energy_1: first vfesim.energy_and_gradient; step_1: first integrator step),",
         "# wall = the whole process; compile = numba kernel compilation (or loading from the disk cache).",
+        "# 'no dask': warm caches, dask hidden (a `vfesim[gpu]` install without the dask extra: with dask",
+        "# installed, xarray imports dask.array at its first Variable).",
         f"{'run':>10} " + " ".join(f"{p:>13}" for p in phases) + f" {'wall':>7} {'compile':>8}",
     ]
     for r in rows:
