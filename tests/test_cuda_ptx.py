@@ -213,19 +213,21 @@ def test_points_kernel_compiles_for_sm90(D, dtype, agg, name):
 
 @pytest.mark.parametrize(
     "owners, others, row_bytes",
-    [(262144, 1 << 20, 56), (1 << 20, 1 << 20, 56), (65536, 65536, 56), (65536, 65536, 272), (37, 12289, 8),
-     (12289, 5000, 8), (3, 3, 8)],
+    [(262144, 1 << 20, 56), (1 << 20, 1 << 20, 56), (1 << 20, 1 << 20, 280), (65536, 65536, 56),
+     (65536, 65536, 272), (37, 12289, 8), (12289, 5000, 8), (3, 3, 8)],
 )  # fmt: skip
 def test_dense_splits_cover_the_others_without_empty_slices(owners, others, row_bytes):
     """Slices of the other side: a multiple of the thread count each, none empty, together every row;
-    at most SPLIT_MAX, partial sums within SPLIT_BYTES (unless one slice), about SPLIT_BLOCKS blocks."""
+    at most SPLIT_MAX, partial sums within split_budget (unless one slice), about SPLIT_BLOCKS blocks."""
     from vfesim_kernels.cuda import pairwise as kp
 
     S, chunk = kc.dense_splits(owners, others, row_bytes)
     assert chunk % kc.PAIR_THREADS == 0 and 1 <= S <= kp.SPLIT_MAX
     assert (S - 1) * chunk < others <= S * chunk  # every slice has rows, together all of them
-    assert S == 1 or S * owners * row_bytes <= kp.SPLIT_BYTES
+    assert S == 1 or S * owners * row_bytes <= kp.split_budget(owners)
     blocks = -(-owners // (kc.PAIR_THREADS * kc.PAIR_OPT)) * S
     if (owners, others) == (262144, 1 << 20):  # a chunk of 2^20 agents on 4 GPUs: several waves
         assert blocks >= 8192
+    if (owners, others, row_bytes) == (1 << 20, 1 << 20, 280):  # the in-process Gaussian passes at 2^20
+        assert blocks >= 3 * 4096
     assert kc.dense_slices(12289, 24, 128) == (20, 640)  # rounding leaves 20 slices of 640, not 24

@@ -61,6 +61,7 @@ __all__ = [
     "make_points_kernels",
     "dense_splits",
     "dense_slices",
+    "split_budget",
     "ROW_THREADS",
 ]
 
@@ -162,10 +163,17 @@ def _tile_rows(D: int, itemsize: int, threads: int) -> int:
 # 466 ms in 10-16, the sender pass 579 -> 487 ms, and at N = 2^16 both passes lose 15-30 % in 2 slices
 # against 24 (benchmarks/results/gpu_splits_h200.txt). At most SPLIT_MAX slices, each of at least four
 # tiles, and the slices' partial-sum buffers (S x owners x row_bytes: the caller counts its buffers) within
-# SPLIT_BYTES.
+# :func:`split_budget`: SPLIT_BYTES, or SPLIT_OWNER_BYTES per owner for many owners (a fixed 128 MiB left the
+# in-process Gaussian passes at N = 2^20, 280 B per owner and slice, in one slice: 1.55 waves per pass).
 SPLIT_BLOCKS = 4 if SIMULATOR else 12288
 SPLIT_MAX = 2 if SIMULATOR else 24
 SPLIT_BYTES = 128 << 20
+SPLIT_OWNER_BYTES = 1024
+
+
+def split_budget(n_owners: int) -> int:
+    """Bytes the slices' partial sums of a launch over ``n_owners`` owners may take (see SPLIT_BLOCKS)."""
+    return max(SPLIT_BYTES, n_owners * SPLIT_OWNER_BYTES)
 
 
 def dense_splits(
@@ -181,7 +189,7 @@ def dense_splits(
     n_others = n_owners if n_others is None else n_others
     S = -(-SPLIT_BLOCKS // -(-n_owners // (threads * opt)))
     if not SIMULATOR:
-        S = min(S, n_others // (4 * threads), SPLIT_BYTES // max(1, n_owners * row_bytes))
+        S = min(S, n_others // (4 * threads), split_budget(n_owners) // max(1, n_owners * row_bytes))
     return dense_slices(n_others, max(1, min(S, SPLIT_MAX)), threads)
 
 
