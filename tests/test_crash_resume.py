@@ -27,6 +27,9 @@ from vfesim.simulate import simulate
 WRAPPER = r"""
 import os, signal, sys
 import zarr.storage
+# Ctrl-C as in a terminal: a background job of a non-interactive shell (a CI script's `cmd &`) starts with
+# SIGINT ignored, which vfesim respects (it routes only signals whose handler is Python's default).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 kill_at = int(os.environ.get("VFESIM_TEST_KILL_AT", "0"))
 n = 0
 orig = zarr.storage.LocalStore.set
