@@ -206,12 +206,14 @@ def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]
 # ptxas (sm_90, 128 threads) gives e.g. D = 10 float32 stats 94 / grads 154 registers, float64 156 / 164,
 # D = 16 float32 121 / 121, float64 222 / 221 (3, 3, 2 blocks of 128 threads per SM where 154-222); grads
 # of D = 10 float32 fits 128 registers without spilling (4 blocks). benchmarks/bench_gpu.py --tune-registers
-# measures caps; the table holds its best on an H100 (benchmarks/results/gpu_registers_h100_stop27.txt, the
-# pair kernels alone at N = 65 536, against no cap): D = 10 float32 0.953, float64 0.903 (4 blocks per SM
-# instead of 3), D = 16 float32 0.948, float64 0.930. Caps below these spill (D = 16 float64 at 96: 4.3x).
+# measures caps. On an H100 (benchmarks/results/gpu_registers_h100_stop27.txt, the pair kernels alone at
+# N = 65 536 in 24 slices, against no cap) the best were D = 10 float32 (80, 128) 0.953, float64 (128, 128)
+# 0.903, D = 16 float32 (96, 128) 0.948, float64 (168, 168) 0.930; caps below these spill (D = 16 float64
+# at 96: 4.3x). In whole calls (gpu_registers_ab_h100_stop27.txt) the D = 16 caps kept their gain (the
+# density-matrix energy + gradient at N = 65 536, d = 4: complex128 64.3 -> 59.6 ms, complex64 27.3 -> 25.3
+# ms), but the D = 10 ones made the Gaussian K = 3 energy slower (float32 19.8 -> 23.2 ms in the 7 slices of
+# its workspace): only the D = 16 caps are kept.
 DENSE_REGISTERS: dict = {
-    ("float32", 10): (80, 128),
-    ("float64", 10): (128, 128),
     ("float32", 16): (96, 128),
     ("float64", 16): (168, 168),
 }
