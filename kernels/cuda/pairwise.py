@@ -209,14 +209,12 @@ def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]
 # measures caps. On an H100 (benchmarks/results/gpu_registers_h100_stop27.txt, the pair kernels alone at
 # N = 65 536 in 24 slices, against no cap) the best were D = 10 float32 (80, 128) 0.953, float64 (128, 128)
 # 0.903, D = 16 float32 (96, 128) 0.948, float64 (168, 168) 0.930; caps below these spill (D = 16 float64
-# at 96: 4.3x). In whole calls (gpu_registers_ab_h100_stop27.txt) the D = 16 caps kept their gain (the
-# density-matrix energy + gradient at N = 65 536, d = 4: complex128 64.3 -> 59.6 ms, complex64 27.3 -> 25.3
-# ms), but the D = 10 ones made the Gaussian K = 3 energy slower (float32 19.8 -> 23.2 ms in the 7 slices of
-# its workspace): only the D = 16 caps are kept.
-DENSE_REGISTERS: dict = {
-    ("float32", 16): (96, 128),
-    ("float64", 16): (168, 168),
-}
+# at 96: 4.3x). In whole calls (gpu_registers_ab_h100_stop27.txt, two alternations) the D = 10 caps made the
+# Gaussian K = 3 energy slower (float32 19.8 -> 23.2 ms in the 7 slices of its workspace), and the D = 16
+# float32 cap sped the density-matrix pairs (d = 4, complex64) up at N = 65 536 (21.5 -> 20.5 ms) but
+# slowed them down at 16 384 (2.65 -> 3.17 ms). Only the D = 16 float64 cap won at every size (complex128
+# pairs 65 536: 57.9 -> 53.9 ms; 16 384: 5.56 -> 5.09 ms) and is kept.
+DENSE_REGISTERS: dict = {("float64", 16): (168, 168)}
 
 
 def dense_registers(D: int, dtype) -> tuple:
