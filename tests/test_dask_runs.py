@@ -341,6 +341,40 @@ def test_chunk_workers_follow_the_data_within_a_balanced_share(client):
         assert chunk_workers((0, 1, 2, 3, 4), keep=[w1, gone, w1, gone]) == [w1, w0, w1, w0]
         assert chunk_workers((0, 1, 2, 3, 4), keep=[w1, w1, w1, w0]) == [w1, w1, w1, w0]  # kept as it is
         assert chunk_workers((0, 3, 6), keep=[gone, gone]) == [w0, w1]  # no worker left: dealt again
+        # a worker that joined (w0 holds nothing): it takes the last chunks of the most loaded one
+        assert chunk_workers((0, 1, 2, 3, 4), keep=[w1, w1, w1, w1]) == [w1, w1, w0, w0]
+        assert chunk_workers((0, 2, 4, 5, 9), keep=[w1, w1, w1, w1]) == [w1, w1, w1, w0]  # by agents
+        assert chunk_workers((0, 1, 2), keep=[w1, w1]) == [w1, w0]
+        assert chunk_workers((0, 5), keep=[w1]) == [w1]  # fewer chunks than workers: nothing to move
+
+
+def test_a_worker_that_joins_a_run_takes_chunks():
+    """A run started on one worker: a second worker that joins between steps takes half the chunks at the
+    next step (the last ones), and the steps give the same states as on one worker."""
+    from distributed import get_task_stream
+
+    from vfesim.integrators import make_integrator
+
+    cfg = vfesim.ModelConfig(K=3, neighbours=vfesim.SparseNeighbours.ring(64, 2))
+    state = vfesim.random_state(cfg, 64, seed=1).chunk(agent=16)
+    want, _ = vfesim.run_dynamics(state.compute(), cfg, method="gradient_flow", dt=0.01, n_steps=2)
+    cluster = distributed.LocalCluster(
+        n_workers=1, threads_per_worker=1, dashboard_address=":0", silence_logs=logging.CRITICAL
+    )
+    with cluster, distributed.Client(cluster, set_as_default=False) as client, client.as_current():
+        integ = make_integrator("gradient_flow", cfg, 0.01, backend="dask")
+        carry = integ.step(integ.init(state))
+        (w0,) = client.scheduler_info()["workers"]
+        cluster.scale(2)
+        client.wait_for_workers(2, timeout=60)
+        with get_task_stream(client) as ts:
+            carry = integ.step(carry)
+        (w1,) = set(client.scheduler_info()["workers"]) - {w0}
+        flows = sorted((str(t["key"]), t["worker"]) for t in ts.data if "flow_task" in str(t["key"]))
+        assert len(flows) == 4 and sorted(w for _, w in flows) == sorted([w0, w0, w1, w1]), flows
+        got = carry.state.compute()
+    for k in ("mu_q", "sigma_q", "phi"):
+        np.testing.assert_allclose(got[k].values, want[k].values, rtol=1e-12, atol=1e-14, err_msg=k)
 
 
 def test_density_matrix_chunk_tasks_stay_with_their_chunk(client, tmp_path):

@@ -820,8 +820,9 @@ def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None, keep: Se
     on, or None (threads: no placement).
 
     ``keep``: an earlier placement (a run's): its chunks stay on their workers while those are alive,
-    and only the chunks of departed workers move, each to the worker with the fewest agents then (new
-    workers join that way too, not by a reshuffle).
+    and only the chunks of departed workers move, each to the worker with the fewest agents then. A
+    worker without a chunk (one that joined) then takes chunks from the most loaded workers, their
+    last ones first, until no two workers differ by more than the largest chunk (:func:`_fill_empty`).
 
     With a distributed client, a chunk whose data ``parts[j]`` (its arrays: Futures, or Delayed blocks of
     Dask arrays) the workers already hold goes where most of it is, as long as that worker's agents stay
@@ -850,7 +851,7 @@ def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None, keep: Se
             if w is None:
                 out[j] = min(workers, key=lambda w: (load[w], w))
                 load[out[j]] += sizes[j]
-        return out
+        return _fill_empty(out, sizes, load)
     share = N / W + max(sizes) / 2
     dealt, k, filled = [], 0, 0  # contiguous runs, each worker filled up to the share
     for n in sizes:
@@ -886,6 +887,25 @@ def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None, keep: Se
             out[j] = w
             load[w] += sizes[j]
     return out
+
+
+def _fill_empty(out: list, sizes: Sequence[int], load: dict) -> list:
+    """A kept placement ``out`` (worker per chunk; ``load``: agents per worker) after workers joined:
+    while a worker holds no chunk, move the last chunk of the most loaded worker to the least loaded one,
+    as long as they differ by more than the largest chunk (each move narrows the gap, so it ends). A
+    placement without an empty worker is returned as it is: a run's chunks move only when it grows."""
+    if min(load.values()) > 0:
+        return out
+    biggest = max(sizes)
+    while True:
+        hi = max(load, key=lambda w: (load[w], w))
+        lo = min(load, key=lambda w: (load[w], w))
+        if load[hi] - load[lo] <= biggest:
+            return out
+        j = max(j for j, w in enumerate(out) if w == hi)
+        out[j] = lo
+        load[hi] -= sizes[j]
+        load[lo] += sizes[j]
 
 
 def graph_workers(
