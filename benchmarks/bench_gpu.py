@@ -682,7 +682,7 @@ def format_cold(rows) -> str:
         tt = r["times"]
         lines.append(
             f"{r['run']:>10} "
-            + " ".join(f"{tt[p]:13.3f}" for p in phases)
+            + " ".join(f"{tt.get(p, float('nan')):13.3f}" for p in phases)  # rows from before a phase
             + f" {r['wall_s']:7.2f} {sum(r['compiles'].values()):8.2f}"
         )
     for r in rows:

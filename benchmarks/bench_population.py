@@ -5,8 +5,9 @@
 
 A population is drawn in blocks of 2^20 agents, each from its own stream, on ``threads`` threads; the
 result does not depend on their number. Prints, per thread count, the median wall time of ``--reps``
-draws, the speed-up over one thread and the thread-seconds spent in the covariances (``_random_spd``,
-summed over threads: equal to the one-thread time when the threads do not slow each other down). Writes
+draws, the speed-up over the first count of ``--threads`` (one by default) and the thread-seconds spent
+in the covariances (``_random_spd``, summed over threads: equal to the one-thread time when the threads
+do not slow each other down). Writes
 DIR/population.txt.
 """
 

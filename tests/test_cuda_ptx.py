@@ -229,5 +229,5 @@ def test_dense_splits_cover_the_others_without_empty_slices(owners, others, row_
     if (owners, others) == (262144, 1 << 20):  # a chunk of 2^20 agents on 4 GPUs: several waves
         assert blocks >= 8192
     if (owners, others, row_bytes) == (1 << 20, 1 << 20, 280):  # the in-process Gaussian passes at 2^20
-        assert blocks >= 3 * 4096
+        assert S == 3 and blocks == 3 * 4096  # 840 MB of partial sums (128 MiB would allow one slice)
     assert kc.dense_slices(12289, 24, 128) == (20, 640)  # rounding leaves 20 slices of 640, not 24

@@ -346,6 +346,30 @@ def test_chunk_workers_follow_the_data_within_a_balanced_share(client):
         assert chunk_workers((0, 2, 4, 5, 9), keep=[w1, w1, w1, w1]) == [w1, w1, w1, w0]  # by agents
         assert chunk_workers((0, 1, 2), keep=[w1, w1]) == [w1, w0]
         assert chunk_workers((0, 5), keep=[w1]) == [w1]  # fewer chunks than workers: nothing to move
+        # a first placement is kept as it is while no worker joins or leaves (the dealing may leave a
+        # worker without a chunk: a small last chunk; the balancing gives it one at once)
+        for b in [(0, 3, 6, 9, 12), (0, 5, 10, 15, 16), (0, 8, 9), (0, 1, 1, 4), (0, 100, 200, 300, 302)]:
+            first = chunk_workers(b)
+            assert chunk_workers(b, keep=first) == first, b
+        assert chunk_workers((0, 8, 9)) == [w0, w1]
+
+
+def test_fill_empty_gives_an_empty_worker_chunks_once():
+    """The balancing behind chunk_workers: a worker without agents takes the last non-empty chunks of the
+    most loaded workers until all are within the largest chunk; a placement without one is left alone."""
+    from vfesim.backends.dask_backend import _fill_empty
+
+    def fill(out, sizes, workers):
+        load = {w: sum(n for n, o in zip(sizes, out, strict=True) if o == w) for w in workers}
+        return _fill_empty(list(out), sizes, load)
+
+    # four workers dealt contiguous runs, the small last chunk beside the third: the fourth takes it
+    assert fill("abcc", [100, 100, 100, 2], "abcd") == list("abcd")
+    assert fill("aaaa", [1, 1, 1, 1], "ab") == list("aabb")  # a joined worker, last chunks first
+    assert fill("aaaa", [3, 3, 0, 0], "ab") == list("abaa")  # empty chunks are not moved
+    assert fill("abb", [2, 5, 1], "abc") == list("abc")
+    assert fill("aab", [5, 5, 1], "ab") == list("aab")  # unbalanced, but nobody empty: kept
+    assert fill("aa", [4, 4], "abc") == list("ab")  # more workers than chunks: c stays empty
 
 
 def test_a_worker_that_joins_a_run_takes_chunks():
@@ -370,8 +394,9 @@ def test_a_worker_that_joins_a_run_takes_chunks():
         with get_task_stream(client) as ts:
             carry = integ.step(carry)
         (w1,) = set(client.scheduler_info()["workers"]) - {w0}
-        flows = sorted((str(t["key"]), t["worker"]) for t in ts.data if "flow_task" in str(t["key"]))
-        assert len(flows) == 4 and sorted(w for _, w in flows) == sorted([w0, w0, w1, w1]), flows
+        assert integ.layout.placed == [w0, w0, w1, w1]
+        # (the restrictions are loose: Dask's work stealing may still move one of these tasks)
+        assert w1 in {t["worker"] for t in ts.data if "flow_task" in str(t["key"])}
         got = carry.state.compute()
     for k in ("mu_q", "sigma_q", "phi"):
         np.testing.assert_allclose(got[k].values, want[k].values, rtol=1e-12, atol=1e-14, err_msg=k)

@@ -165,6 +165,8 @@ def _tile_rows(D: int, itemsize: int, threads: int) -> int:
 # tiles, and the slices' partial-sum buffers (S x owners x row_bytes: the caller counts its buffers) within
 # :func:`split_budget`: SPLIT_BYTES, or SPLIT_OWNER_BYTES per owner for many owners (a fixed 128 MiB left the
 # in-process Gaussian passes at N = 2^20, 280 B per owner and slice, in one slice: 1.55 waves per pass).
+# The block count bounds the buffers too: S x owners stays near SPLIT_BLOCKS x threads x opt (3.1e6), so
+# the Gaussian workspace's slices take at most about 0.9 GB at any N (3 slices at 2^20, 1 from 2^22).
 SPLIT_BLOCKS = 4 if SIMULATOR else 12288
 SPLIT_MAX = 2 if SIMULATOR else 24
 SPLIT_BYTES = 128 << 20

@@ -821,8 +821,10 @@ def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None, keep: Se
 
     ``keep``: an earlier placement (a run's): its chunks stay on their workers while those are alive,
     and only the chunks of departed workers move, each to the worker with the fewest agents then. A
-    worker without a chunk (one that joined) then takes chunks from the most loaded workers, their
+    worker without agents (one that joined) then takes chunks from the most loaded workers, their
     last ones first, until no two workers differ by more than the largest chunk (:func:`_fill_empty`).
+    A first placement is balanced the same way, so that keeping it moves nothing while no worker joins
+    or leaves: ``chunk_workers(b, keep=chunk_workers(b)) == chunk_workers(b)``.
 
     With a distributed client, a chunk whose data ``parts[j]`` (its arrays: Futures, or Delayed blocks of
     Dask arrays) the workers already hold goes where most of it is, as long as that worker's agents stay
@@ -886,14 +888,16 @@ def chunk_workers(bounds: Sequence[int], parts: Sequence | None = None, keep: Se
             w = dealt[j] if load[dealt[j]] + sizes[j] <= cap else min(workers, key=lambda w: (load[w], w))
             out[j] = w
             load[w] += sizes[j]
-    return out
+    return _fill_empty(out, sizes, load)
 
 
 def _fill_empty(out: list, sizes: Sequence[int], load: dict) -> list:
-    """A kept placement ``out`` (worker per chunk; ``load``: agents per worker) after workers joined:
-    while a worker holds no chunk, move the last chunk of the most loaded worker to the least loaded one,
-    as long as they differ by more than the largest chunk (each move narrows the gap, so it ends). A
-    placement without an empty worker is returned as it is: a run's chunks move only when it grows."""
+    """A placement ``out`` (worker per chunk; ``load``: agents per worker, every live worker) with a
+    worker that holds no agents (one that joined, or one the dealing left without a chunk): move the
+    last non-empty chunk of the most loaded worker to the least loaded one, as long as they differ by
+    more than the largest chunk. Each move lowers the sum of squared loads, so it ends, with every
+    worker within the largest chunk of the others. A placement in which every worker holds agents is
+    returned as it is: a run's chunks move only when a worker joins or leaves."""
     if min(load.values()) > 0:
         return out
     biggest = max(sizes)
@@ -902,7 +906,7 @@ def _fill_empty(out: list, sizes: Sequence[int], load: dict) -> list:
         lo = min(load, key=lambda w: (load[w], w))
         if load[hi] - load[lo] <= biggest:
             return out
-        j = max(j for j, w in enumerate(out) if w == hi)
+        j = max(j for j, w in enumerate(out) if w == hi and sizes[j] > 0)
         out[j] = lo
         load[hi] -= sizes[j]
         load[lo] += sizes[j]

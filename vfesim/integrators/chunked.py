@@ -294,7 +294,8 @@ class _Layout:
     def place(self) -> list:
         """Place the chunks on the live workers (one scheduler round trip; once per step): dealt at the
         first call (``dask_backend.graph_workers``; field agents: no placement), then kept while their
-        workers live (a lost worker's chunks move, nothing else)."""
+        workers live: a lost worker's chunks move, and a worker that joined takes chunks from the most
+        loaded ones; nothing else moves."""
         from ..backends.dask_backend import graph_workers
 
         self.placed = graph_workers(self.cfg, self.bounds, keep=self.placed)
