@@ -166,12 +166,15 @@ def stream_split(stream: list[dict], n_workers: int, wall: float) -> tuple[float
 
 def task_split(stream: list[dict], n_workers: int, top: int = 8) -> str:
     """Where the compute went, by task function: 'name seconds' for the ``top`` largest (summed over
-    workers and divided by their number), largest first."""
+    workers and divided by their number), largest first. Tasks that Dask fused into a Zarr store
+    (``...-stack-store-map``, named after their first part, e.g. ``concatenate-from-value``) are counted
+    as ``zarr-store``."""
     from dask.utils import key_split
 
     acc: dict[str, float] = {}
     for task in stream:
-        name = key_split(task["key"])
+        key = task["key"][0] if isinstance(task["key"], tuple) else task["key"]
+        name = "zarr-store" if "store-map" in str(key) else key_split(task["key"])
         for ss in task.get("startstops", ()):
             if ss["action"] == "compute":
                 acc[name] = acc.get(name, 0.0) + (ss["stop"] - ss["start"]) / n_workers
