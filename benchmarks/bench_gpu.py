@@ -609,6 +609,15 @@ def cold_child(N: int, K: int, dtype: str, launched: float) -> None:
         return r
 
     CUDADispatcher.compile = timed_compile
+    from vfesim_kernels.cuda import ahead
+
+    compile_ahead, reports = ahead.compile_ahead, []
+
+    def reported_ahead(jobs, n_workers=None):  # the backend's compile ahead (parallel processes)
+        reports.append(compile_ahead(jobs, n_workers))
+        return reports[-1]
+
+    ahead.compile_ahead = reported_ahead
     cfg = config(K, "belief")
     t1 = time.perf_counter()
     state = vfesim.random_state(cfg, n_agents=N, seed=0, dtype=dtype)
@@ -628,7 +637,7 @@ def cold_child(N: int, K: int, dtype: str, launched: float) -> None:
     carry = phase("step_1", lambda: integ.step(carry))
     phase("step_2", lambda: integ.step(carry))
     t["to_first_step"] = time.perf_counter() - t0  # from the launch, imports included
-    print(json.dumps(dict(times=t, compiles=compiles)), flush=True)
+    print(json.dumps(dict(times=t, compiles=compiles, ahead=reports)), flush=True)
 
 
 # A child without the dask extra (as a ``vfesim[gpu]`` install): with dask installed, xarray imports
@@ -673,7 +682,8 @@ def format_cold(rows) -> str:
             else []
         ),
         "# seconds per phase (energy_1: first vfesim.energy_and_gradient; step_1: first integrator step),",
-        "# wall = the whole process; compile = numba kernel compilation (or loading from the disk cache).",
+        "# wall = the whole process; compile = numba kernel compilation in the process (or loading from the",
+        "# disk cache; the kernels compiled ahead in other processes are listed below).",
         "# 'no dask': warm caches, dask hidden (a `vfesim[gpu]` install without the dask extra: with dask",
         "# installed, xarray imports dask.array at its first Variable).",
         f"{'run':>10} " + " ".join(f"{p:>13}" for p in phases) + f" {'wall':>7} {'compile':>8}",
@@ -685,6 +695,13 @@ def format_cold(rows) -> str:
             + " ".join(f"{tt.get(p, float('nan')):13.3f}" for p in phases)  # rows from before a phase
             + f" {r['wall_s']:7.2f} {sum(r['compiles'].values()):8.2f}"
         )
+    for r in rows:
+        for a in r.get("ahead", []):
+            if a["compiled"]:
+                lines.append(
+                    f"# compiled ahead in '{r['run']}': {a['compiled']} kernels in {a['workers']} processes"
+                    f" ({a['loaded']} loaded from the cache), {a['seconds']:.2f} s"
+                )
     for r in rows:
         if r["compiles"]:
             top = sorted(r["compiles"].items(), key=lambda kv: -kv[1])

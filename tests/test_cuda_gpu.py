@@ -375,3 +375,54 @@ def test_dense_kernels_honour_register_caps(monkeypatch):
     assert got[0] == pytest.approx(want[0], rel=1e-5)
     for x, y in zip(got[1:], want[1:], strict=True):
         np.testing.assert_allclose(cp.asnumpy(x), cp.asnumpy(y), rtol=1e-4, atol=1e-5 * float(abs(y).max()))
+
+
+AHEAD_SCRIPT = """
+import json, sys
+from importlib import import_module
+import numpy as np
+import vfesim
+from vfesim.backends import cuda_backend as cb
+from vfesim.integrators import make_integrator
+
+K, dtype, dense = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "dense"
+n = 600
+lists = [[(i + 1) % n, (i + 7) % n] for i in range(n)]
+nbrs = "dense" if dense else vfesim.SparseNeighbours.from_lists(lists)
+cfg = vfesim.ModelConfig(K=K, neighbours=nbrs, lambda_prior=0.5)
+s = vfesim.random_state(cfg, n_agents=n, seed=0, dtype=dtype)
+vfesim.energy_and_gradient(s, cfg, backend="cuda")
+for method in ("verlet", "gradient_flow"):
+    integ = make_integrator(method, cfg, 1e-3, backend="cuda", seed=1)
+    integ.step(integ.init(s))
+planned = {}
+for j in cb.gaussian_jobs(K, dtype, cfg.aggregator, dense):
+    planned.setdefault((j.module, j.factory, j.args), set()).add((j.kernel, j.argtypes()))
+unplanned, used = [], 0
+for (m, f, a), sigs in planned.items():
+    for name, disp in getattr(import_module(m), f)(*a).items():
+        for argtypes in getattr(disp, "overloads", {}):
+            used += (name, argtypes) in sigs
+            if (name, argtypes) not in sigs:
+                unplanned.append(f"{f}.{name}{argtypes}")
+print(json.dumps({"unplanned": unplanned, "used": used, "planned": sum(map(len, planned.values()))}))
+"""
+
+
+@pytest.mark.parametrize(
+    "K, dtype, pairs", [(3, "float32", "dense"), (3, "float64", "sparse"), (9, "float32", "dense")]
+)
+def test_a_first_run_launches_only_kernels_compiled_ahead(tmp_path, K, dtype, pairs):
+    """A process with an empty kernel cache compiles its kernels ahead (vfesim_kernels.cuda.ahead) with
+    the signatures its launches then use: no launch compiles another specialisation."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), VFESIM_COMPILE_WORKERS="4")
+    cmd = [sys.executable, "-c", AHEAD_SCRIPT, str(K), dtype, pairs]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["unplanned"] == [], out
+    assert out["used"] >= out["planned"] - 4, out  # at most the unused update kernels (adam, ...) idle

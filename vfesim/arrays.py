@@ -29,32 +29,12 @@ def is_host(a) -> bool:
     return isinstance(a, np.ndarray)
 
 
-_MAX_ABS_KERNEL = None
-
-
-def _max_abs_kernel():
-    """A CuPy reduction: max |x| over an array, +inf where any entry is NaN or Inf (one pass)."""
-    global _MAX_ABS_KERNEL
-    if _MAX_ABS_KERNEL is None:
-        import cupy
-
-        _MAX_ABS_KERNEL = cupy.ReductionKernel(
-            "T x",
-            "float64 y",
-            "isfinite((double)x) ? fabs((double)x) : CUDART_INF",
-            "max(a, b)",
-            "y = a",
-            "0.0",
-            "vfesim_max_abs",
-        )
-    return _MAX_ABS_KERNEL
-
-
 def max_abs(arrays) -> list[float]:
     """max |x| of each array as a host float, +inf for an array with a NaN or Inf entry (0 when empty).
 
-    Device (CuPy) arrays: one reduction kernel per array and a single device-to-host transfer for all
-    of them, the cheap first pass of input and output checks (a failing array is then examined in detail).
+    Device (CuPy) arrays: two launches of a numba reduction kernel per array
+    (:func:`vfesim_kernels.cuda.reduce.max_abs`) and a single device-to-host transfer for all of them,
+    the cheap first pass of input and output checks (a failing array is then examined in detail).
     Complex arrays are reduced over their real and imaginary parts.
     """
     arrays = list(arrays)
@@ -69,10 +49,6 @@ def max_abs(arrays) -> list[float]:
             m = float(np.abs(v).max(initial=0.0))
             out.append(m if np.isfinite(v).all() else float("inf"))
         return out
-    k = _max_abs_kernel()
-    parts = []
-    for a in arrays:
-        v = xp.ascontiguousarray(a)
-        v = v.view(v.real.dtype) if xp.iscomplexobj(v) else v
-        parts.append(k(v.ravel()) if v.size else xp.zeros((), np.float64))
-    return [float(x) for x in xp.stack(parts).tolist()]
+    from vfesim_kernels.cuda import reduce  # numba kernels: no CUB program for NVRTC to compile
+
+    return reduce.max_abs(arrays)

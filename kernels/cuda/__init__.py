@@ -9,6 +9,9 @@
   covariances' SPD verdicts and condition-number bounds) in one launch;
 - :mod:`.quantum`: density-matrix per-agent stages (Jacobi eigensolver, Daleckii–Krein adjoints), one
   thread per agent;
+- :mod:`.ahead`: compiling the kernels a computation will launch ahead of it, in parallel processes;
+- :mod:`.reduce`: whole-array sums and max |x| (numba kernels instead of CuPy's CUB reductions, which
+  NVRTC compiles in every first-ever process);
 - :mod:`.gaussian`: Gaussian per-agent stages, one source for two launch shapes: one thread per agent
   (small K) and one thread block per agent (large K).
 Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run on NumPy arrays.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checks, gaussian, quantum
+from . import ahead, checks, gaussian, quantum, reduce
 from .core import (
     BLOCK,
     PAIR_OPT,
@@ -53,9 +56,11 @@ from .pairwise import (
 from .quantum import make_quantum_kernels
 
 __all__ = [
+    "ahead",
     "checks",
     "gaussian",
     "quantum",
+    "reduce",
     "SIMULATOR",
     "cuda",
     "as_device_view",
@@ -160,7 +165,7 @@ def block_kernel_signatures(K: int, dtype: str) -> dict[str, str]:
     thread per agent) and of the GEMM-path row kernel (``rows``, :func:`make_gemm_row_kernel`)."""
     sigs = kernel_signatures(K, dtype)
     f = "float32" if np.dtype(dtype) == np.float32 else "float64"
-    rows = f"void({f}[:, ::1], {f}[:], int64, {f}[::1], {f}[::1])"
+    rows = f"void({f}[:, ::1], {f}[::1], int64, {f}[::1], {f}[::1])"
     return {
         "rows": rows,
         "prep": sigs["prep"],

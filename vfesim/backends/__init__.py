@@ -67,6 +67,9 @@ class Backend:
     dataset_energy_and_gradient(state, cfg, validate=..., **options) -> (terms, grads Dataset): set by a
         backend that runs whole state Datasets itself (dask: chunked states stay chunked); it takes the
         backend's keyword options of :func:`energy_and_gradient`.
+    prepare(arrays, cfg): get ready what a first evaluation of ``cfg`` on ``arrays`` (on this backend's
+        device) needs, before the state checks run (cuda: compile the missing kernels in parallel
+        processes); None where there is nothing to prepare.
     """
 
     name: str
@@ -80,6 +83,7 @@ class Backend:
     on_device: bool = False
     dataset_energy_and_gradient: Callable | None = None
     pairwise_points: Callable | None = None
+    prepare: Callable[[dict, Any], None] | None = None
 
     def energy_and_gradient(self, arrays: dict[str, Any], cfg) -> tuple[dict[str, float], dict[str, Any]]:
         """Terms and exact gradient of ``cfg``'s family for raw arrays on this backend's device (no
@@ -188,6 +192,8 @@ def energy_and_gradient(
         )
     given = {k: state.variables[k].data for k in state.data_vars}
     arrays = be.to_device(given)
+    if be.prepare is not None:
+        be.prepare(arrays, cfg)
     if validate:
         # Where the arrays will be used: on a GPU, one transfer and device-side checks.
         on_device = any(a is not given[k] for k, a in arrays.items())

@@ -128,6 +128,69 @@ class FirstUse:
 FIRST_USE = FirstUse()
 
 
+def gaussian_jobs(K: int, dtype: str, aggregator: str, dense: bool) -> list:
+    """The kernels (:class:`vfesim_kernels.cuda.ahead.Job`) a first Gaussian evaluation of latent
+    dimension K in ``dtype`` launches, with its state checks, reductions and the integrators' update
+    kernels, the costliest first (H100 compile times, stop 27: adjoint 2.3 s, state check 2.0, kick_drift
+    1.6, prep 1.4, self_kl 1.3, the dense pair kernels 0.5-1.1)."""
+    from vfesim_kernels import update_cuda as uc
+
+    dt = np.dtype(dtype).name
+    mode = _mode(K, np.dtype(dtype))
+    jobs: list = []
+
+    def add(module, factory: str, args: tuple, sigs: dict, *names: str) -> None:
+        jobs.extend(kc.ahead.Job(module.__name__, factory, args, n, sigs[n]) for n in names)
+
+    sigs, usigs = kc.kernel_signatures(K, dt), uc.kernel_signatures(dt)
+    agent = {
+        "kernels": ("make_agent_kernels", (K, dt), sigs),
+        "block": ("make_block_kernels", (K, dt, BLOCK_MAX_REGISTERS), kc.block_kernel_signatures(K, dt)),
+    }.get(mode)  # "batched": CuPy array code
+    if agent:
+        add(kc.gaussian, *agent, "adjoint", "prep")
+    add(kc.checks, "make_check_kernels", (K, dt, K >= kc.checks.WARP_FROM_K), sigs, "state")
+    add(uc, "make_update_kernels", (K,), usigs, "kick_drift", "gradient_flow")
+    if agent:
+        add(kc.gaussian, *agent, "self_kl", "features")
+    D = kc.feature_dim(K)
+    if not dense:
+        add(kc.pairwise, "make_sparse_kernels", (D, dt, aggregator), sigs, "rows", "senders")
+    elif mode == "kernels":
+        args = (D, dt, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+        add(kc.pairwise, "make_dense_kernels", args, sigs, "grads", "stats", "merge")
+    else:  # dense pairs by GEMMs and their row kernel
+        add(kc.pairwise, "make_gemm_row_kernel", (dt, aggregator), kc.block_kernel_signatures(K, dt), "rows")
+    add(uc, "make_update_kernels", (K,), usigs, "adam", "theta_to_sigma")
+    for f in dict.fromkeys((dt, "float64")):  # first passes over dt, second over float64
+        rsigs = kc.reduce.reduce_signatures(f)
+        add(kc.reduce, "make_reduce_kernels", (), rsigs, "partial_sum", "partial_max_abs")
+    return jobs
+
+
+_PREPARED: set = set()
+
+
+def prepare(arrays: dict, cfg) -> None:
+    """Get the kernels a first evaluation of ``cfg`` on ``arrays`` (and an integrator's steps) will launch
+    ready before it: the ones the disk cache lacks compile in parallel processes
+    (:func:`vfesim_kernels.cuda.ahead.compile_ahead`). Once per configuration and process; Gaussian
+    agents (other families compile at first launch)."""
+    if SIMULATOR or not isinstance(cfg, ModelConfig) or "mu_q" not in arrays:
+        return
+    mu = arrays["mu_q"]
+    key = (cfg.K, np.dtype(mu.dtype).name, cfg.aggregator, cfg.dense)
+    if key in _PREPARED:
+        return
+    _PREPARED.add(key)
+    report = kc.ahead.compile_ahead(gaussian_jobs(*key))
+    if report["compiled"]:
+        log.info(
+            "CUDA kernels compiled ahead in %.1f s: %d in %d processes, %d loaded from the cache",
+            report["seconds"], report["compiled"], report["workers"], report["loaded"],
+        )  # fmt: skip
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -368,14 +431,14 @@ class FusedStages:
 
     @staticmethod
     def total(e):
-        return e.sum(dtype=np.float64)
+        return kc.reduce.device_sum(e)
 
     def self_term(self, lam: float):
         d = self.ws.dev
         self.kern["self_kl"][self.per_agent](
             d["mu"], d["sigma"], self.jitter, self.dtype.type(lam), d["e_self"], d["g_mu"], d["g_sigma"]
         )
-        return self.ws.buf["e_self"].sum(dtype=np.float64)
+        return kc.reduce.device_sum(self.ws.buf["e_self"])
 
     def alignment(self, active, pairwise_dense=None, pairwise_sparse=None, neighbours=None) -> list:
         """Both alignment terms through the same launches (the device's own pair kernels run them, or
@@ -443,7 +506,7 @@ class FusedStages:
             as_value = lambda E: self.xp.asarray(E, dtype=np.float64)  # noqa: E731 - a device scalar
             return [(name, as_value(lam * E)) for E, (name, lam, *_) in zip(given, active, strict=True)]
         return [
-            (name, lam * b["energy"][f].sum(dtype=np.float64))
+            (name, lam * kc.reduce.device_sum(b["energy"][f]))
             for f, (name, lam, *_) in zip(terms, active, strict=True)
         ]
 
@@ -545,7 +608,7 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     nblk = _cdiv(N, kc.BLOCK)
     k["rows"][(nblk, 1), kc.BLOCK](Ah, Bb, ch, nbr["index"], nbr["mask"], dk, 0, dW, de, dgA)
     k["senders"][(nblk, 1), kc.BLOCK](Ah, dW, nbr["ptr"], nbr["row"], nbr["slot"], 0, dgB)
-    E = kappa * float(energy[0].sum(dtype=np.float64))
+    E = kappa * float(kc.reduce.device_sum(energy[0]))
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
 
 
@@ -636,7 +699,7 @@ def _pairwise_dense(A, B, c, kappa: float, aggregator: str):
     if A.shape[1] > STREAM_MAX_D:
         return pairwise_dense_gemm(A, B, c, kappa, aggregator)
     erow, gA, gc, gB = _dense_streaming(A, c, B, 0, kappa, aggregator)
-    return float(erow.sum(dtype=np.float64)), gA, gB, gc
+    return float(kc.reduce.device_sum(erow)), gA, gB, gc
 
 
 def pairwise_dense_rows(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
@@ -788,7 +851,7 @@ def _pairwise_points(A, B, c, u, v, offsets, lists, rowmap, index, mask, kappa: 
         )  # fmt: skip
     gA *= half
     gc *= half
-    return float(erow.sum(dtype=np.float64)), gA, gB, gc, gu, gv
+    return float(kc.reduce.device_sum(erow)), gA, gB, gc, gu, gv
 
 
 BACKEND = Backend(
@@ -802,6 +865,7 @@ BACKEND = Backend(
     agent_ops={"gaussian": _stages, "quantum": QUANTUM_OPS},
     on_device=True,
     pairwise_points=_pairwise_points,
+    prepare=prepare,
 )
 
 

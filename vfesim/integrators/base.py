@@ -187,6 +187,7 @@ def make_restore(name: str, cfg: ModelConfig, aux_names, dev, efn: EnergyFn, mak
             raise ValueError(f"{name} restore: aux keys {sorted(aux)} != expected {sorted(aux_names)}")
         if dev is not None:  # checkpoints and initial states may arrive on the host
             state, aux = dev.put_state(state), dev.put_aux(aux)
+            dev.prepare(state, cfg)
         if validate:
             validate_state(state, cfg)  # where the state will be used (device checks on a GPU)
         terms, grads = efn(state_arrays(state))

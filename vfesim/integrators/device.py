@@ -63,6 +63,11 @@ class Device:
         """``state`` with every variable on the device."""
         return with_arrays(state, {k: self.put(state[k].data) for k in state.data_vars})
 
+    def prepare(self, state: xr.Dataset, cfg) -> None:
+        """Compile ahead (parallel processes) the kernels a first evaluation and step of ``cfg`` on
+        ``state`` launch that the disk cache lacks (the cuda backend's ``prepare``)."""
+        self.cb.prepare({k: state[k].data for k in state.data_vars}, cfg)
+
     def put_aux(self, aux: Mapping[str, Any]) -> dict:
         return {k: self.put(v) for k, v in aux.items()}
 

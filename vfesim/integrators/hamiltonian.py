@@ -231,6 +231,7 @@ def _make_init(c: _Setup, seed: int, restore, riemann: bool):
     def init(state: xr.Dataset) -> Carry:
         if c.dev is not None:  # checked where it will live (the device checks); restore keeps it there
             state = c.dev.put_state(state)
+            c.dev.prepare(state, c.cfg)
         validate_state(state, c.cfg)
         rng = np.random.default_rng(seed)
         rest = None if still is None else host_array(still(state))

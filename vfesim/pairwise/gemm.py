@@ -55,7 +55,9 @@ def pairwise_gemm(Ah, B, ch, aggregator: str, out=None):
 def pairwise_dense_gemm(A, B, c, kappa: float, aggregator: str):
     """The contract of :func:`vfesim.pairwise.reference.pairwise_dense` on device arrays, through
     :func:`pairwise_gemm`: (E (a float, summed in float64), gA, gB, gc)."""
+    from vfesim_kernels.cuda.reduce import device_sum
+
     scale = A.dtype.type(0.5 / kappa)
     e_rows, wB, wsum, wA = pairwise_gemm(A * scale, B, c * scale, aggregator)
     # gA = 1/2 sum_j W B_j, gc = 1/2 sum_j W, gB = 1/2 sum_i W A_i = kappa sum_i W Ah_i
-    return kappa * float(e_rows.sum(dtype="float64")), 0.5 * wB, kappa * wA, 0.5 * wsum
+    return kappa * float(device_sum(e_rows)), 0.5 * wB, kappa * wA, 0.5 * wsum

@@ -1,0 +1,49 @@
+"""The device reductions (vfesim_kernels.cuda.reduce) under the Numba CUDA simulator: float64 sums and
+max |x| against NumPy, for lengths below, at and past one block and the grid's stride."""
+
+import math
+
+import numpy as np
+import pytest
+from vfesim_kernels.cuda import reduce as red
+
+pytestmark = pytest.mark.cudasim
+
+STRIDE = red.REDUCE_THREADS * red.REDUCE_BLOCKS  # elements per sweep of the first pass
+
+
+@pytest.mark.parametrize("n", [1, 5, red.REDUCE_THREADS, STRIDE, STRIDE + 3, 7 * STRIDE + 1])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_sum_is_the_float64_sum(n, dtype):
+    x = np.random.default_rng(n).standard_normal(n).astype(dtype) * 10.0 ** np.arange(n) % 7
+    s = red.device_sum(x)
+    assert s.shape == () and s.dtype == np.float64
+    exact = math.fsum(x.astype(np.float64))
+    assert abs(float(s) - exact) <= 1e-14 * np.abs(x).astype(np.float64).sum()
+    assert float(red.device_sum(x)) == float(s)  # the same bits run to run
+
+
+def test_sum_of_empty_and_of_matrices():
+    assert float(red.device_sum(np.zeros((3, 0)))) == 0.0
+    m = np.arange(12.0).reshape(3, 4)[:, ::2]  # not contiguous
+    assert float(red.device_sum(m)) == m.sum()
+
+
+@pytest.mark.parametrize("n", [1, 9, STRIDE + 5])
+def test_max_abs_matches_numpy(n):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n)
+    z = (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(np.complex64)
+    x32 = x.astype(np.float32)[::-1]  # not contiguous
+    got = red.max_abs([x, z, x32])
+    assert got == [np.abs(x).max(), max(np.abs(z.real).max(), np.abs(z.imag).max()), np.abs(x32).max()]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("at", [0, 17, -1])
+def test_max_abs_is_inf_for_any_non_finite_entry(bad, at):
+    x = np.linspace(-3.0, 2.0, 2 * STRIDE + 1)
+    x[at] = bad
+    ok = np.ones(4)
+    assert red.max_abs([ok, x, np.zeros((2, 0))]) == [1.0, math.inf, 0.0]
+    assert red.max_abs([]) == []

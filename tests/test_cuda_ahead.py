@@ -1,0 +1,155 @@
+"""Compiling kernels ahead in parallel processes (vfesim_kernels.cuda.ahead), on the CPU: the jobs go to
+real worker processes (``python -m vfesim_kernels.cuda.ahead``) whose dispatchers are stand-ins that
+record what they compile; and every job of the Gaussian plans names a kernel whose signature fits it.
+On a GPU, tests/test_cuda_gpu.py checks that a first run then loads every kernel it launches."""
+
+import inspect
+import logging
+import sys
+
+import pytest
+
+kc = pytest.importorskip("vfesim_kernels.cuda", reason="needs numba-cuda (the cudasim extra)")
+from vfesim_kernels.cuda import ahead  # noqa: E402
+
+STUB = """
+import os
+from pathlib import Path
+
+class Cache:
+    def __init__(self, name):
+        self.name = name
+    def load_overload(self, argtypes, ctx):
+        return "kernel" if (Path(os.environ["AHEAD_OUT"]) / self.name).exists() else None
+
+class Stub:
+    def __init__(self, name):
+        self.name, self.overloads, self._cache, self.targetctx = name, {}, Cache(name), None
+        self._cache_hits = __import__("collections").Counter()
+    def add_overload(self, kernel, argtypes):
+        self.overloads[argtypes] = kernel
+    def compile(self, argtypes):
+        if self.name == "broken":
+            raise RuntimeError("this kernel does not compile")
+        (Path(os.environ["AHEAD_OUT"]) / self.name).write_text(f"{os.getpid()} {argtypes}")
+        self.overloads[argtypes] = "kernel"
+
+_MADE = {}
+
+def factory(*names):
+    return {n: _MADE.setdefault(n, Stub(n)) for n in names}
+"""
+
+
+@pytest.fixture
+def stub(tmp_path, monkeypatch):
+    (tmp_path / "ahead_stub.py").write_text(STUB)
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the workers import it too
+    monkeypatch.setenv("AHEAD_OUT", str(out))
+    monkeypatch.setattr(ahead, "SIMULATOR", False)
+    yield out
+    sys.modules.pop("ahead_stub", None)
+
+
+def _jobs(names, factory_args=("a", "b", "c", "d", "broken")):
+    return [ahead.Job("ahead_stub", "factory", factory_args, n, "void(float64[::1], int64)") for n in names]
+
+
+def test_missing_kernels_compile_in_worker_processes_and_load_here(stub):
+    jobs = _jobs(["a", "b", "c", "d"])
+    report = ahead.compile_ahead(jobs, n_workers=3)
+    assert report["compiled"] == 4 and report["loaded"] == 0 and report["workers"] == 3
+    assert report["failed"] == []
+    pids = {(stub / n).read_text().split()[0] for n in "abcd"}
+    assert len(pids) == 3  # this process took one share, two workers the others
+    for job in jobs:  # every kernel bound in this process
+        assert job.argtypes() in job.dispatcher().overloads
+    again = ahead.compile_ahead(jobs, n_workers=3)
+    assert again["compiled"] == 0 and again["loaded"] == 4  # nothing left to compile
+
+
+def test_a_failing_worker_is_reported_and_its_kernels_left_to_their_launch(stub, caplog):
+    jobs = _jobs(["a", "broken", "c"])
+    with caplog.at_level(logging.WARNING, logger="vfesim"):
+        report = ahead.compile_ahead(jobs, n_workers=3)
+    assert report["failed"] == ["broken"]
+    assert "this kernel does not compile" in caplog.text and "'broken'" in caplog.text
+    assert (stub / "a").exists() and (stub / "c").exists()
+    broken = jobs[1]
+    assert broken.argtypes() not in broken.dispatcher().overloads
+
+
+def test_cached_kernels_are_loaded_not_compiled(stub):
+    (stub / "a").write_text("cached")
+    report = ahead.compile_ahead(_jobs(["a", "b"]), n_workers=4)
+    assert report["loaded"] == 1 and report["compiled"] == 0  # one left: its launch compiles it
+    assert not (stub / "b").exists()
+
+
+def test_one_worker_compiles_nothing_ahead(stub, monkeypatch):
+    monkeypatch.setenv("VFESIM_COMPILE_WORKERS", "1")
+    report = ahead.compile_ahead(_jobs(["a", "b", "c"]))
+    assert report["compiled"] == 0 and not any(stub.iterdir())
+
+
+def test_workers_setting(monkeypatch):
+    monkeypatch.setenv("VFESIM_COMPILE_WORKERS", "3")
+    assert ahead.workers() == 3
+    monkeypatch.setenv("VFESIM_COMPILE_WORKERS", "0")
+    assert ahead.workers() == 1
+    monkeypatch.setenv("VFESIM_COMPILE_WORKERS", "many")
+    with pytest.raises(ValueError, match="VFESIM_COMPILE_WORKERS"):
+        ahead.workers()
+    monkeypatch.delenv("VFESIM_COMPILE_WORKERS")
+    assert 1 <= ahead.workers() <= ahead.MAX_WORKERS
+
+
+def test_shares_deal_the_costliest_first_round_robin():
+    assert ahead.shares(list("abcde"), 2) == [list("ace"), list("bd")]
+    assert ahead.shares(list("ab"), 8) == [["a"], ["b"]]
+
+
+def test_no_op_under_the_simulator(monkeypatch):
+    monkeypatch.setattr(ahead, "SIMULATOR", True)
+    assert ahead.compile_ahead(_jobs(["a"]))["compiled"] == 0
+
+
+@pytest.mark.parametrize("K", [3, 5, 9, 21])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dense", [True, False])
+def test_gaussian_plan_names_real_kernels_with_fitting_signatures(K, dtype, dense):
+    from vfesim.backends import cuda_backend as cb
+
+    jobs = cb.gaussian_jobs(K, dtype, "softmin", dense)
+    assert len(set(jobs)) == len(jobs)
+    names = {j.kernel for j in jobs}
+    assert {"state", "kick_drift", "gradient_flow", "partial_sum", "partial_max_abs"} <= names
+    assert ("stats" in names) == (dense and cb._mode(K, __import__("numpy").dtype(dtype)) == "kernels")
+    assert ("rows" in names) == (not dense or K >= cb.LARGE_K)
+    for job in jobs:
+        disp = job.dispatcher()
+        params = inspect.signature(disp.py_func).parameters
+        assert len(job.argtypes()) == len(params), job
+
+
+def test_a_completed_set_is_marked_and_skipped_by_the_next_process(stub, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(cache))
+    monkeypatch.setattr(ahead, "_compute_capability", lambda: (9, 0))
+    jobs = _jobs(["a", "b", "c"])
+    assert ahead.compile_ahead(jobs, n_workers=2)["compiled"] == 3
+    (marker,) = cache.glob("ahead-*")
+    assert "ahead_stub.factory" in marker.read_text() and "[b]" in marker.read_text()
+    for n in "abc":
+        (stub / n).unlink()  # a marked set is not even loaded again
+    assert ahead.compile_ahead(jobs, n_workers=2) == ahead.compile_ahead([], n_workers=2)
+    monkeypatch.setattr(ahead, "_compute_capability", lambda: (8, 0))  # another GPU: its own set
+    assert ahead.compile_ahead(jobs, n_workers=2)["loaded"] == 3  # (bound in this process already)
+    assert len(list(cache.glob("ahead-*"))) == 2
+    failing = _jobs(["d", "broken"])
+    assert ahead.compile_ahead(failing, n_workers=2)["failed"] == ["broken"]
+    assert len(list(cache.glob("ahead-*"))) == 2  # a set with a failure is not marked
