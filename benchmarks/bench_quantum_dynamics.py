@@ -16,7 +16,9 @@ computational-basis dephasing (gamma = 0.2) and a Born loss with every agent obs
 0.09. "step": one synchronous step (evolve's inner step, arrays in, arrays out). "rollout": T = 100 steps
 (``--T``) with the exact adjoint (:func:`vfesim.quantum.rollout` with the backend's QuantumOps, uniform
 checkpointing, s = ceil(sqrt T)); includes the per-rollout eigh of H, frames and transports; "adjoint"
-says which step adjoint it ran ("kernels" or the array code's "tape"), "arrays" where the rollout's
+says which step adjoint it ran ("kernels" or the array code's "tape"), "forward_steps" how many forward
+steps it ran (the loss pass and the replays; ``--store-all`` adds "rollout_all_s", the same rollout with
+``checkpoint_every=1``: every state kept, so the kernels replay none), "arrays" where the rollout's
 states lived (the module of its final state: "cupy" for a device-resident GPU rollout). Medians of
 repeated calls after one warm-up. Under the Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1, no GPU) backend
 "cuda" runs the same kernels on NumPy arrays: a check of the script's paths at tiny sizes, not a timing.
@@ -141,6 +143,7 @@ def bench(
     backend: str = "numpy",
     T: int = T_STEPS,
     window: int = WINDOW,
+    store_all: bool = False,
 ) -> dict:
     from vfesim.quantum.rollout import _update_vjp, _zeros_acc
 
@@ -175,6 +178,13 @@ def bench(
         row.update(rollout_s=t_roll, rollout_GBps=b_roll / t_roll / 1e9, rollout_reps=n_roll)
         row["adjoint"] = res[-1].stats["step_adjoint"]
         row["arrays"] = type(res[-1].final["rho"].data).__module__.split(".")[0]
+        row["forward_steps"] = res[-1].stats["forward_steps"]
+        if store_all:  # every state kept (checkpoint_every=1): with kernels, no step is replayed
+            t_all, _ = timeit(
+                lambda: res.append(rollout(st, cfg, sched, "born", ops=ops, checkpoint_every=1)),
+                xp, min_reps=1, max_reps=5,
+            )  # fmt: skip
+            row.update(rollout_all_s=t_all, forward_steps_all=res[-1].stats["forward_steps"])
     return row
 
 
@@ -241,6 +251,7 @@ def main(argv=None) -> None:
     ap.add_argument("--T", type=int, default=T_STEPS, help="rollout steps")
     ap.add_argument("--window", type=int, default=WINDOW, help="senders per agent (causal window)")
     ap.add_argument("--copy", action="store_true", help="also print the device copy rate (GPU)")
+    ap.add_argument("--store-all", action="store_true", help="also time a rollout that keeps every state")
     ap.add_argument("--qutip", action="store_true", help="Lindblad vs QuTiP mesolve (CPU)")
     ap.add_argument("--qutip-agents", type=int, default=16)
     ap.add_argument("--torch", action="store_true", help="the PyTorch autograd baseline at the same sizes")
@@ -261,7 +272,8 @@ def main(argv=None) -> None:
         for d in args.ds:
             for dtype in args.dtypes:
                 for backend in args.backend:
-                    row = bench(N, d, dtype, not args.no_rollout, backend, args.T, args.window)
+                    roll = not args.no_rollout
+                    row = bench(N, d, dtype, roll, backend, args.T, args.window, args.store_all)
                     row.update(T=args.T, window=args.window)
                     if copy is not None and array_module(backend) is not np:
                         row["copy_GBps"] = copy
@@ -271,8 +283,10 @@ def main(argv=None) -> None:
                     rows.append(row)
                     print(table(rows[-1:], list(rows[-1])), flush=True)
     keys = ["backend", "N", "d", "dtype", "step_s", "step_GBps", "step_vjp_s"] + (
-        [] if args.no_rollout else ["rollout_s", "rollout_GBps", "adjoint", "arrays"]
+        [] if args.no_rollout else ["rollout_s", "rollout_GBps", "adjoint", "arrays", "forward_steps"]
     )
+    if args.store_all and not args.no_rollout:
+        keys += ["rollout_all_s", "forward_steps_all"]
     if copy is not None:
         keys += ["step_of_copy"] + ([] if args.no_rollout else ["rollout_of_copy"])
     if args.torch:
