@@ -231,3 +231,14 @@ def test_dense_splits_cover_the_others_without_empty_slices(owners, others, row_
     if (owners, others, row_bytes) == (1 << 20, 1 << 20, 280):  # the in-process Gaussian passes at 2^20
         assert S == 3 and blocks == 3 * 4096  # 840 MB of partial sums (128 MiB would allow one slice)
     assert kc.dense_slices(12289, 24, 128) == (20, 640)  # rounding leaves 20 slices of 640, not 24
+
+
+@pytest.mark.parametrize("name", ["partial_sum", "partial_max_abs"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_reduce_kernels_compile_for_sm90(dtype, name):
+    """The device reductions (vfesim_kernels.cuda.reduce): a shared-memory tree, float64 accumulation."""
+    k = kc.reduce.make_reduce_kernels()
+    ptx, _ = kc.cuda.compile_ptx(k["_py"][name], kc.reduce.reduce_signatures(dtype)[name], cc=(9, 0))
+    assert ".target sm_90" in ptx and re.search(r"\.entry\s", ptx)
+    assert "bar.sync" in ptx and ".shared" in ptx
+    assert re.search(r"\.f64\b", ptx)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["array_module", "host_array", "is_host", "max_abs"]
+__all__ = ["array_module", "host_array", "is_host", "max_abs", "total"]
 
 
 def array_module(a):
@@ -52,3 +52,14 @@ def max_abs(arrays) -> list[float]:
     from vfesim_kernels.cuda import reduce  # numba kernels: no CUB program for NVRTC to compile
 
     return reduce.max_abs(arrays)
+
+
+def total(a) -> float:
+    """The float64 sum of an array's entries as a host float. Device (CuPy) arrays: the numba reduction
+    kernels of :func:`vfesim_kernels.cuda.reduce.device_sum` (CuPy's own ``sum`` runs a CUB program that
+    NVRTC compiles in a process's first call, seconds each)."""
+    if array_module(a) is np:
+        return float(np.asarray(a).sum(dtype=np.float64))
+    from vfesim_kernels.cuda import reduce
+
+    return float(reduce.device_sum(a))

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..arrays import array_module as _xp
-from ..arrays import host_array
+from ..arrays import host_array, total
 from ..gaussian.energy import NUMPY_AGENT_OPS, AgentOps, _with_jitter
 from ..gaussian.terms import observation, observation_vjp
 from ..groups import generators
@@ -114,7 +114,7 @@ def gauge_smoothness(phi, chi, cfg: FieldConfig):
             last[ax] = -1
             edge[tuple(last)] = False
         sq = xp.where(edge, (diff * diff).sum(axis=-1), 0.0)
-        E += float((w * chi * sq).sum(dtype=np.float64))
+        E += total(w * chi * sq)
         g_chi += w * sq
         gd = xp.where(edge, 2.0 * w * chi, 0.0)[..., None] * diff / h  # dE/d(phi(c + e_d)), = -dE/d(phi(c))
         g_phi += xp.roll(gd, 1, axis=ax) - gd
@@ -157,7 +157,7 @@ def energy_and_gradient_arrays(
     if cfg.lambda_self > 0:
         kl, *gk = ops.self_kl(a["mu_q"], S["sigma_q"], a["mu_p"], S["sigma_p"], 1.0)
         wt = (cfg.lambda_self * w) * chi_r
-        terms["self"] = float((wt * kl).sum(dtype=np.float64))
+        terms["self"] = total(wt * kl)
         for k, gv in zip(("mu_q", "sigma_q", "mu_p", "sigma_p"), gk, strict=True):
             g[k] += wt.reshape(-1, *[1] * (gv.ndim - 1)) * gv
         g_chi += (cfg.lambda_self * w) * kl
@@ -168,7 +168,7 @@ def energy_and_gradient_arrays(
             a["mu_q"], S["sigma_q"], a["obs"], xp.asarray(cfg.W, dt), xp.asarray(cfg.R, dt)
         )
         wt = (cfg.lambda_obs * w) * chi_r
-        terms["observation"] = float((wt * e).sum(dtype=np.float64))
+        terms["observation"] = total(wt * e)
         g_mu, g_sigma, g_obs = observation_vjp(wt, cache)
         g["mu_q"] += g_mu
         g["sigma_q"] += g_sigma

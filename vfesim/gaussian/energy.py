@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import pairwise as _np_pairwise
 from ..arrays import array_module as _xp
+from ..arrays import total as _total
 from ..config import ModelConfig
 from ..groups import generators, phi_grad_from_R
 from .features import agent_features, features_vjp, frames
@@ -93,7 +94,7 @@ class StagedStages:
 
     @staticmethod
     def total(e) -> float:
-        return float(e.sum(dtype=np.float64))
+        return _total(e)
 
     def self_term(self, lam: float) -> float:
         a, S = self.arrays, self.S

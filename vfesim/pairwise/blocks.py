@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..arrays import total
 from .reference import aggregator_check
 
 __all__ = [
@@ -135,7 +136,7 @@ def pairwise_blocked(A, B, c, kappa: float, aggregator: str, block: int):
             s1 = min(N, s0 + block)
             stats = merge_stats(stats, block_stats(A[r0:r1], c[r0:r1], B[s0:s1], kappa, r0, s0))
         rows = finish_rows(stats, kappa, aggregator)
-        E += float(rows.energy.sum(dtype=np.float64))
+        E += total(rows.energy)
         for s0 in starts:
             s1 = min(N, s0 + block)
             a, g, b = block_grads(A[r0:r1], c[r0:r1], B[s0:s1], rows, kappa, aggregator, r0, s0)

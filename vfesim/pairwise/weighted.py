@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arrays import total
 from .reference import aggregator_check, row_weights
 
 __all__ = ["weighted_row_weights", "pairwise_sparse_weighted", "pairwise_points_weighted", "point_blocks"]
@@ -77,7 +78,7 @@ def pairwise_sparse_weighted(A, B, c, index, mask, u, v, kappa: float, aggregato
     gB = (0.5 * (WT @ A)).astype(B.dtype, copy=False)
     gv = sparse.csr_matrix((Wm[mask] * u[r], (sel, r)), shape=(v.shape[0], A.shape[0])).sum(axis=1)
     gv = np.asarray(gv, dtype=v.dtype).reshape(-1)
-    out = (float(energy.sum(dtype=np.float64)), gA, gB, gc, gu, gv)
+    out = (total(energy), gA, gB, gc, gu, gv)
     return out + (beta,) if return_beta else out
 
 

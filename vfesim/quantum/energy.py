@@ -45,6 +45,7 @@ import numpy as np
 
 from .. import pairwise as _pairwise
 from ..arrays import array_module as _xp
+from ..arrays import total
 from .config import QuantumConfig
 from .frames import frames, frames_vjp, spin_generators
 from .linalg import dagger, dd_exp, dd_log, dk, eigh, from_eig, herm, hmat, hvec, trace, traceless
@@ -219,7 +220,6 @@ def energy_and_gradient_arrays(
     logx_bar = xp.zeros_like(rho)  # cotangent of log x
     U_bar = xp.zeros_like(rho)
     grads = {k: xp.zeros_like(v) for k, v in arrays.items() if k != "outcome"}
-    total = lambda e: float(e.sum(dtype=np.float64))
     terms = dict.fromkeys(TERMS, 0.0)
 
     if cfg.lambda_self > 0 or cfg.lambda_belief > 0:

@@ -1,0 +1,33 @@
+"""vfesim.arrays on NumPy arrays (the device path runs the reductions of vfesim_kernels.cuda.reduce:
+tests/cudasim/test_reduce_sim.py, and on a GPU through every energy of tests/test_cuda_gpu.py)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from vfesim import arrays
+
+
+def test_total_sums_in_float64():
+    x = np.full(10_000, 0.1, np.float32)
+    assert arrays.total(x) == math.fsum(x.astype(np.float64).tolist())  # float32 accumulation would drift
+    assert isinstance(arrays.total(x), float)
+    assert arrays.total(np.zeros((3, 0))) == 0.0
+    assert arrays.total(np.arange(6.0).reshape(2, 3)[:, ::2]) == 0 + 2 + 3 + 5
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_max_abs(bad):
+    x = np.array([1.0, -3.0, 2.0])
+    z = np.array([1 - 4j, 2 + 0j], np.complex64)
+    y = x.copy()
+    y[1] = bad
+    assert arrays.max_abs([x, z, y, np.zeros(0)]) == [3.0, 4.0, math.inf, 0.0]
+    assert arrays.max_abs([]) == []
+
+
+def test_host_array_and_module():
+    x = np.ones(3)
+    assert arrays.host_array(x) is x and arrays.is_host(x) and arrays.array_module(x) is np
+    assert arrays.array_module(1.0) is np
