@@ -107,9 +107,29 @@ def test_workers_setting(monkeypatch):
     assert 1 <= ahead.workers() <= ahead.MAX_WORKERS
 
 
-def test_shares_deal_the_costliest_first_round_robin():
-    assert ahead.shares(list("abcde"), 2) == [list("ace"), list("bd")]
-    assert ahead.shares(list("ab"), 8) == [["a"], ["b"]]
+def test_shares_deal_kernel_functions_round_robin_keeping_their_specialisations_together():
+    a32, b, c, a64, d = (
+        ahead.Job("m", "f", (), k, f"void({t}[::1])")
+        for k, t in [("a", "float32"), ("b", "float32"), ("c", "float32"), ("a", "float64"), ("d", "int64")]
+    )
+    # "a" in float32 and float64 share numba's index file: one share compiles both
+    assert ahead.shares([a32, b, c, a64, d], 2) == [[a32, a64, c], [b, d]]
+    assert ahead.shares([a32, b], 8) == [[a32], [b]]
+    assert ahead.shares([a32, a64], 8) == [[a32, a64]]
+
+
+def test_a_failing_share_of_this_process_is_logged_not_raised(stub, caplog):
+    jobs = _jobs(["broken", "a", "c"])
+    with caplog.at_level(logging.WARNING, logger="vfesim"):
+        report = ahead.compile_ahead(jobs, n_workers=2)  # this process: "broken" and "c"
+    assert report["failed"] == ["broken", "c"] and report["compiled"] == 1
+    assert "RuntimeError: this kernel does not compile" in caplog.text
+
+
+def test_workers_run_with_warnings_as_errors(stub, monkeypatch):
+    monkeypatch.setenv("PYTHONWARNINGS", "error")
+    report = ahead.compile_ahead(_jobs(["a", "b", "c"]), n_workers=3)
+    assert report["failed"] == [] and report["compiled"] == 3
 
 
 def test_no_op_under_the_simulator(monkeypatch):
@@ -138,7 +158,7 @@ def test_gaussian_plan_names_real_kernels_with_fitting_signatures(K, dtype, dens
 def test_a_completed_set_is_marked_and_skipped_by_the_next_process(stub, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     cache.mkdir()
-    monkeypatch.setenv("NUMBA_CACHE_DIR", str(cache))
+    monkeypatch.setattr(ahead, "_cache_folder", lambda: str(cache))
     monkeypatch.setattr(ahead, "_compute_capability", lambda: (9, 0))
     jobs = _jobs(["a", "b", "c"])
     assert ahead.compile_ahead(jobs, n_workers=2)["compiled"] == 3

@@ -2,8 +2,8 @@
 
 CuPy's reductions (``x.sum()``, a ``cupy.ReductionKernel``) run CUB programs that NVRTC compiles in the
 first process that calls them: 1.7–2.4 s each, 8.3 of the 9.2 s a first-ever Gaussian energy + step
-spent in CuPy compiles on an H100 (stop 28). These numba kernels compile with the package's other
-kernels and load from the same disk cache.
+spent in CuPy compiles on an H100 (benchmarks/results/gpu_nvrtc_h100_stop28.txt). These numba kernels
+compile with the package's other kernels and load from the same disk cache.
 
 Two passes, each in a fixed order (the same bits run to run for a given length): ``partial_sum`` /
 ``partial_max_abs`` reduce a 1-D array over a grid of :data:`REDUCE_THREADS`-thread blocks, each block
@@ -100,9 +100,11 @@ def _flat(a, xp):
 
 
 def device_sum(a):
-    """The float64 sum of a device (CuPy; NumPy under the simulator) array as a 0-d array on the device
-    (no synchronisation); 0 for an empty array."""
+    """The float64 sum of a real device (CuPy; NumPy under the simulator) array as a 0-d array on the
+    device (no synchronisation); 0 for an empty array."""
     xp = _xp(a)
+    if xp.iscomplexobj(a):
+        raise TypeError(f"device_sum: a real array, got {a.dtype}")
     flat = _flat(a, xp)
     out = xp.zeros(1, np.float64)
     if flat.shape[0]:

@@ -131,8 +131,9 @@ FIRST_USE = FirstUse()
 def gaussian_jobs(K: int, dtype: str, aggregator: str, dense: bool) -> list:
     """The kernels (:class:`vfesim_kernels.cuda.ahead.Job`) a first Gaussian evaluation of latent
     dimension K in ``dtype`` launches, with its state checks, reductions and the integrators' update
-    kernels, the costliest first (H100 compile times, stop 27: adjoint 2.3 s, state check 2.0, kick_drift
-    1.6, prep 1.4, self_kl 1.3, the dense pair kernels 0.5-1.1)."""
+    kernels, the costliest first (H100 compile times in benchmarks/results/gpu_cold_h100_stop27.txt:
+    adjoint 2.3 s, state check 2.0, kick_drift 1.6, prep 1.4, self_kl 1.3, the dense pair kernels
+    0.5-1.1)."""
     from vfesim_kernels import update_cuda as uc
 
     dt = np.dtype(dtype).name
@@ -175,10 +176,14 @@ def prepare(arrays: dict, cfg) -> None:
     """Get the kernels a first evaluation of ``cfg`` on ``arrays`` (and an integrator's steps) will launch
     ready before it: the ones the disk cache lacks compile in parallel processes
     (:func:`vfesim_kernels.cuda.ahead.compile_ahead`). Once per configuration and process; Gaussian
-    agents (other families compile at first launch)."""
+    agents (other families compile at first launch). Called by :func:`vfesim.energy_and_gradient` and the
+    device integrators; ``energy_and_gradient_arrays`` and the dask backend's chunk tasks do not call
+    it (their kernels compile at first launch, or load from the cache)."""
     if SIMULATOR or not isinstance(cfg, ModelConfig) or "mu_q" not in arrays:
         return
     mu = arrays["mu_q"]
+    if np.dtype(mu.dtype) not in (np.float32, np.float64):  # the state checks name the error
+        return
     key = (cfg.K, np.dtype(mu.dtype).name, cfg.aggregator, cfg.dense)
     if key in _PREPARED:
         return
