@@ -173,3 +173,10 @@ def test_a_completed_set_is_marked_and_skipped_by_the_next_process(stub, tmp_pat
     failing = _jobs(["d", "broken"])
     assert ahead.compile_ahead(failing, n_workers=2)["failed"] == ["broken"]
     assert len(list(cache.glob("ahead-*"))) == 2  # a set with a failure is not marked
+
+
+def test_a_worker_that_cannot_start_is_logged(stub, monkeypatch, caplog):
+    monkeypatch.setattr(ahead.sys, "executable", str(stub / "no-such-python"))
+    with caplog.at_level(logging.WARNING, logger="vfesim"):
+        report = ahead.compile_ahead(_jobs(["a", "b"]), n_workers=2)
+    assert report["failed"] == ["b"] and report["compiled"] == 1 and "no worker process" in caplog.text

@@ -207,7 +207,13 @@ def _run_shares(parts: list[list[Job]]) -> list[Job]:
         for part in parts[1:]:
             err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty worker never blocks
             cmd = [sys.executable, "-c", _WORKER, json.dumps([list(job) for job in part])]
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+            try:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+            except OSError as e:  # no interpreter to start (an embedded Python): left to the launches
+                err.close()
+                failed += part
+                _failed(part, f"no worker process: {e}")
+                continue
             procs.append((part, proc, err))
         try:
             _compile(parts[0])

@@ -47,3 +47,8 @@ def test_max_abs_is_inf_for_any_non_finite_entry(bad, at):
     ok = np.ones(4)
     assert red.max_abs([ok, x, np.zeros((2, 0))]) == [1.0, math.inf, 0.0]
     assert red.max_abs([]) == []
+
+
+def test_sum_refuses_complex_arrays():
+    with pytest.raises(TypeError, match="complex128"):
+        red.device_sum(np.ones(3, np.complex128))
