@@ -180,3 +180,18 @@ def test_a_worker_that_cannot_start_is_logged(stub, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="vfesim"):
         report = ahead.compile_ahead(_jobs(["a", "b"]), n_workers=2)
     assert report["failed"] == ["b"] and report["compiled"] == 1 and "no worker process" in caplog.text
+
+
+@pytest.mark.parametrize("d", [2, 4, 5])
+@pytest.mark.parametrize("dtype", ["complex64", "complex128"])
+@pytest.mark.parametrize("dense", [True, False])
+def test_density_matrix_plan_names_real_kernels_with_fitting_signatures(d, dtype, dense):
+    from vfesim.backends import cuda_backend as cb
+
+    jobs = cb.quantum_jobs(d, dtype, "expected", dense)
+    names = {j.kernel for j in jobs}
+    assert {"eig_log", "pull_vjp", "dk_exp", "frames_vjp", "partial_sum"} <= names
+    assert ("stats" in names) == (dense and d * d <= cb.STREAM_MAX_D)
+    for job in jobs:
+        params = inspect.signature(job.dispatcher().py_func).parameters
+        assert len(job.argtypes()) == len(params), job

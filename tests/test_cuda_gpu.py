@@ -391,13 +391,18 @@ K, dtype, dense = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "dense"
 n = 600
 lists = [[(i + 1) % n, (i + 7) % n] for i in range(n)]
 nbrs = "dense" if dense else vfesim.SparseNeighbours.from_lists(lists)
-cfg = vfesim.ModelConfig(K=K, neighbours=nbrs, lambda_prior=0.5)
-s = vfesim.random_state(cfg, n_agents=n, seed=0, dtype=dtype)
-vfesim.energy_and_gradient(s, cfg, backend="cuda")
-for method in ("verlet", "gradient_flow"):
-    integ = make_integrator(method, cfg, 1e-3, backend="cuda", seed=1)
-    integ.step(integ.init(s))
-jobs = cb.gaussian_jobs(K, dtype, cfg.aggregator, dense)
+if dtype.startswith("complex"):  # density-matrix agents, d = K: the energy
+    cfg = vfesim.QuantumConfig(d=K, neighbours=nbrs, lambda_prior=0.5)
+    vfesim.energy_and_gradient(vfesim.random_state(cfg, n, seed=0, dtype=dtype), cfg, backend="cuda")
+    jobs = cb.quantum_jobs(K, dtype, cfg.aggregator, dense)
+else:
+    cfg = vfesim.ModelConfig(K=K, neighbours=nbrs, lambda_prior=0.5)
+    s = vfesim.random_state(cfg, n_agents=n, seed=0, dtype=dtype)
+    vfesim.energy_and_gradient(s, cfg, backend="cuda")
+    for method in ("verlet", "gradient_flow"):
+        integ = make_integrator(method, cfg, 1e-3, backend="cuda", seed=1)
+        integ.step(integ.init(s))
+    jobs = cb.gaussian_jobs(K, dtype, cfg.aggregator, dense)
 planned = {}
 for j in jobs:
     planned.setdefault((j.module, j.factory, j.args), set()).add((j.kernel, j.argtypes()))
@@ -413,12 +418,14 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize(
-    "K, dtype, pairs", [(3, "float32", "dense"), (3, "float64", "sparse"), (9, "float32", "dense")]
+    "K, dtype, pairs",
+    [(3, "float32", "dense"), (3, "float64", "sparse"), (9, "float32", "dense"), (4, "complex128", "dense")],
 )
 def test_a_first_run_launches_only_kernels_compiled_ahead(tmp_path, K, dtype, pairs):
     """A process with an empty kernel cache compiles every kernel of its run ahead, in worker processes
     (vfesim_kernels.cuda.ahead), with the signatures its launches then use; a second process loads them
-    all from the cache and compiles none."""
+    all from the cache and compiles none. Gaussian agents (K, float dtypes) and density-matrix agents
+    (d = K, complex dtypes)."""
     import json
     import subprocess
     import sys

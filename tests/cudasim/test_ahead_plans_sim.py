@@ -64,3 +64,30 @@ def test_a_first_run_launches_only_planned_specialisations(launches, K, dtype, p
     unplanned = [f"{fn.__qualname__}{sig}" for fn, sig in launches - planned]
     assert not unplanned
     assert len(launches & planned) >= len(planned) - 4  # the plan's idle update kernels (adam, ...) aside
+
+
+@pytest.mark.parametrize(
+    "d, dtype, pairs, aggregator",
+    [
+        (4, "complex128", "dense", "softmin"),
+        (3, "complex64", "sparse", "expected"),
+        (5, "complex128", "dense", "expected"),
+    ],
+)
+def test_a_first_density_matrix_energy_launches_only_planned_specialisations(
+    launches, d, dtype, pairs, aggregator
+):
+    n = 5
+    nbrs = (
+        "dense" if pairs == "dense" else vfesim.SparseNeighbours.from_lists([[(i + 1) % n] for i in range(n)])
+    )
+    cfg = vfesim.QuantumConfig(d=d, neighbours=nbrs, aggregator=aggregator, lambda_prior=0.5)
+    state = vfesim.random_state(cfg, n_agents=n, seed=0, dtype=dtype)
+    vfesim.energy_and_gradient(state, cfg, backend="cuda")
+    planned = {
+        (job.dispatcher().fn, job.argtypes())
+        for job in cb.quantum_jobs(d, dtype, aggregator, pairs == "dense")
+    }
+    unplanned = [f"{fn.__qualname__}{sig}" for fn, sig in launches - planned]
+    assert launches and not unplanned
+    assert len(launches & planned) >= len(planned) - 2  # (max |x| of a second-pass float64 may idle)

@@ -43,6 +43,7 @@ from ..config import ModelConfig
 from ..gaussian.energy import NUMPY_AGENT_OPS, StagedStages
 from ..groups import generators
 from ..pairwise.gemm import pairwise_dense_gemm, pairwise_gemm
+from ..quantum.config import QuantumConfig
 from ..quantum.energy import NUMPY_OPS
 from ..quantum.kernel_ops import kernel_ops, sized_ops
 from . import Backend
@@ -128,6 +129,32 @@ class FirstUse:
 FIRST_USE = FirstUse()
 
 
+class _Plan(list):
+    """Compile-ahead jobs (:class:`vfesim_kernels.cuda.ahead.Job`) in launch-cost order."""
+
+    def add(self, module, factory: str, args: tuple, sigs: dict, *names: str) -> None:
+        self.extend(kc.ahead.Job(module.__name__, factory, args, n, sigs[n]) for n in names)
+
+    def pairs(self, D: int, dt: str, aggregator: str, dense: bool, streaming: bool) -> None:
+        """The pair kernels over feature rows of width D: sparse lists, dense streaming, or the GEMM
+        path's row kernel."""
+        sigs = kc.kernel_signatures(1, dt)  # (the pair kernels' signatures hold no K)
+        if not dense:
+            self.add(kc.pairwise, "make_sparse_kernels", (D, dt, aggregator), sigs, "rows", "senders")
+        elif streaming:
+            args = (D, dt, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+            self.add(kc.pairwise, "make_dense_kernels", args, sigs, "grads", "stats", "merge")
+        else:
+            rows = kc.block_kernel_signatures(1, dt)
+            self.add(kc.pairwise, "make_gemm_row_kernel", (dt, aggregator), rows, "rows")
+
+    def reductions(self, dt: str) -> None:
+        """Sums and max |x|: first passes over ``dt``, second passes over float64."""
+        for f in dict.fromkeys((dt, "float64")):
+            rsigs = kc.reduce.reduce_signatures(f)
+            self.add(kc.reduce, "make_reduce_kernels", (), rsigs, "partial_sum", "partial_max_abs")
+
+
 def gaussian_jobs(K: int, dtype: str, aggregator: str, dense: bool) -> list:
     """The kernels (:class:`vfesim_kernels.cuda.ahead.Job`) a first Gaussian evaluation of latent
     dimension K in ``dtype`` launches, with its state checks, reductions and the integrators' update
@@ -138,57 +165,66 @@ def gaussian_jobs(K: int, dtype: str, aggregator: str, dense: bool) -> list:
 
     dt = np.dtype(dtype).name
     mode = _mode(K, np.dtype(dtype))
-    jobs: list = []
-
-    def add(module, factory: str, args: tuple, sigs: dict, *names: str) -> None:
-        jobs.extend(kc.ahead.Job(module.__name__, factory, args, n, sigs[n]) for n in names)
-
+    plan = _Plan()
     sigs, usigs = kc.kernel_signatures(K, dt), uc.kernel_signatures(dt)
     agent = {
         "kernels": ("make_agent_kernels", (K, dt), sigs),
         "block": ("make_block_kernels", (K, dt, BLOCK_MAX_REGISTERS), kc.block_kernel_signatures(K, dt)),
     }.get(mode)  # "batched": CuPy array code
     if agent:
-        add(kc.gaussian, *agent, "adjoint", "prep")
-    add(kc.checks, "make_check_kernels", (K, dt, K >= kc.checks.WARP_FROM_K), sigs, "state")
-    add(uc, "make_update_kernels", (K,), usigs, "kick_drift", "gradient_flow")
+        plan.add(kc.gaussian, *agent, "adjoint", "prep")
+    plan.add(kc.checks, "make_check_kernels", (K, dt, K >= kc.checks.WARP_FROM_K), sigs, "state")
+    plan.add(uc, "make_update_kernels", (K,), usigs, "kick_drift", "gradient_flow")
     if agent:
-        add(kc.gaussian, *agent, "self_kl", "features")
-    D = kc.feature_dim(K)
-    if not dense:
-        add(kc.pairwise, "make_sparse_kernels", (D, dt, aggregator), sigs, "rows", "senders")
-    elif mode == "kernels":
-        args = (D, dt, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
-        add(kc.pairwise, "make_dense_kernels", args, sigs, "grads", "stats", "merge")
-    else:  # dense pairs by GEMMs and their row kernel
-        add(kc.pairwise, "make_gemm_row_kernel", (dt, aggregator), kc.block_kernel_signatures(K, dt), "rows")
-    add(uc, "make_update_kernels", (K,), usigs, "adam", "theta_to_sigma")
-    for f in dict.fromkeys((dt, "float64")):  # first passes over dt, second over float64
-        rsigs = kc.reduce.reduce_signatures(f)
-        add(kc.reduce, "make_reduce_kernels", (), rsigs, "partial_sum", "partial_max_abs")
-    return jobs
+        plan.add(kc.gaussian, *agent, "self_kl", "features")
+    plan.pairs(kc.feature_dim(K), dt, aggregator, dense, streaming=mode == "kernels")
+    plan.add(uc, "make_update_kernels", (K,), usigs, "adam", "theta_to_sigma")
+    plan.reductions(dt)
+    return plan
+
+
+def quantum_jobs(d: int, dtype: str, aggregator: str, dense: bool) -> list:
+    """The kernels a first density-matrix free energy of d x d states in complex ``dtype`` launches: the
+    per-agent stages, the pair kernels over the d^2 Hermitian coordinates, the reductions (the rollouts'
+    channel-step kernels compile at their first launch)."""
+    cdt = np.dtype(dtype).name
+    rdt = np.finfo(np.dtype(dtype)).dtype.name
+    plan = _Plan()
+    stages = ("pull_vjp", "frames_vjp", "eig_log", "gibbs", "frames", "pull_features", "dk_log", "dk_exp")
+    plan.add(kc.quantum, "make_quantum_kernels", (d, cdt), kc.quantum_kernel_signatures(cdt), *stages)
+    plan.pairs(d * d, rdt, aggregator, dense, streaming=d * d <= STREAM_MAX_D)
+    plan.reductions(rdt)
+    return plan
 
 
 _PREPARED: set = set()
+_REAL = (np.dtype(np.float32), np.dtype(np.float64))
+_COMPLEX = (np.dtype(np.complex64), np.dtype(np.complex128))
 
 
 def prepare(arrays: dict, cfg) -> None:
     """Get the kernels a first evaluation of ``cfg`` on ``arrays`` (and an integrator's steps) will launch
     ready before it: the ones the disk cache lacks compile in parallel processes
-    (:func:`vfesim_kernels.cuda.ahead.compile_ahead`). Once per configuration and process; Gaussian
-    agents (other families compile at first launch). Called by :func:`vfesim.energy_and_gradient` and the
-    device integrators; ``energy_and_gradient_arrays`` and the dask backend's chunk tasks do not call
-    it (their kernels compile at first launch, or load from the cache)."""
-    if SIMULATOR or not isinstance(cfg, ModelConfig) or "mu_q" not in arrays:
+    (:func:`vfesim_kernels.cuda.ahead.compile_ahead`). Once per configuration and process; Gaussian and
+    density-matrix agents (field agents compile at first launch). Called by
+    :func:`vfesim.energy_and_gradient` and the device integrators; ``energy_and_gradient_arrays`` and
+    the dask backend's chunk tasks do not call it (their kernels compile at first launch, or load from
+    the cache)."""
+    if SIMULATOR:
         return
-    mu = arrays["mu_q"]
-    if np.dtype(mu.dtype) not in (np.float32, np.float64):  # the state checks name the error
+    if isinstance(cfg, ModelConfig) and np.dtype(getattr(arrays.get("mu_q"), "dtype", object)) in _REAL:
+        key = ("gaussian", cfg.K, np.dtype(arrays["mu_q"].dtype).name, cfg.aggregator, cfg.dense)
+    elif isinstance(cfg, QuantumConfig) and np.dtype(getattr(arrays.get("rho"), "dtype", object)) in _COMPLEX:
+        rho = arrays["rho"]
+        if rho.ndim != 3 or not 2 <= rho.shape[-1] <= QUANTUM_KERNEL_MAX_D:  # (the state checks name it)
+            return
+        key = ("quantum", rho.shape[-1], np.dtype(rho.dtype).name, cfg.aggregator, cfg.dense)
+    else:  # other families, or a dtype the state checks refuse
         return
-    key = (cfg.K, np.dtype(mu.dtype).name, cfg.aggregator, cfg.dense)
     if key in _PREPARED:
         return
     _PREPARED.add(key)
-    report = kc.ahead.compile_ahead(gaussian_jobs(*key))
+    report = kc.ahead.compile_ahead((gaussian_jobs if key[0] == "gaussian" else quantum_jobs)(*key[1:]))
     if report["compiled"]:
         log.info(
             "CUDA kernels compiled ahead in %.1f s: %d in %d processes, %d loaded from the cache",
