@@ -107,6 +107,18 @@ def test_workers_setting(monkeypatch):
     assert 1 <= ahead.workers() <= ahead.MAX_WORKERS
 
 
+def test_workers_follow_a_container_cpu_quota(tmp_path, monkeypatch):
+    monkeypatch.delenv("VFESIM_COMPILE_WORKERS", raising=False)
+    monkeypatch.setattr(ahead.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    cpu_max = tmp_path / "cpu.max"
+    monkeypatch.setattr(ahead, "CPU_MAX", str(cpu_max))
+    for text, expected in [("250000 100000\n", 2), ("50000 100000\n", 1), ("max 100000\n", 8), ("junk", 8)]:
+        cpu_max.write_text(text)
+        assert ahead.workers() == expected, text
+    cpu_max.unlink()  # no cgroup v2 file: the affinity, capped
+    assert ahead.workers() == ahead.MAX_WORKERS
+
+
 def test_shares_deal_kernel_functions_round_robin_keeping_their_specialisations_together():
     a32, b, c, a64, d = (
         ahead.Job("m", "f", (), k, f"void({t}[::1])")

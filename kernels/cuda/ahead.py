@@ -14,7 +14,8 @@ launch as before.
 A marker file in the kernel cache (``ahead-<hash>``: the jobs, the device's compute capability, the
 numba-cuda and Python versions) records a completed set, so a later process skips even the loading pass
 (its launches load what they use). Workers: ``VFESIM_COMPILE_WORKERS`` as given (0 or 1: compile at
-first launch, in this process), else one per available core, at most :data:`MAX_WORKERS`. Each worker
+first launch, in this process), else one per available core (the CPU affinity and a container's cgroup
+CPU quota), at most :data:`MAX_WORKERS`. Each worker
 opens its own CUDA context (a few hundred MB of device memory, released when it exits). Fresh
 interpreters, not ``multiprocessing``: they do not import the caller's ``__main__``.
 """
@@ -61,9 +62,14 @@ class Job(NamedTuple):
         return tuple(sigutils.normalize_signature(self.signature)[0])
 
 
+# cgroup v2's CPU quota of this process's container ("max 100000" or "<quota> <period>")
+CPU_MAX = "/sys/fs/cgroup/cpu.max"
+
+
 def workers() -> int:
     """Processes :func:`compile_ahead` may use (this one included): ``VFESIM_COMPILE_WORKERS`` or the
-    available cores, at most MAX_WORKERS."""
+    available cores (the CPU affinity, and a container's CPU quota where cgroup v2 sets one), at most
+    MAX_WORKERS."""
     env = os.environ.get("VFESIM_COMPILE_WORKERS", "").strip()
     if env:
         try:
@@ -72,6 +78,13 @@ def workers() -> int:
             raise ValueError(f"VFESIM_COMPILE_WORKERS: must be an integer, got {env!r}") from None
         return max(1, n)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open(CPU_MAX) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):  # no cgroup v2 quota here
+        pass
     return max(1, min(cores, MAX_WORKERS))
 
 
