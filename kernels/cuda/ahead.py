@@ -15,9 +15,9 @@ A marker file in the kernel cache (``ahead-<hash>``: the jobs, the device's comp
 numba-cuda and Python versions) records a completed set, so a later process skips even the loading pass
 (its launches load what they use). Workers: ``VFESIM_COMPILE_WORKERS`` as given (0 or 1: compile at
 first launch, in this process), else one per available core (the CPU affinity and a container's cgroup
-CPU quota), at most :data:`MAX_WORKERS`. Each worker
-opens its own CUDA context (a few hundred MB of device memory, released when it exits). Fresh
-interpreters, not ``multiprocessing``: they do not import the caller's ``__main__``.
+CPU quota), at most :data:`MAX_WORKERS`. Each worker opens its own CUDA context (a few hundred MB of
+device memory, released when it exits). Fresh interpreters, not ``multiprocessing``: they do not import
+the caller's ``__main__``.
 """
 
 from __future__ import annotations
