@@ -698,9 +698,11 @@ def format_cold(rows) -> str:
     for r in rows:
         for a in r.get("ahead", []):
             if a["compiled"]:
+                ready = a.get("ready") or []
+                took = f"; workers took a first kernel {ready[0]:.2f}-{ready[-1]:.2f} s in" if ready else ""
                 lines.append(
                     f"# compiled ahead in '{r['run']}': {a['compiled']} kernels in {a['workers']} processes"
-                    f" ({a['loaded']} loaded from the cache), {a['seconds']:.2f} s"
+                    f" ({a['loaded']} loaded from the cache), {a['seconds']:.2f} s{took}"
                 )
     for r in rows:
         if r["compiles"]:

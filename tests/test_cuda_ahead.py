@@ -1,11 +1,14 @@
 """Compiling kernels ahead in parallel processes (vfesim_kernels.cuda.ahead), on the CPU: the jobs go to
-real worker processes (``python -m vfesim_kernels.cuda.ahead``) whose dispatchers are stand-ins that
-record what they compile; and every job of the Gaussian plans names a kernel whose signature fits it.
+real worker processes whose dispatchers are stand-ins that record what they compile (a ``wait_<name>``
+stand-in, the first group and so this process's, waits until some process has tried ``<name>``: a
+worker took that group); and every job of the Gaussian plans names a kernel whose signature fits it.
 On a GPU, tests/test_cuda_gpu.py checks that a first run then loads every kernel it launches."""
 
 import inspect
 import logging
+import os
 import sys
+import time
 
 import pytest
 
@@ -14,6 +17,7 @@ from vfesim_kernels.cuda import ahead  # noqa: E402
 
 STUB = """
 import os
+import time
 from pathlib import Path
 
 class Cache:
@@ -29,8 +33,17 @@ class Stub:
     def add_overload(self, kernel, argtypes):
         self.overloads[argtypes] = kernel
     def compile(self, argtypes):
+        out = Path(os.environ["AHEAD_OUT"])
+        (out / f"tried_{self.name}").write_text(str(os.getpid()))
+        if self.name.startswith("wait_"):
+            deadline = time.monotonic() + 120
+            while not (out / f"tried_{self.name[5:]}").exists():
+                assert time.monotonic() < deadline, "no worker took a group"
+                time.sleep(0.01)
         if self.name == "broken":
             raise RuntimeError("this kernel does not compile")
+        if self.name == "crash":
+            os._exit(3)
         (Path(os.environ["AHEAD_OUT"]) / self.name).write_text(f"{os.getpid()} {argtypes}")
         self.overloads[argtypes] = "kernel"
 
@@ -54,32 +67,53 @@ def stub(tmp_path, monkeypatch):
     sys.modules.pop("ahead_stub", None)
 
 
-def _jobs(names, factory_args=("a", "b", "c", "d", "broken")):
+def _jobs(names, factory_args=("a", "b", "c", "d", "broken", "crash", "wait_b", "wait_broken", "wait_crash")):
     return [ahead.Job("ahead_stub", "factory", factory_args, n, "void(float64[::1], int64)") for n in names]
 
 
 def test_missing_kernels_compile_in_worker_processes_and_load_here(stub):
-    jobs = _jobs(["a", "b", "c", "d"])
+    jobs = _jobs(["wait_b", "b", "c", "d"])
     report = ahead.compile_ahead(jobs, n_workers=3)
-    assert report["compiled"] == 4 and report["loaded"] == 0 and report["workers"] == 3
-    assert report["failed"] == []
-    pids = {(stub / n).read_text().split()[0] for n in "abcd"}
-    assert len(pids) == 3  # this process took one share, two workers the others
+    assert report["compiled"] == 4 and report["loaded"] == 0 and report["failed"] == []
+    assert 2 <= report["workers"] <= 3 and len(report["ready"]) == report["workers"] - 1
+    pids = {n: (stub / n).read_text().split()[0] for n in ["wait_b", "b", "c", "d"]}
+    assert pids["wait_b"] == str(os.getpid()) != pids["b"]  # this process took the first group
     for job in jobs:  # every kernel bound in this process
         assert job.argtypes() in job.dispatcher().overloads
     again = ahead.compile_ahead(jobs, n_workers=3)
     assert again["compiled"] == 0 and again["loaded"] == 4  # nothing left to compile
 
 
-def test_a_failing_worker_is_reported_and_its_kernels_left_to_their_launch(stub, caplog):
-    jobs = _jobs(["a", "broken", "c"])
+def test_a_group_failing_in_a_worker_is_reported_and_left_to_its_launch(stub, caplog):
+    jobs = _jobs(["wait_broken", "broken", "c"])
     with caplog.at_level(logging.WARNING, logger="vfesim"):
         report = ahead.compile_ahead(jobs, n_workers=3)
-    assert report["failed"] == ["broken"]
+    assert report["failed"] == ["broken"] and report["compiled"] == 2
+    assert (stub / "tried_broken").read_text() != str(os.getpid())
     assert "this kernel does not compile" in caplog.text and "'broken'" in caplog.text
-    assert (stub / "a").exists() and (stub / "c").exists()
+    assert (stub / "c").exists()
     broken = jobs[1]
     assert broken.argtypes() not in broken.dispatcher().overloads
+
+
+def test_a_worker_dying_mid_group_is_reported_and_the_others_go_on(stub, caplog):
+    jobs = _jobs(["wait_crash", "crash", "b", "c", "d"])
+    with caplog.at_level(logging.WARNING, logger="vfesim"):
+        report = ahead.compile_ahead(jobs, n_workers=3)
+    assert report["failed"] == ["crash"] and report["compiled"] == 4
+    assert "exit 3" in caplog.text and "'crash'" in caplog.text
+    assert all((stub / n).exists() for n in "bcd")
+
+
+def test_workers_not_ready_when_the_work_is_done_are_stopped(stub, tmp_path, monkeypatch):
+    # the workers' interpreters start slowly (a sitecustomize on their PYTHONPATH); this process's compiles
+    # are instant: it does everything and returns without waiting for them
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(60)\n")
+    t0 = time.monotonic()
+    report = ahead.compile_ahead(_jobs(["a", "b", "c"]), n_workers=3)
+    assert time.monotonic() - t0 < 30
+    assert report["compiled"] == 3 and report["workers"] == 1 and report["ready"] == []
+    assert {(stub / n).read_text().split()[0] for n in "abc"} == {str(os.getpid())}
 
 
 def test_cached_kernels_are_loaded_not_compiled(stub):
@@ -119,29 +153,29 @@ def test_workers_follow_a_container_cpu_quota(tmp_path, monkeypatch):
     assert ahead.workers() == ahead.MAX_WORKERS
 
 
-def test_shares_deal_kernel_functions_round_robin_keeping_their_specialisations_together():
+def test_groups_keep_a_kernel_functions_specialisations_together_in_the_given_order():
     a32, b, c, a64, d = (
         ahead.Job("m", "f", (), k, f"void({t}[::1])")
         for k, t in [("a", "float32"), ("b", "float32"), ("c", "float32"), ("a", "float64"), ("d", "int64")]
     )
-    # "a" in float32 and float64 share numba's index file: one share compiles both
-    assert ahead.shares([a32, b, c, a64, d], 2) == [[a32, a64, c], [b, d]]
-    assert ahead.shares([a32, b], 8) == [[a32], [b]]
-    assert ahead.shares([a32, a64], 8) == [[a32, a64]]
+    # "a" in float32 and float64 share numba's index file: one process compiles both
+    assert ahead.groups([a32, b, c, a64, d]) == [[a32, a64], [b], [c], [d]]
+    assert ahead.groups([]) == []
 
 
-def test_a_failing_share_of_this_process_is_logged_not_raised(stub, caplog):
+def test_a_failing_group_of_this_process_is_logged_not_raised(stub, caplog):
     jobs = _jobs(["broken", "a", "c"])
     with caplog.at_level(logging.WARNING, logger="vfesim"):
-        report = ahead.compile_ahead(jobs, n_workers=2)  # this process: "broken" and "c"
-    assert report["failed"] == ["broken", "c"] and report["compiled"] == 1
+        report = ahead.compile_ahead(jobs, n_workers=2)  # this process takes the first group
+    assert report["failed"] == ["broken"] and report["compiled"] == 2
     assert "RuntimeError: this kernel does not compile" in caplog.text
+    assert (stub / "tried_broken").read_text() == str(os.getpid())
 
 
 def test_workers_run_with_warnings_as_errors(stub, monkeypatch):
     monkeypatch.setenv("PYTHONWARNINGS", "error")
-    report = ahead.compile_ahead(_jobs(["a", "b", "c"]), n_workers=3)
-    assert report["failed"] == [] and report["compiled"] == 3
+    report = ahead.compile_ahead(_jobs(["wait_b", "b", "c"]), n_workers=3)
+    assert report["failed"] == [] and report["compiled"] == 3 and report["workers"] >= 2
 
 
 def test_no_op_under_the_simulator(monkeypatch):
@@ -187,11 +221,11 @@ def test_a_completed_set_is_marked_and_skipped_by_the_next_process(stub, tmp_pat
     assert len(list(cache.glob("ahead-*"))) == 2  # a set with a failure is not marked
 
 
-def test_a_worker_that_cannot_start_is_logged(stub, monkeypatch, caplog):
+def test_a_worker_that_cannot_start_is_logged_and_this_process_does_its_work(stub, monkeypatch, caplog):
     monkeypatch.setattr(ahead.sys, "executable", str(stub / "no-such-python"))
     with caplog.at_level(logging.WARNING, logger="vfesim"):
         report = ahead.compile_ahead(_jobs(["a", "b"]), n_workers=2)
-    assert report["failed"] == ["b"] and report["compiled"] == 1 and "no worker process" in caplog.text
+    assert report["failed"] == [] and report["compiled"] == 2 and "no worker process" in caplog.text
 
 
 @pytest.mark.parametrize("d", [2, 4, 5])

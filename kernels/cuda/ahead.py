@@ -5,11 +5,13 @@ a process that finds the disk cache empty compiles its kernels one after the oth
 Gaussian K = 3 energy and integrator kernels on an H100 host (benchmarks/results/
 gpu_cold_h100_stop27.txt). :func:`compile_ahead` takes the kernels a computation is about to launch
 (:class:`Job`: factory, arguments, kernel name, signature), loads what the disk cache already holds, and
-compiles the rest in up to ``workers`` processes at once: a worker (a fresh ``python`` running
-:func:`_main`) compiles its share and writes it to the disk cache, this process compiles one share
-itself, then loads the others. The specialisations of one kernel function stay in one share: they share
-an index file in numba's cache. A share that fails is only logged: its kernels compile at their first
-launch as before.
+compiles the rest in up to ``workers`` processes at once. The jobs form groups, one per kernel function
+(its specialisations share an index file in numba's cache, so one process writes them), taken one at a
+time from a common queue, costliest first: this process starts on the first group at once, and each
+worker (a fresh ``python`` running :func:`_main`) takes the next group once it has imported numba and
+opened its CUDA context (2.5-3.5 s on the GPU hosts, hidden behind this process's first compile), then
+the next, writing each to the disk cache; this process then loads them. A group that fails is only
+logged: its kernels compile at their first launch as before.
 
 A marker file in the kernel cache (``ahead-<hash>``: the jobs, the device's compute capability, the
 numba-cuda and Python versions) records a completed set, so a later process skips even the loading pass
@@ -30,13 +32,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from importlib import import_module
 from typing import NamedTuple
 
 from .core import SIMULATOR
 
-__all__ = ["Job", "MAX_WORKERS", "compile_ahead", "workers", "shares"]
+__all__ = ["Job", "MAX_WORKERS", "compile_ahead", "workers", "groups"]
 
 log = logging.getLogger("vfesim")
 
@@ -88,16 +91,14 @@ def workers() -> int:
     return max(1, min(cores, MAX_WORKERS))
 
 
-def shares(jobs: list, n: int) -> list[list]:
-    """``jobs`` in at most n non-empty shares: the jobs of one kernel function together (its
-    specialisations share one index file in numba's cache, which two processes writing at once could
-    corrupt), the groups dealt round-robin in the order given (callers list the costliest first)."""
-    groups: dict = {}
+def groups(jobs: list) -> list[list]:
+    """``jobs`` grouped by kernel function, in the order given (callers list the costliest first): the
+    specialisations of one function share an index file in numba's cache, which two processes writing at
+    once could corrupt, so one process compiles a group."""
+    by_function: dict = {}
     for job in jobs:
-        groups.setdefault((job.module, job.factory, job.kernel), []).append(job)
-    groups_list = list(groups.values())
-    n = max(1, min(n, len(groups_list)))
-    return [[job for g in groups_list[i::n] for job in g] for i in range(n)]
+        by_function.setdefault((job.module, job.factory, job.kernel), []).append(job)
+    return list(by_function.values())
 
 
 def _load(job: Job) -> bool:
@@ -172,11 +173,12 @@ _WORKER = "import sys; from vfesim_kernels.cuda.ahead import _main; sys.exit(_ma
 
 def compile_ahead(jobs: list[Job], n_workers: int | None = None) -> dict:
     """Bind every job's kernel (see the module docstring); returns ``{"loaded", "compiled", "workers",
-    "seconds", "failed"}`` (loaded: found in the disk cache; compiled: compiled ahead and bound; failed:
-    the kernel names of shares that failed, left to their launches). A no-op under the simulator, and
-    where an earlier process compiled the same jobs into this kernel cache (a marker file there says so:
-    the launches then load them, only the ones they use)."""
-    report = {"loaded": 0, "compiled": 0, "workers": 0, "seconds": 0.0, "failed": []}
+    "seconds", "failed", "ready"}`` (loaded: found in the disk cache; compiled: compiled ahead and bound;
+    workers: processes that compiled, this one included; failed: the kernel names of groups that failed,
+    left to their launches; ready: seconds from the start until each worker took its first group). A no-op
+    under the simulator, and where an earlier process compiled the same jobs into this kernel cache (a
+    marker file there says so: the launches then load them, only the ones they use)."""
+    report = {"loaded": 0, "compiled": 0, "workers": 0, "seconds": 0.0, "failed": [], "ready": []}
     if SIMULATOR or not jobs:
         return report
     t0 = time.perf_counter()
@@ -189,70 +191,161 @@ def compile_ahead(jobs: list[Job], n_workers: int | None = None) -> dict:
         _mark(marker, jobs)
         return report
     n = workers() if n_workers is None else max(1, n_workers)
-    parts = shares(todo, n)
-    if len(parts) < 2:  # nothing to share: the launches compile what is missing
+    todo_groups = groups(todo)
+    n = min(n, len(todo_groups))
+    if n < 2:  # nothing to share: the launches compile what is missing
         return report
     log.info(
-        "compiling %d CUDA kernels in %d processes (first use; later runs load them from the disk cache)",
-        len(todo), len(parts),
+        "compiling %d CUDA kernels in up to %d processes (first use; later runs load them from disk)",
+        len(todo), n,
     )  # fmt: skip
-    failed = _run_shares(parts)
-    bound = [job for job in todo if job not in failed and _load(job)]
+    queue = _Queue(todo_groups, t0)
+    _run(queue, n - 1)
+    bound = [job for job in todo if job not in queue.failed and _load(job)]
     report.update(
-        compiled=len(bound), workers=len(parts), seconds=time.perf_counter() - t0,
-        failed=[job.kernel for job in failed],
+        compiled=len(bound), workers=1 + len(queue.ready), seconds=time.perf_counter() - t0,
+        failed=[job.kernel for job in queue.failed], ready=sorted(queue.ready.values()),
     )  # fmt: skip
     if len(bound) == len(todo):
         _mark(marker, jobs)
     else:
-        missing = [job.kernel for job in todo if job not in bound and job not in failed]
+        missing = [job.kernel for job in todo if job not in bound and job not in queue.failed]
         if missing:
             log.warning("CUDA kernels %s compiled ahead are not in the cache: compiled at launch", missing)
     return report
 
 
-def _run_shares(parts: list[list[Job]]) -> list[Job]:
-    """Compile ``parts[0]`` here and the others in worker processes at once; the jobs of failed shares
-    (each failure logged). Workers still running when this process is interrupted are stopped."""
-    failed: list[Job] = []
-    procs = []
+class _Queue:
+    """The groups left to compile, costliest first, taken one at a time by this process and the workers
+    (one feeding thread per worker); the groups in flight; the jobs of failed groups; when each worker
+    took its first group (by process id)."""
+
+    def __init__(self, todo: list[list[Job]], t0: float):
+        self._todo, self._busy, self._t0 = list(todo), 0, t0
+        self._cond = threading.Condition()
+        self.failed: list[Job] = []
+        self.ready: dict[int, float] = {}
+        self.stopped = False
+
+    def take(self) -> list[Job] | None:
+        """The next group (marked in flight until :meth:`done`), or None when none is left."""
+        with self._cond:
+            if self.stopped or not self._todo:
+                return None
+            self._busy += 1
+            return self._todo.pop(0)
+
+    def done(self, group: list[Job], failure: str | None = None) -> None:
+        with self._cond:
+            self._busy -= 1
+            if failure is not None:
+                self.failed += group
+            self._cond.notify_all()
+        if failure is not None:
+            _failed(group, failure)
+
+    def started(self, pid: int) -> None:
+        with self._cond:
+            self.ready[pid] = time.perf_counter() - self._t0
+
+    def finish(self) -> None:
+        """Wait until every group is compiled (or failed), then stop handing out groups."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._todo and self._busy == 0)
+            self.stopped = True
+
+
+def _run(queue: _Queue, n_workers: int) -> None:
+    """Compile the queue's groups here and in ``n_workers`` worker processes at once: a worker takes a
+    group once it is ready to compile (imports done, CUDA context open), this process whenever it is
+    free, so the costliest group starts here at once and the workers' start-up hides behind it. Workers
+    not yet ready when the last group is done, or still running when this process is interrupted, are
+    stopped."""
+    procs, feeders = [], []
     try:
-        for part in parts[1:]:
+        for _ in range(n_workers):
             err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty worker never blocks
-            cmd = [sys.executable, "-c", _WORKER, json.dumps([list(job) for job in part])]
+            cmd = [sys.executable, "-c", _WORKER]
+            pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
             try:
-                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
-            except OSError as e:  # no interpreter to start (an embedded Python): left to the launches
+                proc = subprocess.Popen(cmd, **pipes)
+            except OSError as e:  # no interpreter to start (an embedded Python): the others share its work
                 err.close()
-                failed += part
-                _failed(part, f"no worker process: {e}")
-                continue
-            procs.append((part, proc, err))
-        try:
-            _compile(parts[0])
-        except Exception as e:  # noqa: BLE001 - like a worker's failure: left to the launches
-            failed += parts[0]
-            _failed(parts[0], f"{type(e).__name__}: {e}")
-        for part, proc, err in procs:
-            if proc.wait() != 0:
-                failed += part
-                err.seek(0)
-                _failed(part, f"exit {proc.returncode}: {err.read().strip()[-2000:]}")
+                log.warning("no worker process to compile CUDA kernels ahead (%s)", e)
+                break
+            procs.append((proc, err))
+            feeders.append(threading.Thread(target=_feed, args=(queue, proc, err), daemon=True))
+            feeders[-1].start()
+        while (group := queue.take()) is not None:
+            try:
+                _compile(group)
+            except Exception as e:  # noqa: BLE001 - like a worker's failure: left to the launches
+                queue.done(group, f"{type(e).__name__}: {e}")
+            else:
+                queue.done(group)
+        queue.finish()
     finally:
-        for _, proc, err in procs:
+        queue.stopped = True
+        for proc, _ in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
-            err.close()
-    return failed
+            proc.wait()
+        for feeder in feeders:  # each returns at its worker's end of file
+            feeder.join()
+        for proc, err in procs:
+            for f in (proc.stdin, proc.stdout, err):
+                with contextlib.suppress(OSError):
+                    f.close()
+
+
+def _feed(queue: _Queue, proc: subprocess.Popen, err) -> None:
+    """One worker's thread: once the worker says it is ready, hand it groups one at a time until the
+    queue is empty; a group it fails on, or was compiling when it died, is reported (left to launches)."""
+
+    def why() -> str:
+        proc.wait()
+        err.seek(0)
+        return f"exit {proc.returncode}: {err.read().strip()[-2000:]}"
+
+    if proc.stdout.readline().strip() != "ready":
+        if not queue.stopped:  # it died starting: the others share its work
+            _failed([], why())
+        return
+    while (group := queue.take()) is not None:
+        if proc.pid not in queue.ready:
+            queue.started(proc.pid)
+        try:
+            proc.stdin.write(json.dumps([list(job) for job in group]) + "\n")
+            proc.stdin.flush()
+            reply = proc.stdout.readline()
+        except (OSError, ValueError):  # a closed pipe: it died, or this process stopped it
+            reply = ""
+        if not reply:
+            return queue.done(group, why())
+        queue.done(group, None if reply.strip() == "ok" else json.loads(reply))
+    with contextlib.suppress(OSError):
+        proc.stdin.close()  # the worker exits
 
 
 def _failed(part: list[Job], why: str) -> None:
     names = [job.kernel for job in part]
-    log.warning("compiling CUDA kernels %s ahead failed; they compile at first launch (%s)", names, why)
+    if names:
+        log.warning("compiling CUDA kernels %s ahead failed; they compile at first launch (%s)", names, why)
+    else:
+        log.warning("a worker process compiling CUDA kernels ahead stopped (%s)", why)
 
 
 def _main(argv: list[str]) -> int:
-    """Worker: compile the jobs given as JSON (a list of Job fields) into the disk cache."""
-    _compile([Job(m, f, tuple(a), k, s) for m, f, a, k, s in json.loads(argv[0])])
+    """Worker: open the CUDA context, say "ready", then compile each group of jobs read from stdin (one
+    JSON list of Job fields per line) into the disk cache, answering "ok" or the error (a JSON string)."""
+    with contextlib.suppress(Exception):  # no device: the compiles fail and say why
+        _compute_capability()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        try:
+            _compile([Job(m, f, tuple(a), k, s) for m, f, a, k, s in json.loads(line)])
+        except Exception as e:  # noqa: BLE001 - reported to the caller, which leaves it to the launches
+            print(json.dumps(f"{type(e).__name__}: {e}"), flush=True)
+        else:
+            print("ok", flush=True)
     return 0
