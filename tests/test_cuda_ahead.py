@@ -44,6 +44,8 @@ class Stub:
             raise RuntimeError("this kernel does not compile")
         if self.name == "crash":
             os._exit(3)
+        print("chatter on stdout", flush=True)
+        os.write(1, b"more chatter\\n")
         (Path(os.environ["AHEAD_OUT"]) / self.name).write_text(f"{os.getpid()} {argtypes}")
         self.overloads[argtypes] = "kernel"
 
@@ -60,7 +62,8 @@ def stub(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the workers import it too
+    path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))  # the workers import it too
     monkeypatch.setenv("AHEAD_OUT", str(out))
     monkeypatch.setattr(ahead, "SIMULATOR", False)
     yield out

@@ -322,7 +322,7 @@ def _feed(queue: _Queue, proc: subprocess.Popen, err) -> None:
             reply = ""
         if not reply:
             return queue.done(group, why())
-        queue.done(group, None if reply.strip() == "ok" else json.loads(reply))
+        queue.done(group, None if reply.strip() == "ok" else reply.strip())
     with contextlib.suppress(OSError):
         proc.stdin.close()  # the worker exits
 
@@ -337,15 +337,20 @@ def _failed(part: list[Job], why: str) -> None:
 
 def _main(argv: list[str]) -> int:
     """Worker: open the CUDA context, say "ready", then compile each group of jobs read from stdin (one
-    JSON list of Job fields per line) into the disk cache, answering "ok" or the error (a JSON string)."""
+    JSON list of Job fields per line) into the disk cache, answering "ok" or the error on one line. Only
+    these answers reach stdout: anything else written there (by numba, the driver) goes to stderr."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     with contextlib.suppress(Exception):  # no device: the compiles fail and say why
         _compute_capability()
-    print("ready", flush=True)
+    print("ready", file=answers, flush=True)
     for line in sys.stdin:
         try:
             _compile([Job(m, f, tuple(a), k, s) for m, f, a, k, s in json.loads(line)])
         except Exception as e:  # noqa: BLE001 - reported to the caller, which leaves it to the launches
-            print(json.dumps(f"{type(e).__name__}: {e}"), flush=True)
+            answer = " ".join(f"{type(e).__name__}: {e}".split())  # one line
         else:
-            print("ok", flush=True)
+            answer = "ok"
+        print(answer, file=answers, flush=True)
     return 0
