@@ -233,7 +233,7 @@ def test_dense_splits_cover_the_others_without_empty_slices(owners, others, row_
     assert kc.dense_slices(12289, 24, 128) == (20, 640)  # rounding leaves 20 slices of 640, not 24
 
 
-@pytest.mark.parametrize("name", ["partial_sum", "partial_max_abs"])
+@pytest.mark.parametrize("name", ["partial_sum", "partial_max_abs", "final_max_abs"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_reduce_kernels_compile_for_sm90(dtype, name):
     """The device reductions (vfesim_kernels.cuda.reduce): a shared-memory tree, float64 accumulation."""

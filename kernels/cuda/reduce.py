@@ -5,11 +5,15 @@ first process that calls them: 1.7–2.4 s each, 8.3 of the 9.2 s a first-ever G
 spent in CuPy compiles on an H100 (benchmarks/results/gpu_nvrtc_h100_stop28.txt). These numba kernels
 compile with the package's other kernels and load from the same disk cache.
 
-Two passes, each in a fixed order (the same bits run to run for a given length): ``partial_sum`` /
-``partial_max_abs`` reduce a 1-D array over a grid of :data:`REDUCE_THREADS`-thread blocks, each block
-striding over the array and reducing its threads by a tree in shared memory into ``parts[block]``
-(float64); a second launch of ``partial_sum`` / ``partial_max_abs`` on ``parts`` with one block gives
-the result. Launch: ``[blocks, REDUCE_THREADS](x, parts)``.
+Two passes, each in a fixed order (the same bits run to run for a given length): ``partial_sum``
+reduces a 1-D array over a grid of :data:`REDUCE_THREADS`-thread blocks, each block striding over the
+array and reducing its threads by a tree in shared memory into ``parts[block]`` (float64); a second
+launch of ``partial_sum`` on ``parts`` with one block gives the result. Launch:
+``[blocks, REDUCE_THREADS](x, parts)``. Max |x| takes up to :data:`MAX_ABS_ARRAYS` arrays of one dtype
+at once (checks reduce every variable of a state or gradient): ``partial_max_abs[(blocks, n),
+REDUCE_THREADS](x0, ..., x5, parts)`` (grid row a reduces x_a into ``parts[a]``; x_a past n are not read),
+then ``final_max_abs[n, REDUCE_THREADS](parts, out, o0)`` writes row a's max to ``out[o0 + a]``: two
+launches for a whole state instead of two per variable.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from .core import SIMULATOR, compile_kernels, cuda, device, launch_view
 __all__ = [
     "REDUCE_THREADS",
     "REDUCE_BLOCKS",
+    "MAX_ABS_ARRAYS",
     "make_reduce_kernels",
     "reduce_signatures",
     "device_sum",
@@ -33,11 +38,13 @@ __all__ = [
 
 REDUCE_THREADS = 8 if SIMULATOR else 256  # a power of two (tree)
 REDUCE_BLOCKS = 2 if SIMULATOR else 1024  # partial results of the first pass, at most
+MAX_ABS_ARRAYS = 6  # arrays per max |x| launch
 
 
 @functools.cache
 def make_reduce_kernels() -> dict:
-    """``partial_sum`` and ``partial_max_abs`` over a real 1-D array of any float dtype (module docstring)."""
+    """``partial_sum`` over a real 1-D array of any float dtype, ``partial_max_abs`` over up to six of
+    them and its second pass ``final_max_abs`` (module docstring)."""
     NT = REDUCE_THREADS
 
     def tree(red, t, is_max):
@@ -60,7 +67,9 @@ def make_reduce_kernels() -> dict:
         if t == 0:
             parts[cuda.blockIdx.x] = red[0]
 
-    def partial_max_abs(x, parts):
+    def partial_max_abs(x0, x1, x2, x3, x4, x5, parts):
+        a = cuda.blockIdx.y
+        x = x0 if a == 0 else x1 if a == 1 else x2 if a == 2 else x3 if a == 3 else x4 if a == 4 else x5
         t = cuda.threadIdx.x
         acc = 0.0
         for i in range(cuda.blockIdx.x * NT + t, x.shape[0], NT * cuda.gridDim.x):
@@ -70,17 +79,34 @@ def make_reduce_kernels() -> dict:
         red[t] = acc
         tree(red, t, True)
         if t == 0:
-            parts[cuda.blockIdx.x] = red[0]
+            parts[a, cuda.blockIdx.x] = red[0]
+
+    def final_max_abs(parts, out, o0):
+        a = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        acc = 0.0
+        for i in range(t, parts.shape[1], NT):
+            acc = max(acc, parts[a, i])  # (inf stays inf; the partials hold no NaN)
+        red = cuda.shared.array(NT, float64)
+        red[t] = acc
+        tree(red, t, True)
+        if t == 0:
+            out[o0 + a] = red[0]
 
     tree = device(tree)
-    return compile_kernels({"partial_sum": partial_sum, "partial_max_abs": partial_max_abs})
+    pyfuncs = {"partial_sum": partial_sum, "partial_max_abs": partial_max_abs, "final_max_abs": final_max_abs}
+    return compile_kernels(pyfuncs)
 
 
 def reduce_signatures(dtype: str) -> dict[str, str]:
-    """Signature strings of the reduction kernels over a ``dtype`` array (first pass; the second pass
-    reduces float64 partials)."""
-    sig = f"void({np.dtype(dtype).name}[::1], float64[::1])"
-    return {"partial_sum": sig, "partial_max_abs": sig}
+    """Signature strings of the reduction kernels over ``dtype`` arrays (``partial_sum``'s second pass
+    reduces float64 partials: the float64 signature)."""
+    x = f"{np.dtype(dtype).name}[::1]"
+    return {
+        "partial_sum": f"void({x}, float64[::1])",
+        "partial_max_abs": f"void({', '.join([x] * MAX_ABS_ARRAYS)}, float64[:, ::1])",
+        "final_max_abs": "void(float64[:, ::1], float64[::1], int64)",
+    }
 
 
 def _two_pass(name: str, flat, out) -> None:
@@ -114,16 +140,27 @@ def device_sum(a):
 
 def max_abs(arrays) -> list[float]:
     """max |x| of each device array as a host float (+inf where an entry is NaN or Inf, 0 when empty;
-    complex arrays over their real and imaginary parts), with one device-to-host transfer for all."""
-    arrays = list(arrays)
-    if not arrays:
+    complex arrays over their real and imaginary parts), with one device-to-host transfer for all: two
+    launches per run of up to MAX_ABS_ARRAYS consecutive arrays of one real dtype."""
+    flats = [_flat(a, _xp(a)) for a in arrays]
+    if not flats:
         return []
-    xp = _xp(arrays[0])
-    out = xp.zeros(len(arrays), np.float64)
-    for i, a in enumerate(arrays):
-        flat = _flat(a, xp)
-        if flat.shape[0]:
-            _two_pass("partial_max_abs", flat, out[i : i + 1])
+    xp = _xp(flats[0])
+    out = xp.zeros(len(flats), np.float64)
+    k = make_reduce_kernels()
+    i = 0
+    while i < len(flats):
+        run = flats[i : i + MAX_ABS_ARRAYS]
+        run = run[: next((r for r, f in enumerate(run) if f.dtype != run[0].dtype), len(run))]
+        longest = max(f.shape[0] for f in run)
+        if longest:
+            nb = max(1, min(REDUCE_BLOCKS, -(-longest // REDUCE_THREADS)))
+            parts = xp.empty((len(run), nb), np.float64)
+            xs = [launch_view(f) for f in run]
+            xs += xs[:1] * (MAX_ABS_ARRAYS - len(run))  # fillers: rows past len(run) are not launched
+            k["partial_max_abs"][(nb, len(run)), REDUCE_THREADS](*xs, launch_view(parts))
+            k["final_max_abs"][len(run), REDUCE_THREADS](launch_view(parts), launch_view(out), i)
+        i += len(run)
     return [float(v) for v in (out if xp is np else out.get())]
 
 

@@ -39,6 +39,22 @@ def test_max_abs_matches_numpy(n):
     assert got == [np.abs(x).max(), max(np.abs(z.real).max(), np.abs(z.imag).max()), np.abs(x32).max()]
 
 
+def test_max_abs_of_many_arrays_of_mixed_dtypes_and_lengths():
+    # runs of one dtype share launches (at most MAX_ABS_ARRAYS arrays each); every result lands in place
+    rng = np.random.default_rng(5)
+    dtypes = ["float64"] * 8 + ["float32", "float64", "float32", "float32"]
+    xs = [
+        rng.standard_normal(int(n)).astype(t) * (i + 1)
+        for i, (n, t) in enumerate(zip(rng.integers(0, 3 * STRIDE, len(dtypes)), dtypes, strict=True))
+    ]
+    xs[3] = np.zeros(0)
+    xs[9] = np.zeros((4, 0))
+    xs[10][-1] = np.nan
+    want = [float(np.abs(x).max(initial=0.0)) for x in xs]
+    want[10] = math.inf
+    assert red.max_abs(xs) == want
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("at", [0, 17, -1])
 def test_max_abs_is_inf_for_any_non_finite_entry(bad, at):

@@ -149,10 +149,11 @@ class _Plan(list):
             self.add(kc.pairwise, "make_gemm_row_kernel", (dt, aggregator), rows, "rows")
 
     def reductions(self, dt: str) -> None:
-        """Sums and max |x|: first passes over ``dt``, second passes over float64."""
+        """Sums (first pass over ``dt``, second over float64) and max |x| of ``dt`` arrays."""
         for f in dict.fromkeys((dt, "float64")):
-            rsigs = kc.reduce.reduce_signatures(f)
-            self.add(kc.reduce, "make_reduce_kernels", (), rsigs, "partial_sum", "partial_max_abs")
+            self.add(kc.reduce, "make_reduce_kernels", (), kc.reduce.reduce_signatures(f), "partial_sum")
+        rsigs = kc.reduce.reduce_signatures(dt)
+        self.add(kc.reduce, "make_reduce_kernels", (), rsigs, "partial_max_abs", "final_max_abs")
 
 
 def gaussian_jobs(K: int, dtype: str, aggregator: str, dense: bool) -> list:
