@@ -704,6 +704,14 @@ def format_cold(rows) -> str:
                     f"# compiled ahead in '{r['run']}': {a['compiled']} kernels in {a['workers']} processes"
                     f" ({a['loaded']} loaded from the cache), {a['seconds']:.2f} s{took}"
                 )
+                by_process: dict = {}
+                for who, kernel, start, end in a.get("groups", []):
+                    by_process.setdefault(who, []).append(f"{kernel} {start:.1f}-{end:.1f}")
+                for who, groups in sorted(by_process.items()):
+                    name = "this process" if who == 0 else f"worker {who}"
+                    lines.append(f"#   {name}: {', '.join(groups)}")
+                if "load_s" in a:
+                    lines.append(f"#   then binding them here: {a['load_s']:.2f} s")
     for r in rows:
         if r["compiles"]:
             top = sorted(r["compiles"].items(), key=lambda kv: -kv[1])

@@ -66,6 +66,7 @@ def stub(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))  # the workers import it too
     monkeypatch.setenv("AHEAD_OUT", str(out))
     monkeypatch.setattr(ahead, "SIMULATOR", False)
+    monkeypatch.setattr(ahead, "_cache_folder", lambda: None)  # no marker in the real kernel cache
     yield out
     sys.modules.pop("ahead_stub", None)
 
@@ -81,6 +82,8 @@ def test_missing_kernels_compile_in_worker_processes_and_load_here(stub):
     assert 2 <= report["workers"] <= 3 and len(report["ready"]) == report["workers"] - 1
     pids = {n: (stub / n).read_text().split()[0] for n in ["wait_b", "b", "c", "d"]}
     assert pids["wait_b"] == str(os.getpid()) != pids["b"]  # this process took the first group
+    who = {kernel: process for process, kernel, start, end in report["groups"] if 0 <= start <= end}
+    assert sorted(who) == ["b", "c", "d", "wait_b"] and who["wait_b"] == 0 and who["b"] > 0
     for job in jobs:  # every kernel bound in this process
         assert job.argtypes() in job.dispatcher().overloads
     again = ahead.compile_ahead(jobs, n_workers=3)

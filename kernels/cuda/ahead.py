@@ -173,12 +173,15 @@ _WORKER = "import sys; from vfesim_kernels.cuda.ahead import _main; sys.exit(_ma
 
 def compile_ahead(jobs: list[Job], n_workers: int | None = None) -> dict:
     """Bind every job's kernel (see the module docstring); returns ``{"loaded", "compiled", "workers",
-    "seconds", "failed", "ready"}`` (loaded: found in the disk cache; compiled: compiled ahead and bound;
-    workers: processes that compiled, this one included; failed: the kernel names of groups that failed,
-    left to their launches; ready: seconds from the start until each worker took its first group). A no-op
+    "seconds", "failed", "ready", "groups", "load_s"}`` (loaded: found in the disk cache; compiled:
+    compiled ahead and bound; workers: processes that compiled, this one included; failed: the kernel
+    names of groups that failed, left to their launches; ready: seconds from the start until each worker
+    took its first group; groups: (process, kernel, start, end) per group, in seconds from the start,
+    process 0 this one; load_s: the final pass binding the compiled kernels here). A no-op
     under the simulator, and where an earlier process compiled the same jobs into this kernel cache (a
     marker file there says so: the launches then load them, only the ones they use)."""
     report = {"loaded": 0, "compiled": 0, "workers": 0, "seconds": 0.0, "failed": [], "ready": []}
+    report |= {"groups": [], "load_s": 0.0}
     if SIMULATOR or not jobs:
         return report
     t0 = time.perf_counter()
@@ -201,10 +204,12 @@ def compile_ahead(jobs: list[Job], n_workers: int | None = None) -> dict:
     )  # fmt: skip
     queue = _Queue(todo_groups, t0)
     _run(queue, n - 1)
+    t1 = time.perf_counter()
     bound = [job for job in todo if job not in queue.failed and _load(job)]
     report.update(
         compiled=len(bound), workers=1 + len(queue.ready), seconds=time.perf_counter() - t0,
         failed=[job.kernel for job in queue.failed], ready=sorted(queue.ready.values()),
+        groups=queue.log, load_s=time.perf_counter() - t1,
     )  # fmt: skip
     if len(bound) == len(todo):
         _mark(marker, jobs)
@@ -225,6 +230,7 @@ class _Queue:
         self._cond = threading.Condition()
         self.failed: list[Job] = []
         self.ready: dict[int, float] = {}
+        self.log: list[tuple] = []  # (process, kernel, start, end)
         self.stopped = False
 
     def take(self) -> list[Job] | None:
@@ -235,9 +241,13 @@ class _Queue:
             self._busy += 1
             return self._todo.pop(0)
 
-    def done(self, group: list[Job], failure: str | None = None) -> None:
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def done(self, group: list[Job], start: float, who: int, failure: str | None = None) -> None:
         with self._cond:
             self._busy -= 1
+            self.log.append((who, group[0].kernel, round(start, 3), round(self.now(), 3)))
             if failure is not None:
                 self.failed += group
             self._cond.notify_all()
@@ -246,7 +256,7 @@ class _Queue:
 
     def started(self, pid: int) -> None:
         with self._cond:
-            self.ready[pid] = time.perf_counter() - self._t0
+            self.ready[pid] = self.now()
 
     def finish(self) -> None:
         """Wait until every group is compiled (or failed), then stop handing out groups."""
@@ -274,15 +284,16 @@ def _run(queue: _Queue, n_workers: int) -> None:
                 log.warning("no worker process to compile CUDA kernels ahead (%s)", e)
                 break
             procs.append((proc, err))
-            feeders.append(threading.Thread(target=_feed, args=(queue, proc, err), daemon=True))
+            feeders.append(threading.Thread(target=_feed, args=(queue, proc, err, len(procs)), daemon=True))
             feeders[-1].start()
         while (group := queue.take()) is not None:
+            start = queue.now()
             try:
                 _compile(group)
             except Exception as e:  # noqa: BLE001 - like a worker's failure: left to the launches
-                queue.done(group, f"{type(e).__name__}: {e}")
+                queue.done(group, start, 0, f"{type(e).__name__}: {e}")
             else:
-                queue.done(group)
+                queue.done(group, start, 0)
         queue.finish()
     finally:
         queue.stopped = True
@@ -298,7 +309,7 @@ def _run(queue: _Queue, n_workers: int) -> None:
                     f.close()
 
 
-def _feed(queue: _Queue, proc: subprocess.Popen, err) -> None:
+def _feed(queue: _Queue, proc: subprocess.Popen, err, who: int) -> None:
     """One worker's thread: once the worker says it is ready, hand it groups one at a time until the
     queue is empty; a group it fails on, or was compiling when it died, is reported (left to launches)."""
 
@@ -314,6 +325,7 @@ def _feed(queue: _Queue, proc: subprocess.Popen, err) -> None:
     while (group := queue.take()) is not None:
         if proc.pid not in queue.ready:
             queue.started(proc.pid)
+        start = queue.now()
         try:
             proc.stdin.write(json.dumps([list(job) for job in group]) + "\n")
             proc.stdin.flush()
@@ -321,8 +333,8 @@ def _feed(queue: _Queue, proc: subprocess.Popen, err) -> None:
         except (OSError, ValueError):  # a closed pipe: it died, or this process stopped it
             reply = ""
         if not reply:
-            return queue.done(group, why())
-        queue.done(group, None if reply.strip() == "ok" else reply.strip())
+            return queue.done(group, start, who, why())
+        queue.done(group, start, who, None if reply.strip() == "ok" else reply.strip())
     with contextlib.suppress(OSError):
         proc.stdin.close()  # the worker exits
 
