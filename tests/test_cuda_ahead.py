@@ -40,6 +40,9 @@ class Stub:
             while not (out / f"tried_{self.name[5:]}").exists():
                 assert time.monotonic() < deadline, "no worker took a group"
                 time.sleep(0.01)
+        if self.name == "hold":
+            while not (out / "go").exists():
+                time.sleep(0.01)
         if self.name == "broken":
             raise RuntimeError("this kernel does not compile")
         if self.name == "crash":
@@ -68,10 +71,15 @@ def stub(tmp_path, monkeypatch):
     monkeypatch.setattr(ahead, "SIMULATOR", False)
     monkeypatch.setattr(ahead, "_cache_folder", lambda: None)  # no marker in the real kernel cache
     yield out
+    (out / "go").write_text("")
+    ahead.finish()
     sys.modules.pop("ahead_stub", None)
 
 
-def _jobs(names, factory_args=("a", "b", "c", "d", "broken", "crash", "wait_b", "wait_broken", "wait_crash")):
+KERNELS = ("a", "b", "c", "d", "broken", "crash", "hold", "wait_b", "wait_broken", "wait_crash", "wait_hold")
+
+
+def _jobs(names, factory_args=KERNELS):
     return [ahead.Job("ahead_stub", "factory", factory_args, n, "void(float64[::1], int64)") for n in names]
 
 
@@ -88,6 +96,28 @@ def test_missing_kernels_compile_in_worker_processes_and_load_here(stub):
         assert job.argtypes() in job.dispatcher().overloads
     again = ahead.compile_ahead(jobs, n_workers=3)
     assert again["compiled"] == 0 and again["loaded"] == 4  # nothing left to compile
+
+
+def test_later_kernels_compile_in_the_workers_after_the_call_returns(stub, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setattr(ahead, "_cache_folder", lambda: str(cache))
+    monkeypatch.setattr(ahead, "_compute_capability", lambda: (9, 0))
+    now, later = _jobs(["wait_hold"]), _jobs(["hold", "c"])
+    # this process's "now" kernel waits until a worker has started on "hold", which waits for "go"
+    report = ahead.compile_ahead(now, n_workers=3, later=later)
+    assert report["later"] == 2 and report["compiled"] == 0
+    assert now[0].argtypes() in now[0].dispatcher().overloads
+    hold = later[0]
+    assert hold.argtypes() not in hold.dispatcher().overloads and not (stub / "hold").exists()
+    assert not list(cache.glob("ahead-*"))  # not marked while kernels are missing
+    (stub / "go").write_text("")
+    ahead.finish()
+    assert report["compiled"] == 3 and report["failed"] == [] and len(report["groups"]) == 3
+    assert all(job.argtypes() in job.dispatcher().overloads for job in later)
+    assert (stub / "hold").read_text().split()[0] != str(os.getpid())
+    assert len(list(cache.glob("ahead-*"))) == 1
+    assert ahead.compile_ahead(now, n_workers=3, later=later)["compiled"] == 0  # marked: nothing to do
 
 
 def test_a_group_failing_in_a_worker_is_reported_and_left_to_its_launch(stub, caplog):
@@ -247,3 +277,33 @@ def test_density_matrix_plan_names_real_kernels_with_fitting_signatures(d, dtype
     for job in jobs:
         params = inspect.signature(job.dispatcher().py_func).parameters
         assert len(job.argtypes()) == len(params), job
+
+
+def test_an_energy_leaves_the_update_kernels_compiling_until_an_integrator_steps(monkeypatch):
+    import numpy as np
+
+    from vfesim import ModelConfig
+    from vfesim.backends import cuda_backend as cb
+
+    calls, finished = [], []
+
+    def compile_ahead(jobs, later=()):
+        calls.append(([j.kernel for j in jobs], [j.kernel for j in later]))
+        return {"compiled": 0, "later": len(later), "seconds": 1.0, "workers": 4, "loaded": 0}
+
+    monkeypatch.setattr(cb, "SIMULATOR", False)
+    monkeypatch.setattr(cb, "_PREPARED", set())
+    monkeypatch.setattr(cb.kc.ahead, "compile_ahead", compile_ahead)
+    monkeypatch.setattr(cb.kc.ahead, "finish", lambda: finished.append(True))
+    updates = {"kick_drift", "gradient_flow", "adam", "theta_to_sigma"}
+    arrays = {"mu_q": np.zeros((4, 3), np.float32)}
+    cb.prepare(arrays, ModelConfig(K=3))  # a first energy: the update kernels later
+    ((now, later),) = calls
+    assert set(later) == updates and "adjoint" in now and not updates & set(now)
+    cb.prepare(arrays, ModelConfig(K=3))  # another energy: nothing to wait for
+    assert len(calls) == 1 and finished == []
+    cb.prepare(arrays, ModelConfig(K=3), stepping=True)  # an integrator: waits for them
+    assert len(calls) == 1 and finished == [True]
+    cb.prepare({"mu_q": np.zeros((4, 5), np.float64)}, ModelConfig(K=5), stepping=True)
+    now, later = calls[-1]  # an integrator first: everything at once
+    assert later == [] and updates <= set(now)

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from .core import SIMULATOR
 
-__all__ = ["Job", "MAX_WORKERS", "compile_ahead", "workers", "groups"]
+__all__ = ["Job", "MAX_WORKERS", "compile_ahead", "finish", "workers", "groups"]
 
 log = logging.getLogger("vfesim")
 
@@ -171,82 +171,136 @@ def _mark(marker: str | None, jobs: list[Job]) -> None:
 _WORKER = "import sys; from vfesim_kernels.cuda.ahead import _main; sys.exit(_main(sys.argv[1:]))"
 
 
-def compile_ahead(jobs: list[Job], n_workers: int | None = None) -> dict:
+def compile_ahead(jobs: list[Job], n_workers: int | None = None, *, later: list[Job] = ()) -> dict:
     """Bind every job's kernel (see the module docstring); returns ``{"loaded", "compiled", "workers",
-    "seconds", "failed", "ready", "groups", "load_s"}`` (loaded: found in the disk cache; compiled:
+    "seconds", "failed", "ready", "groups", "load_s", "later"}`` (loaded: found in the disk cache; compiled:
     compiled ahead and bound; workers: processes that compiled, this one included; failed: the kernel
     names of groups that failed, left to their launches; ready: seconds from the start until each worker
     took its first group; groups: (process, kernel, start, end) per group, in seconds from the start,
-    process 0 this one; load_s: the final pass binding the compiled kernels here). A no-op
-    under the simulator, and where an earlier process compiled the same jobs into this kernel cache (a
-    marker file there says so: the launches then load them, only the ones they use)."""
+    process 0 this one; load_s: the final pass binding the compiled kernels here). A no-op under the
+    simulator, and where an earlier process compiled the same jobs into this kernel cache (a marker file
+    there says so: the launches then load them, only the ones they use).
+
+    ``later``: kernels the caller launches only later (an integrator's updates after a first energy):
+    the workers compile them after ``jobs`` while this call returns once ``jobs`` are bound ("later":
+    how many were left compiling); :func:`finish` (or the next call) waits for them and binds them, and
+    completes the report in place. A process that exits first leaves its workers to end their current
+    kernel (it reaches the disk cache) and quit."""
+    finish()
     report = {"loaded": 0, "compiled": 0, "workers": 0, "seconds": 0.0, "failed": [], "ready": []}
-    report |= {"groups": [], "load_s": 0.0}
-    if SIMULATOR or not jobs:
+    report |= {"groups": [], "load_s": 0.0, "later": 0}
+    everything = list(dict.fromkeys([*jobs, *later]))
+    if SIMULATOR or not everything:
         return report
     t0 = time.perf_counter()
-    marker = _marker(jobs)
+    marker = _marker(everything)
     if marker is not None and os.path.exists(marker):
         return report
-    todo = [job for job in jobs if not _load(job)]
-    report["loaded"] = len(jobs) - len(todo)
-    if not todo:
-        _mark(marker, jobs)
-        return report
     n = workers() if n_workers is None else max(1, n_workers)
-    todo_groups = groups(todo)
-    n = min(n, len(todo_groups))
-    if n < 2:  # nothing to share: the launches compile what is missing
-        return report
-    log.info(
-        "compiling %d CUDA kernels in up to %d processes (first use; later runs load them from disk)",
-        len(todo), n,
-    )  # fmt: skip
-    queue = _Queue(todo_groups, t0)
-    _run(queue, n - 1)
-    t1 = time.perf_counter()
-    bound = [job for job in todo if job not in queue.failed and _load(job)]
-    report.update(
-        compiled=len(bound), workers=1 + len(queue.ready), seconds=time.perf_counter() - t0,
-        failed=[job.kernel for job in queue.failed], ready=sorted(queue.ready.values()),
-        groups=queue.log, load_s=time.perf_counter() - t1,
-    )  # fmt: skip
-    if len(bound) == len(todo):
-        _mark(marker, jobs)
+    n = min(n, len(groups(everything)))
+    # the workers start before the loading pass: their imports and CUDA contexts overlap it
+    pool = _Pool(n - 1, t0) if n > 1 else None
+    try:
+        todo = [job for job in everything if not _load(job)]
+        report["loaded"] = len(everything) - len(todo)
+        todo_groups = groups(todo)
+        if pool is None or len(todo_groups) < 2:  # nothing to share: the launches compile what is missing
+            if pool is not None:
+                pool.stop()
+            if not todo:
+                _mark(marker, everything)
+            return report
+        log.info(
+            "compiling %d CUDA kernels in up to %d processes (first use; later runs load them from disk)",
+            len(todo), n,
+        )  # fmt: skip
+        now = set(jobs)
+        first = [g for g in todo_groups if any(job in now for job in g)]
+        pool.queue.put(first + [g for g in todo_groups if g not in first], len(first))
+        pool.compile(now_only=True)
+    except BaseException:
+        if pool is not None:
+            pool.stop()
+        raise
+    _PENDING.append((pool, todo, everything, marker, report))
+    if pool.queue.idle():
+        finish()
     else:
-        missing = [job.kernel for job in todo if job not in bound and job not in queue.failed]
-        if missing:
-            log.warning("CUDA kernels %s compiled ahead are not in the cache: compiled at launch", missing)
+        report["later"] = sum(len(g) for g in todo_groups if g not in first)
     return report
 
 
-class _Queue:
-    """The groups left to compile, costliest first, taken one at a time by this process and the workers
-    (one feeding thread per worker); the groups in flight; the jobs of failed groups; when each worker
-    took its first group (by process id)."""
+# A call's kernels still compiling in its workers (``later``), bound by finish(): at most one entry.
+_PENDING: list = []
 
-    def __init__(self, todo: list[list[Job]], t0: float):
-        self._todo, self._busy, self._t0 = list(todo), 0, t0
+
+def finish() -> None:
+    """Wait for the kernels an earlier :func:`compile_ahead` left compiling (its ``later`` jobs; this
+    process compiles any group no worker took), bind them here and complete that call's report."""
+    while _PENDING:
+        pool, todo, everything, marker, report = _PENDING.pop()
+        try:
+            pool.compile(now_only=False)
+        finally:
+            pool.stop()
+        queue = pool.queue
+        t1 = time.perf_counter()
+        bound = [job for job in todo if job not in queue.failed and _load(job)]
+        report.update(
+            compiled=len(bound), workers=1 + len(queue.ready), seconds=time.perf_counter() - pool.t0,
+            failed=[job.kernel for job in queue.failed], ready=sorted(queue.ready.values()),
+            groups=queue.log, load_s=time.perf_counter() - t1,
+        )  # fmt: skip
+        if len(bound) == len(todo):
+            _mark(marker, everything)
+        else:
+            missing = [job.kernel for job in todo if job not in bound and job not in queue.failed]
+            if missing:
+                log.warning(
+                    "CUDA kernels %s compiled ahead are not in the cache: compiled at launch", missing
+                )
+
+
+class _Queue:
+    """The groups to compile, costliest first (those the caller waits for, the "now" groups, ahead of
+    the others), taken one at a time by this process and the workers (one feeding thread per worker);
+    the groups in flight; the jobs of failed groups; when each worker took its first group (by process
+    id); and (process, kernel, start, end) per group."""
+
+    def __init__(self, t0: float):
+        self._todo: list[tuple[list[Job], bool]] = []
+        self._sealed, self._busy, self._now, self._t0 = False, 0, 0, t0
         self._cond = threading.Condition()
         self.failed: list[Job] = []
         self.ready: dict[int, float] = {}
-        self.log: list[tuple] = []  # (process, kernel, start, end)
+        self.log: list[tuple] = []
         self.stopped = False
-
-    def take(self) -> list[Job] | None:
-        """The next group (marked in flight until :meth:`done`), or None when none is left."""
-        with self._cond:
-            if self.stopped or not self._todo:
-                return None
-            self._busy += 1
-            return self._todo.pop(0)
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
-    def done(self, group: list[Job], start: float, who: int, failure: str | None = None) -> None:
+    def put(self, todo: list[list[Job]], n_now: int) -> None:
+        """The groups, the first ``n_now`` of them "now" groups; no more come after."""
+        with self._cond:
+            self._todo = [(g, i < n_now) for i, g in enumerate(todo)]
+            self._now, self._sealed = n_now, True
+            self._cond.notify_all()
+
+    def take(self, now_only: bool = False) -> tuple[list[Job], bool] | None:
+        """The next group (in flight until :meth:`done`), once there are groups; None when none is left
+        (or, ``now_only``, no "now" group)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._todo or self._sealed or self.stopped)
+            if self.stopped or not self._todo or (now_only and not self._todo[0][1]):
+                return None
+            self._busy += 1
+            return self._todo.pop(0)
+
+    def done(self, item: tuple[list[Job], bool], start: float, who: int, failure: str | None = None) -> None:
+        group, now = item
         with self._cond:
             self._busy -= 1
+            self._now -= now
             self.log.append((who, group[0].kernel, round(start, 3), round(self.now(), 3)))
             if failure is not None:
                 self.failed += group
@@ -258,22 +312,32 @@ class _Queue:
         with self._cond:
             self.ready[pid] = self.now()
 
-    def finish(self) -> None:
-        """Wait until every group is compiled (or failed), then stop handing out groups."""
+    def idle(self) -> bool:
         with self._cond:
-            self._cond.wait_for(lambda: not self._todo and self._busy == 0)
+            return not self._todo and self._busy == 0
+
+    def wait(self, now_only: bool) -> None:
+        """Until the "now" groups (or all groups) are compiled or failed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._now == 0 if now_only else not self._todo and self._busy == 0)
+
+    def stop(self) -> None:
+        with self._cond:
             self.stopped = True
+            self._cond.notify_all()
 
 
-def _run(queue: _Queue, n_workers: int) -> None:
-    """Compile the queue's groups here and in ``n_workers`` worker processes at once: a worker takes a
-    group once it is ready to compile (imports done, CUDA context open), this process whenever it is
-    free, so the costliest group starts here at once and the workers' start-up hides behind it. Workers
-    not yet ready when the last group is done, or still running when this process is interrupted, are
-    stopped."""
-    procs, feeders = [], []
-    try:
-        for _ in range(n_workers):
+class _Pool:
+    """``n`` worker processes fed from one :class:`_Queue` (each by its own thread), and this process's
+    share: :meth:`compile` takes groups here until none (or no "now" group) is left, then waits for the
+    workers' groups of that kind. A worker takes a group once it is ready to compile (imports done, CUDA
+    context open), this process whenever it is free, so the costliest group starts here at once and the
+    workers' start-up hides behind it. :meth:`stop` ends the workers (those not yet ready when the work is
+    done, and all when this process is interrupted)."""
+
+    def __init__(self, n: int, t0: float):
+        self.t0, self.queue, self.procs, self.feeders = t0, _Queue(t0), [], []
+        for _ in range(n):
             err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty worker never blocks
             cmd = [sys.executable, "-c", _WORKER]
             pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
@@ -283,30 +347,38 @@ def _run(queue: _Queue, n_workers: int) -> None:
                 err.close()
                 log.warning("no worker process to compile CUDA kernels ahead (%s)", e)
                 break
-            procs.append((proc, err))
-            feeders.append(threading.Thread(target=_feed, args=(queue, proc, err, len(procs)), daemon=True))
-            feeders[-1].start()
-        while (group := queue.take()) is not None:
+            self.procs.append((proc, err))
+            feeder = threading.Thread(
+                target=_feed, args=(self.queue, proc, err, len(self.procs)), daemon=True
+            )
+            feeder.start()
+            self.feeders.append(feeder)
+
+    def compile(self, now_only: bool) -> None:
+        queue = self.queue
+        while (item := queue.take(now_only)) is not None:
             start = queue.now()
             try:
-                _compile(group)
+                _compile(item[0])
             except Exception as e:  # noqa: BLE001 - like a worker's failure: left to the launches
-                queue.done(group, start, 0, f"{type(e).__name__}: {e}")
+                queue.done(item, start, 0, f"{type(e).__name__}: {e}")
             else:
-                queue.done(group, start, 0)
-        queue.finish()
-    finally:
-        queue.stopped = True
-        for proc, _ in procs:
+                queue.done(item, start, 0)
+        queue.wait(now_only)
+
+    def stop(self) -> None:
+        self.queue.stop()
+        for proc, _ in self.procs:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-        for feeder in feeders:  # each returns at its worker's end of file
+        for feeder in self.feeders:  # each returns at its worker's end of file
             feeder.join()
-        for proc, err in procs:
+        for proc, err in self.procs:
             for f in (proc.stdin, proc.stdout, err):
                 with contextlib.suppress(OSError):
                     f.close()
+        self.procs = []
 
 
 def _feed(queue: _Queue, proc: subprocess.Popen, err, who: int) -> None:
@@ -322,19 +394,19 @@ def _feed(queue: _Queue, proc: subprocess.Popen, err, who: int) -> None:
         if not queue.stopped:  # it died starting: the others share its work
             _failed([], why())
         return
-    while (group := queue.take()) is not None:
+    while (item := queue.take()) is not None:
         if proc.pid not in queue.ready:
             queue.started(proc.pid)
         start = queue.now()
         try:
-            proc.stdin.write(json.dumps([list(job) for job in group]) + "\n")
+            proc.stdin.write(json.dumps([list(job) for job in item[0]]) + "\n")
             proc.stdin.flush()
             reply = proc.stdout.readline()
         except (OSError, ValueError):  # a closed pipe: it died, or this process stopped it
             reply = ""
         if not reply:
-            return queue.done(group, start, who, why())
-        queue.done(group, start, who, None if reply.strip() == "ok" else reply.strip())
+            return queue.done(item, start, who, why())
+        queue.done(item, start, who, None if reply.strip() == "ok" else reply.strip())
     with contextlib.suppress(OSError):
         proc.stdin.close()  # the worker exits
 

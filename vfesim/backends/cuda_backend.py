@@ -159,9 +159,9 @@ class _Plan(list):
 def gaussian_jobs(K: int, dtype: str, aggregator: str, dense: bool) -> list:
     """The kernels (:class:`vfesim_kernels.cuda.ahead.Job`) a first Gaussian evaluation of latent
     dimension K in ``dtype`` launches, with its state checks, reductions and the integrators' update
-    kernels, the costliest first (H100 compile times in benchmarks/results/gpu_cold_h100_stop27.txt:
-    adjoint 2.3 s, state check 2.0, kick_drift 1.6, prep 1.4, self_kl 1.3, the dense pair kernels
-    0.5-1.1)."""
+    kernels, the costliest first (K = 3, float32, compiled by 8 processes at once on an H100 host,
+    benchmarks/results/gpu_cold_h100_stop29.txt: gradient_flow 4.3 s, prep 3.7, adjoint 3.5, kick_drift
+    2.7, state check 2.2, self_kl 2.2, the dense pair kernels 0.7-2.1, features 1.1, the rest below 0.5)."""
     from vfesim_kernels import update_cuda as uc
 
     dt = np.dtype(dtype).name
@@ -173,12 +173,17 @@ def gaussian_jobs(K: int, dtype: str, aggregator: str, dense: bool) -> list:
         "block": ("make_block_kernels", (K, dt, BLOCK_MAX_REGISTERS), kc.block_kernel_signatures(K, dt)),
     }.get(mode)  # "batched": CuPy array code
     if agent:
-        plan.add(kc.gaussian, *agent, "adjoint", "prep")
-    plan.add(kc.checks, "make_check_kernels", (K, dt, K >= kc.checks.WARP_FROM_K), sigs, "state")
-    plan.add(uc, "make_update_kernels", (K,), usigs, "kick_drift", "gradient_flow")
+        plan.add(kc.gaussian, *agent, "adjoint")
+    plan.add(uc, "make_update_kernels", (K,), usigs, "gradient_flow")
     if agent:
-        plan.add(kc.gaussian, *agent, "self_kl", "features")
+        plan.add(kc.gaussian, *agent, "prep")
+    plan.add(uc, "make_update_kernels", (K,), usigs, "kick_drift")
+    plan.add(kc.checks, "make_check_kernels", (K, dt, K >= kc.checks.WARP_FROM_K), sigs, "state")
+    if agent:
+        plan.add(kc.gaussian, *agent, "self_kl")
     plan.pairs(kc.feature_dim(K), dt, aggregator, dense, streaming=mode == "kernels")
+    if agent:
+        plan.add(kc.gaussian, *agent, "features")
     plan.add(uc, "make_update_kernels", (K,), usigs, "adam", "theta_to_sigma")
     plan.reductions(dt)
     return plan
@@ -203,14 +208,15 @@ _REAL = (np.dtype(np.float32), np.dtype(np.float64))
 _COMPLEX = (np.dtype(np.complex64), np.dtype(np.complex128))
 
 
-def prepare(arrays: dict, cfg) -> None:
-    """Get the kernels a first evaluation of ``cfg`` on ``arrays`` (and an integrator's steps) will launch
-    ready before it: the ones the disk cache lacks compile in parallel processes
+def prepare(arrays: dict, cfg, *, stepping: bool = False) -> None:
+    """Get the kernels a first evaluation of ``cfg`` on ``arrays`` and an integrator's steps will launch
+    ready before they do: the ones the disk cache lacks compile in parallel processes
     (:func:`vfesim_kernels.cuda.ahead.compile_ahead`). Once per configuration and process; Gaussian and
     density-matrix agents (field agents compile at first launch). Called by
-    :func:`vfesim.energy_and_gradient` and the device integrators; ``energy_and_gradient_arrays`` and
-    the dask backend's chunk tasks do not call it (their kernels compile at first launch, or load from
-    the cache)."""
+    :func:`vfesim.energy_and_gradient` (which waits only for the energy's kernels: the integrators'
+    update kernels go on compiling in the workers) and by the device integrators (``stepping``: they
+    wait for those too); ``energy_and_gradient_arrays`` and the dask backend's chunk tasks do not call
+    it (their kernels compile at first launch, or load from the cache)."""
     if SIMULATOR:
         return
     if isinstance(cfg, ModelConfig) and np.dtype(getattr(arrays.get("mu_q"), "dtype", object)) in _REAL:
@@ -223,13 +229,18 @@ def prepare(arrays: dict, cfg) -> None:
     else:  # other families, or a dtype the state checks refuse
         return
     if key in _PREPARED:
+        if stepping:  # the update kernels an energy's call left compiling
+            kc.ahead.finish()
         return
     _PREPARED.add(key)
-    report = kc.ahead.compile_ahead((gaussian_jobs if key[0] == "gaussian" else quantum_jobs)(*key[1:]))
-    if report["compiled"]:
+    jobs = (gaussian_jobs if key[0] == "gaussian" else quantum_jobs)(*key[1:])
+    later = [] if stepping else [job for job in jobs if job.factory == "make_update_kernels"]
+    report = kc.ahead.compile_ahead([job for job in jobs if job not in later], later=later)
+    if report["compiled"] or report["later"]:
         log.info(
-            "CUDA kernels compiled ahead in %.1f s: %d in %d processes, %d loaded from the cache",
+            "CUDA kernels compiled ahead in %.1f s: %d in %d processes, %d loaded from the cache%s",
             report["seconds"], report["compiled"], report["workers"], report["loaded"],
+            f"; {report['later']} integrator kernels still compiling" if report["later"] else "",
         )  # fmt: skip
 
 

@@ -66,7 +66,7 @@ class Device:
     def prepare(self, state: xr.Dataset, cfg) -> None:
         """Compile ahead (parallel processes) the kernels a first evaluation and step of ``cfg`` on
         ``state`` launch that the disk cache lacks (the cuda backend's ``prepare``)."""
-        self.cb.prepare({k: state[k].data for k in state.data_vars}, cfg)
+        self.cb.prepare({k: state[k].data for k in state.data_vars}, cfg, stepping=True)
 
     def put_aux(self, aux: Mapping[str, Any]) -> dict:
         return {k: self.put(v) for k, v in aux.items()}
