@@ -613,8 +613,8 @@ def cold_child(N: int, K: int, dtype: str, launched: float) -> None:
 
     compile_ahead, reports = ahead.compile_ahead, []
 
-    def reported_ahead(jobs, n_workers=None):  # the backend's compile ahead (parallel processes)
-        reports.append(compile_ahead(jobs, n_workers))
+    def reported_ahead(jobs, n_workers=None, **kw):  # the backend's compile ahead (parallel processes)
+        reports.append(compile_ahead(jobs, n_workers, **kw))
         return reports[-1]
 
     ahead.compile_ahead = reported_ahead

@@ -386,7 +386,7 @@ from vfesim.integrators import make_integrator
 from vfesim_kernels import cuda as kc
 
 reports, compile_ahead = [], kc.ahead.compile_ahead
-kc.ahead.compile_ahead = lambda jobs, n=None: reports.append(compile_ahead(jobs, n)) or reports[-1]
+kc.ahead.compile_ahead = lambda jobs, n=None, **k: reports.append(compile_ahead(jobs, n, **k)) or reports[-1]
 K, dtype, dense = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "dense"
 n = 600
 lists = [[(i + 1) % n, (i + 7) % n] for i in range(n)]
