@@ -181,15 +181,16 @@ def compile_ahead(jobs: list[Job], n_workers: int | None = None, *, later: list[
     simulator, and where an earlier process compiled the same jobs into this kernel cache (a marker file
     there says so: the launches then load them, only the ones they use).
 
-    ``later``: kernels the caller launches only later (an integrator's updates after a first energy):
-    the workers compile them after ``jobs`` while this call returns once ``jobs`` are bound ("later":
-    how many were left compiling); :func:`finish` (or the next call) waits for them and binds them, and
-    completes the report in place. A process that exits first leaves its workers to end their current
+    ``later``: those of ``jobs`` the caller launches only later (an integrator's updates after a first
+    energy): this call returns once the others are bound, while the workers go on with these ("later":
+    how many were left compiling; workers take groups in the order given, so a costly later kernel
+    starts early); :func:`finish` (or the next call) waits for them, binds them and completes the report
+    in place. A process that exits first leaves its workers to end their current
     kernel (it reaches the disk cache) and quit."""
     finish()
     report = {"loaded": 0, "compiled": 0, "workers": 0, "seconds": 0.0, "failed": [], "ready": []}
     report |= {"groups": [], "load_s": 0.0, "later": 0}
-    everything = list(dict.fromkeys([*jobs, *later]))
+    everything = list(dict.fromkeys(jobs))
     if SIMULATOR or not everything:
         return report
     t0 = time.perf_counter()
@@ -214,9 +215,8 @@ def compile_ahead(jobs: list[Job], n_workers: int | None = None, *, later: list[
             "compiling %d CUDA kernels in up to %d processes (first use; later runs load them from disk)",
             len(todo), n,
         )  # fmt: skip
-        now = set(jobs)
-        first = [g for g in todo_groups if any(job in now for job in g)]
-        pool.queue.put(first + [g for g in todo_groups if g not in first], len(first))
+        now = set(everything) - set(later)
+        pool.queue.put(todo_groups, [any(job in now for job in g) for g in todo_groups])
         pool.compile(now_only=True)
     except BaseException:
         if pool is not None:
@@ -226,7 +226,7 @@ def compile_ahead(jobs: list[Job], n_workers: int | None = None, *, later: list[
     if pool.queue.idle():
         finish()
     else:
-        report["later"] = sum(len(g) for g in todo_groups if g not in first)
+        report["later"] = sum(len(g) for g in todo_groups if not any(job in now for job in g))
     return report
 
 
@@ -262,10 +262,11 @@ def finish() -> None:
 
 
 class _Queue:
-    """The groups to compile, costliest first (those the caller waits for, the "now" groups, ahead of
-    the others), taken one at a time by this process and the workers (one feeding thread per worker);
-    the groups in flight; the jobs of failed groups; when each worker took its first group (by process
-    id); and (process, kernel, start, end) per group."""
+    """The groups to compile, costliest first, some of them "now" groups (those the caller waits for),
+    taken one at a time by this process (only "now" groups while the caller waits) and the workers (one
+    feeding thread per worker, in order: a costly later group starts early, so it ends early too); the
+    groups in flight; the jobs of failed groups; when each worker took its first group (by process id);
+    and (process, kernel, start, end) per group."""
 
     def __init__(self, t0: float):
         self._todo: list[tuple[list[Job], bool]] = []
@@ -279,22 +280,23 @@ class _Queue:
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
-    def put(self, todo: list[list[Job]], n_now: int) -> None:
-        """The groups, the first ``n_now`` of them "now" groups; no more come after."""
+    def put(self, todo: list[list[Job]], now: list[bool]) -> None:
+        """The groups and which are "now" groups; no more come after."""
         with self._cond:
-            self._todo = [(g, i < n_now) for i, g in enumerate(todo)]
-            self._now, self._sealed = n_now, True
+            self._todo = list(zip(todo, now, strict=True))
+            self._now, self._sealed = sum(now), True
             self._cond.notify_all()
 
     def take(self, now_only: bool = False) -> tuple[list[Job], bool] | None:
-        """The next group (in flight until :meth:`done`), once there are groups; None when none is left
-        (or, ``now_only``, no "now" group)."""
+        """The next group (``now_only``: the next "now" group), in flight until :meth:`done`, once there
+        are groups; None when none is left."""
         with self._cond:
             self._cond.wait_for(lambda: self._todo or self._sealed or self.stopped)
-            if self.stopped or not self._todo or (now_only and not self._todo[0][1]):
+            i = next((i for i, (_, now) in enumerate(self._todo) if now or not now_only), None)
+            if self.stopped or i is None:
                 return None
             self._busy += 1
-            return self._todo.pop(0)
+            return self._todo.pop(i)
 
     def done(self, item: tuple[list[Job], bool], start: float, who: int, failure: str | None = None) -> None:
         group, now = item

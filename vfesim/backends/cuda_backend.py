@@ -235,7 +235,7 @@ def prepare(arrays: dict, cfg, *, stepping: bool = False) -> None:
     _PREPARED.add(key)
     jobs = (gaussian_jobs if key[0] == "gaussian" else quantum_jobs)(*key[1:])
     later = [] if stepping else [job for job in jobs if job.factory == "make_update_kernels"]
-    report = kc.ahead.compile_ahead([job for job in jobs if job not in later], later=later)
+    report = kc.ahead.compile_ahead(jobs, later=later)
     if report["compiled"] or report["later"]:
         log.info(
             "CUDA kernels compiled ahead in %.1f s: %d in %d processes, %d loaded from the cache%s",
