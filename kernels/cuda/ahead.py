@@ -5,13 +5,15 @@ a process that finds the disk cache empty compiles its kernels one after the oth
 Gaussian K = 3 energy and integrator kernels on an H100 host (benchmarks/results/
 gpu_cold_h100_stop27.txt). :func:`compile_ahead` takes the kernels a computation is about to launch
 (:class:`Job`: factory, arguments, kernel name, signature), loads what the disk cache already holds, and
-compiles the rest in up to ``workers`` processes at once. The jobs form groups, one per kernel function
+compiles the rest in up to ``workers`` processes at once. The workers (fresh ``python`` processes
+running :func:`_main`) start first, so their imports and CUDA contexts (1.1-1.8 s on the GPU hosts)
+overlap the loading pass and this process's first compile. The jobs form groups, one per kernel function
 (its specialisations share an index file in numba's cache, so one process writes them), taken one at a
-time from a common queue, costliest first: this process starts on the first group at once, and each
-worker (a fresh ``python`` running :func:`_main`) takes the next group once it has imported numba and
-opened its CUDA context (2.5-3.5 s on the GPU hosts, hidden behind this process's first compile), then
-the next, writing each to the disk cache; this process then loads them. A group that fails is only
-logged: its kernels compile at their first launch as before.
+time from a common queue in the caller's cost order: this process starts on the first group at once, a
+worker takes the next group whenever it is ready, writing each to the disk cache; this process then
+loads them. Jobs the caller needs only later (``later``: an integrator's updates after a first energy)
+stay in the queue for the workers while the call returns; :func:`finish` waits for them. A group that
+fails is only logged: its kernels compile at their first launch as before.
 
 A marker file in the kernel cache (``ahead-<hash>``: the jobs, the device's compute capability, the
 numba-cuda and Python versions) records a completed set, so a later process skips even the loading pass
