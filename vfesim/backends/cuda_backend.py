@@ -691,7 +691,7 @@ def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None
     gAr = xp.empty((S, 1, NR, D + 1), dt)
     gAx = xp.empty((S, 1, NR, D + 1) if aggregator == "expected" else (1, 1, 1, 1), dt)
     kap = xp.ones(1, dt)
-    v = kc.launch_view  # (the arrays are this function's locals: alive until the launches are queued)
+    v = kc.as_device_view
     dgA, dgx = v(gAr), v(gAx)
     nb_r = _cdiv(NR, nt * k["opt"])
     k["stats"][(nb_r, S, 1), nt](v(Ah), v(Bb), v(ch), r0, 0, chunk_s, v(pm), v(ps), v(pt), dgA, dgx)
@@ -720,7 +720,7 @@ def _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0: int, aggregator: str, splits: i
     else:
         S, chunk_r = kc.dense_slices(NR, splits, nt)
     gBs = xp.empty((S, 1, NS, D), dt)
-    v = kc.launch_view
+    v = kc.as_device_view
     nb_s = _cdiv(NS, nt * k["opt"])
     k["grads"][(nb_s, S, 1), nt](v(Ah), v(Bb), v(ch), v(m), v(inv_s), v(abar), r0, 0, chunk_r, v(gBs))
     return kc.reduce.sum_slices(gBs[:, 0])
