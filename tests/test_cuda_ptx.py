@@ -242,14 +242,3 @@ def test_reduce_kernels_compile_for_sm90(dtype, name):
     assert ".target sm_90" in ptx and re.search(r"\.entry\s", ptx)
     assert "bar.sync" in ptx and ".shared" in ptx
     assert re.search(r"\.f64\b", ptx)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_the_slice_sum_compiles_for_sm90_with_plain_additions_in_its_dtype(dtype):
-    k = kc.reduce.make_reduce_kernels()
-    ptx, _ = kc.cuda.compile_ptx(
-        k["_py"]["slice_sum"], kc.reduce.reduce_signatures(dtype)["slice_sum"], cc=(9, 0)
-    )
-    bits = dtype[-2:]
-    assert ".target sm_90" in ptx and re.search(rf"add(\.rn)?\.f{bits}\b", ptx)
-    assert not re.search(r"\bfma\.", ptx)  # nothing contracted: the bits of adding the slices in order

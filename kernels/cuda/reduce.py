@@ -13,9 +13,7 @@ launch of ``partial_sum`` on ``parts`` with one block gives the result. Launch:
 at once (checks reduce every variable of a state or gradient): ``partial_max_abs[(blocks, n),
 REDUCE_THREADS](x0, ..., x5, parts)`` (grid row a reduces x_a into ``parts[a]``; x_a past n are not read),
 then ``final_max_abs[n, REDUCE_THREADS](parts, out, o0)`` writes row a's max to ``out[o0 + a]``: two
-launches for a whole state instead of two per variable. ``slice_sum[blocks, REDUCE_THREADS](parts,
-out)``: out[e] = parts[0, e] + parts[1, e] + ... in that order, in the parts' dtype (the pair kernels'
-per-slice partial sums, :func:`sum_slices`).
+launches for a whole state instead of two per variable.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ __all__ = [
     "REDUCE_BLOCKS",
     "MAX_ABS_ARRAYS",
     "make_reduce_kernels",
-    "sum_slices",
     "reduce_signatures",
     "device_sum",
     "max_abs",
@@ -96,17 +93,9 @@ def make_reduce_kernels() -> dict:
         if t == 0:
             out[o0 + a] = red[0]
 
-    def slice_sum(parts, out):
-        e = cuda.grid(1)
-        if e < out.shape[0]:
-            acc = parts[0, e]
-            for s in range(1, parts.shape[0]):
-                acc = acc + parts[s, e]  # in the parts' dtype, in slice order
-            out[e] = acc
-
     tree = device(tree)
     pyfuncs = {"partial_sum": partial_sum, "partial_max_abs": partial_max_abs, "final_max_abs": final_max_abs}
-    return compile_kernels(pyfuncs | {"slice_sum": slice_sum})
+    return compile_kernels(pyfuncs)
 
 
 def reduce_signatures(dtype: str) -> dict[str, str]:
@@ -117,7 +106,6 @@ def reduce_signatures(dtype: str) -> dict[str, str]:
         "partial_sum": f"void({x}, float64[::1])",
         "partial_max_abs": f"void({', '.join([x] * MAX_ABS_ARRAYS)}, float64[:, ::1])",
         "final_max_abs": "void(float64[:, ::1], float64[::1], int64)",
-        "slice_sum": f"void({np.dtype(dtype).name}[:, ::1], {x})",
     }
 
 
@@ -174,21 +162,6 @@ def max_abs(arrays) -> list[float]:
             k["final_max_abs"][len(run), REDUCE_THREADS](launch_view(parts), launch_view(out), i)
         i += len(run)
     return [float(v) for v in (out if xp is np else out.get())]
-
-
-def sum_slices(parts):
-    """The sum over the first axis of a C-contiguous device array ``parts`` (S, ...) in its own dtype, slice
-    after slice (the same bits as adding the slices one by one in order), in one launch: (...) array."""
-    xp = _xp(parts)
-    S = parts.shape[0]
-    if S == 1:
-        return parts[0]
-    flat = parts.reshape(S, -1)
-    out = xp.empty(flat.shape[1], parts.dtype)
-    if out.shape[0]:
-        n = -(-out.shape[0] // REDUCE_THREADS)
-        make_reduce_kernels()["slice_sum"][n, REDUCE_THREADS](launch_view(flat), launch_view(out))
-    return out.reshape(parts.shape[1:])
 
 
 def _xp(a):

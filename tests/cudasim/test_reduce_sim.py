@@ -68,17 +68,3 @@ def test_max_abs_is_inf_for_any_non_finite_entry(bad, at):
 def test_sum_refuses_complex_arrays():
     with pytest.raises(TypeError, match="complex128"):
         red.device_sum(np.ones(3, np.complex128))
-
-
-@pytest.mark.parametrize("shape", [(1, 7, 3), (5, 7, 3), (24, 4, 17), (3, 0, 2)])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_sum_slices_adds_the_slices_in_order(shape, dtype):
-    parts = np.random.default_rng(sum(shape)).standard_normal(shape).astype(dtype) * 10.0 ** np.arange(
-        shape[0]
-    )[:, None, None].astype(dtype)
-    want = parts[0]
-    for s in range(1, shape[0]):  # the same additions in the same order: the same bits
-        want = want + parts[s]
-    got = red.sum_slices(parts)
-    assert got.shape == shape[1:] and got.dtype == parts.dtype
-    np.testing.assert_array_equal(got, want)

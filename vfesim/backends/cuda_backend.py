@@ -135,19 +135,15 @@ class _Plan(list):
     def add(self, module, factory: str, args: tuple, sigs: dict, *names: str) -> None:
         self.extend(kc.ahead.Job(module.__name__, factory, args, n, sigs[n]) for n in names)
 
-    def pairs(
-        self, D: int, dt: str, aggregator: str, dense: bool, streaming: bool, sums: bool = False
-    ) -> None:
-        """The pair kernels over feature rows of width D: sparse lists, dense streaming (``sums``: with
-        the sum over slices of the generic pair functions), or the GEMM path's row kernel."""
+    def pairs(self, D: int, dt: str, aggregator: str, dense: bool, streaming: bool) -> None:
+        """The pair kernels over feature rows of width D: sparse lists, dense streaming, or the GEMM
+        path's row kernel."""
         sigs = kc.kernel_signatures(1, dt)  # (the pair kernels' signatures hold no K)
         if not dense:
             self.add(kc.pairwise, "make_sparse_kernels", (D, dt, aggregator), sigs, "rows", "senders")
         elif streaming:
             args = (D, dt, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
             self.add(kc.pairwise, "make_dense_kernels", args, sigs, "grads", "stats", "merge")
-            if sums:
-                self.add(kc.reduce, "make_reduce_kernels", (), kc.reduce.reduce_signatures(dt), "slice_sum")
         else:
             rows = kc.block_kernel_signatures(1, dt)
             self.add(kc.pairwise, "make_gemm_row_kernel", (dt, aggregator), rows, "rows")
@@ -202,7 +198,7 @@ def quantum_jobs(d: int, dtype: str, aggregator: str, dense: bool) -> list:
     plan = _Plan()
     stages = ("pull_vjp", "frames_vjp", "eig_log", "gibbs", "frames", "pull_features", "dk_log", "dk_exp")
     plan.add(kc.quantum, "make_quantum_kernels", (d, cdt), kc.quantum_kernel_signatures(cdt), *stages)
-    plan.pairs(d * d, rdt, aggregator, dense, streaming=d * d <= STREAM_MAX_D, sums=True)
+    plan.pairs(d * d, rdt, aggregator, dense, streaming=d * d <= STREAM_MAX_D)
     plan.reductions(rdt)
     return plan
 
@@ -698,7 +694,9 @@ def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None
     k["merge"][(_cdiv(NR, kc.BLOCK), 1), kc.BLOCK](
         v(pm), v(ps), v(pt), v(kap), 0, v(m), v(inv_s), v(abar), v(energy), dgA, dgx
     )
-    gA = kc.reduce.sum_slices(gAr[:, 0])  # the slices in order: a fixed summation order
+    gA = gAr[0, 0]
+    for sl in range(1, S):  # the slices in order: a fixed summation order
+        gA = gA + gAr[sl, 0]
     return energy[0], gA[:, :-1], gA[:, -1], m, inv_s, abar
 
 
@@ -723,7 +721,10 @@ def _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0: int, aggregator: str, splits: i
     v = kc.as_device_view
     nb_s = _cdiv(NS, nt * k["opt"])
     k["grads"][(nb_s, S, 1), nt](v(Ah), v(Bb), v(ch), v(m), v(inv_s), v(abar), r0, 0, chunk_r, v(gBs))
-    return kc.reduce.sum_slices(gBs[:, 0])
+    gB = gBs[0, 0]
+    for sl in range(1, S):
+        gB = gB + gBs[sl, 0]
+    return gB
 
 
 def _scaled(A, c, kappa: float):

@@ -44,21 +44,6 @@ def jacobi_tol2(dtype) -> float:
     return (4.0 * eps) ** 2
 
 
-_CONSTANTS: dict = {}
-
-
-def _constant(xp, a: np.ndarray, dtype):
-    """A small host constant (the spin generators) as a read-only-by-convention array of ``xp`` in
-    ``dtype``, made once per device: a host-to-device copy per call would wait for the device's queue."""
-    device = getattr(getattr(xp, "cuda", None), "Device", None)
-    key = (xp.__name__, device().id if device else None, np.dtype(dtype).str, a.shape, a.tobytes())
-    if key not in _CONSTANTS:
-        if len(_CONSTANTS) > 64:
-            _CONSTANTS.clear()
-        _CONSTANTS[key] = xp.array(a, dtype)
-    return _CONSTANTS[key]
-
-
 def _real(dtype) -> np.dtype:
     return np.finfo(np.dtype(dtype)).dtype
 
@@ -107,7 +92,7 @@ def kernel_ops(
         U, V = xp.empty((N, d, d), dtype), xp.empty((N, d, d), dtype)
         k = xp.empty((N, d), _real(dtype))
         phi = c(phi.astype(_real(dtype), copy=False))
-        run("frames", U, phi, _constant(xp, J, dtype), jacobi_tol2(dtype), U, k, V)
+        run("frames", U, phi, xp.array(J, dtype), jacobi_tol2(dtype), U, k, V)
         return U, (k, V)
 
     def pull_features(U, a, loga):
@@ -140,7 +125,7 @@ def kernel_ops(
         xp = array_module()
         k, V = cache
         out = xp.empty((V.shape[0], 3), k.dtype)
-        run("frames_vjp", V, c(U_bar), c(k), c(V), _constant(xp, J, V.dtype), out)
+        run("frames_vjp", V, c(U_bar), c(k), c(V), xp.array(J, V.dtype), out)
         return out
 
     def channel_step(P, rho, dt, dyn, senders=None):
