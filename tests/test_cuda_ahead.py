@@ -79,6 +79,16 @@ def stub(tmp_path, monkeypatch):
 KERNELS = ("a", "b", "c", "d", "broken", "crash", "hold", "wait_b", "wait_broken", "wait_crash", "wait_hold")
 
 
+@pytest.fixture
+def cache(stub, tmp_path, monkeypatch):
+    """A kernel cache folder for markers, on a device of compute capability 9.0."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    monkeypatch.setattr(ahead, "_cache_folder", lambda: str(folder))
+    monkeypatch.setattr(ahead, "_compute_capability", lambda: (9, 0))
+    return folder
+
+
 def _jobs(names, factory_args=KERNELS):
     return [ahead.Job("ahead_stub", "factory", factory_args, n, "void(float64[::1], int64)") for n in names]
 
@@ -98,11 +108,7 @@ def test_missing_kernels_compile_in_worker_processes_and_load_here(stub):
     assert again["compiled"] == 0 and again["loaded"] == 4  # nothing left to compile
 
 
-def test_later_kernels_compile_in_the_workers_after_the_call_returns(stub, tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    monkeypatch.setattr(ahead, "_cache_folder", lambda: str(cache))
-    monkeypatch.setattr(ahead, "_compute_capability", lambda: (9, 0))
+def test_later_kernels_compile_in_the_workers_after_the_call_returns(stub, cache):
     jobs = _jobs(["hold", "wait_hold", "c"])
     later = [jobs[0], jobs[2]]
     # a worker takes "hold" (first in line, but later: not this process), which waits for "go"; this
@@ -239,11 +245,7 @@ def test_gaussian_plan_names_real_kernels_with_fitting_signatures(K, dtype, dens
         assert len(job.argtypes()) == len(params), job
 
 
-def test_a_completed_set_is_marked_and_skipped_by_the_next_process(stub, tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    monkeypatch.setattr(ahead, "_cache_folder", lambda: str(cache))
-    monkeypatch.setattr(ahead, "_compute_capability", lambda: (9, 0))
+def test_a_completed_set_is_marked_and_skipped_by_the_next_process(stub, cache, monkeypatch):
     jobs = _jobs(["a", "b", "c"])
     assert ahead.compile_ahead(jobs, n_workers=2)["compiled"] == 3
     (marker,) = cache.glob("ahead-*")
