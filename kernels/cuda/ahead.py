@@ -189,7 +189,12 @@ def compile_ahead(jobs: list[Job], n_workers: int | None = None, *, later: list[
     starts early); :func:`finish` (or the next call) waits for them, binds them and completes the report
     in place. A process that exits first leaves its workers to end their current
     kernel (it reaches the disk cache) and quit."""
-    finish()
+    with _LOCK:  # one call (and one pool) at a time in a process
+        finish()
+        return _compile_ahead(jobs, n_workers, later)
+
+
+def _compile_ahead(jobs: list[Job], n_workers: int | None, later) -> dict:
     report = {"loaded": 0, "compiled": 0, "workers": 0, "seconds": 0.0, "failed": [], "ready": []}
     report |= {"groups": [], "load_s": 0.0, "later": 0}
     everything = list(dict.fromkeys(jobs))
@@ -201,9 +206,10 @@ def compile_ahead(jobs: list[Job], n_workers: int | None = None, *, later: list[
         return report
     n = workers() if n_workers is None else max(1, n_workers)
     n = min(n, len(groups(everything)))
-    # the workers start before the loading pass: their imports and CUDA contexts overlap it
-    pool = _Pool(n - 1, t0) if n > 1 else None
+    pool = None
     try:
+        # the workers start before the loading pass: their imports and CUDA contexts overlap it
+        pool = _Pool(n - 1, t0) if n > 1 else None
         todo = [job for job in everything if not _load(job)]
         report["loaded"] = len(everything) - len(todo)
         todo_groups = groups(todo)
@@ -220,47 +226,63 @@ def compile_ahead(jobs: list[Job], n_workers: int | None = None, *, later: list[
         now = set(everything) - set(later)
         pool.queue.put(todo_groups, [any(job in now for job in g) for g in todo_groups])
         pool.compile(now_only=True)
+        pending = (pool, todo, everything, marker, report)
+        _bind(pending, [job for job in todo if job in now])
+        if pool.queue.idle():
+            _finish(pending)
+        else:
+            _PENDING.append(pending)
+            report["later"] = len(todo) - sum(job in now for job in todo)
     except BaseException:
         if pool is not None:
             pool.stop()
         raise
-    _PENDING.append((pool, todo, everything, marker, report))
-    if pool.queue.idle():
-        finish()
-    else:
-        report["later"] = sum(len(g) for g in todo_groups if not any(job in now for job in g))
     return report
 
 
 # A call's kernels still compiling in its workers (``later``), bound by finish(): at most one entry.
 _PENDING: list = []
+_LOCK = threading.RLock()
 
 
 def finish() -> None:
     """Wait for the kernels an earlier :func:`compile_ahead` left compiling (its ``later`` jobs; this
-    process compiles any group no worker took), bind them here and complete that call's report."""
-    while _PENDING:
-        pool, todo, everything, marker, report = _PENDING.pop()
-        try:
-            pool.compile(now_only=False)
-        finally:
-            pool.stop()
-        queue = pool.queue
-        t1 = time.perf_counter()
-        bound = [job for job in todo if job not in queue.failed and _load(job)]
-        report.update(
-            compiled=len(bound), workers=1 + len(queue.ready), seconds=time.perf_counter() - pool.t0,
-            failed=[job.kernel for job in queue.failed], ready=sorted(queue.ready.values()),
-            groups=queue.log, load_s=time.perf_counter() - t1,
-        )  # fmt: skip
-        if len(bound) == len(todo):
-            _mark(marker, everything)
-        else:
-            missing = [job.kernel for job in todo if job not in bound and job not in queue.failed]
-            if missing:
-                log.warning(
-                    "CUDA kernels %s compiled ahead are not in the cache: compiled at launch", missing
-                )
+    process compiles any group no worker took), bind them here and complete that call's report. (No
+    time limit: a worker that hangs in a compile holds this up, as a launch's own compile would.)"""
+    with _LOCK:
+        while _PENDING:
+            _finish(_PENDING.pop())
+
+
+def _finish(pending) -> None:
+    pool, todo, everything, marker, report = pending
+    try:
+        pool.compile(now_only=False)
+    finally:
+        pool.stop()
+    bound = _bind(pending, todo)
+    if len(bound) == len(todo):
+        _mark(marker, everything)
+    else:
+        missing = [job.kernel for job in todo if job not in bound and job not in pool.queue.failed]
+        if missing:
+            log.warning("CUDA kernels %s compiled ahead are not in the cache: compiled at launch", missing)
+
+
+def _bind(pending, jobs: list[Job]) -> list[Job]:
+    """Bind those of ``jobs`` whose groups are done (not failed) and fill the report with the queue's
+    state so far; the bound jobs."""
+    pool, _, _, _, report = pending
+    queue = pool.queue
+    t1 = time.perf_counter()
+    bound = [job for job in jobs if job not in queue.failed and _load(job)]
+    ends = [end for *_, end in queue.log]
+    report.update(
+        compiled=len(bound), workers=1 + len(queue.ready), failed=[job.kernel for job in queue.failed],
+        ready=sorted(queue.ready.values()), groups=list(queue.log), load_s=time.perf_counter() - t1,
+    )  # fmt: skip
+    report["seconds"] = max(ends, default=0.0) + report["load_s"]
+    return bound
 
 
 class _Queue:
@@ -300,7 +322,9 @@ class _Queue:
             self._busy += 1
             return self._todo.pop(i)
 
-    def done(self, item: tuple[list[Job], bool], start: float, who: int, failure: str | None = None) -> None:
+    def done(
+        self, item: tuple[list[Job], bool], start: float, who: int, failure: str | None = None, announce=True
+    ) -> None:
         group, now = item
         with self._cond:
             self._busy -= 1
@@ -309,8 +333,15 @@ class _Queue:
             if failure is not None:
                 self.failed += group
             self._cond.notify_all()
-        if failure is not None:
+        if failure is not None and announce:
             _failed(group, failure)
+
+    def back(self, item: tuple[list[Job], bool]) -> None:
+        """Return a group taken but never sent (its worker had died): the next taker gets it."""
+        with self._cond:
+            self._busy -= 1
+            self._todo.insert(0, item)
+            self._cond.notify_all()
 
     def started(self, pid: int) -> None:
         with self._cond:
@@ -320,10 +351,19 @@ class _Queue:
         with self._cond:
             return not self._todo and self._busy == 0
 
-    def wait(self, now_only: bool) -> None:
-        """Until the "now" groups (or all groups) are compiled or failed."""
+    def wait(self, now_only: bool) -> bool:
+        """Until the "now" groups (or all groups) are compiled or failed (True), or a group this process
+        may take is back in the queue (False: its worker died before it was sent)."""
+
+        def finished() -> bool:
+            return self._now == 0 if now_only else not self._todo and self._busy == 0
+
+        def takeable() -> bool:
+            return any(now or not now_only for _, now in self._todo)
+
         with self._cond:
-            self._cond.wait_for(lambda: self._now == 0 if now_only else not self._todo and self._busy == 0)
+            self._cond.wait_for(lambda: finished() or takeable() or self.stopped)
+            return finished() or self.stopped
 
     def stop(self) -> None:
         with self._cond:
@@ -342,7 +382,7 @@ class _Pool:
     def __init__(self, n: int, t0: float):
         self.t0, self.queue, self.procs, self.feeders = t0, _Queue(t0), [], []
         for _ in range(n):
-            err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty worker never blocks
+            err = tempfile.TemporaryFile("w+b")  # a file, not a pipe: a chatty worker never blocks
             cmd = [sys.executable, "-c", _WORKER]
             pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
             try:
@@ -360,7 +400,12 @@ class _Pool:
 
     def compile(self, now_only: bool) -> None:
         queue = self.queue
-        while (item := queue.take(now_only)) is not None:
+        while True:
+            item = queue.take(now_only)
+            if item is None:
+                if queue.wait(now_only):
+                    return
+                continue
             start = queue.now()
             try:
                 _compile(item[0])
@@ -368,7 +413,6 @@ class _Pool:
                 queue.done(item, start, 0, f"{type(e).__name__}: {e}")
             else:
                 queue.done(item, start, 0)
-        queue.wait(now_only)
 
     def stop(self) -> None:
         self.queue.stop()
@@ -387,32 +431,53 @@ class _Pool:
 
 def _feed(queue: _Queue, proc: subprocess.Popen, err, who: int) -> None:
     """One worker's thread: once the worker says it is ready, hand it groups one at a time until the
-    queue is empty; a group it fails on, or was compiling when it died, is reported (left to launches)."""
+    queue is empty. A group it fails on, or was compiling when it died, is reported (left to launches);
+    one it could not even be sent goes back to the queue. Every group taken is given back to the queue
+    exactly once (:meth:`_Queue.done` or :meth:`_Queue.back`), whatever happens here."""
 
     def why() -> str:
+        if proc.poll() is None:  # alive but talking nonsense: stop it
+            proc.kill()
         proc.wait()
         err.seek(0)
-        return f"exit {proc.returncode}: {err.read().strip()[-2000:]}"
+        text = err.read().decode(errors="replace").strip()[-2000:]
+        return f"exit {proc.returncode}: {text}"
 
-    if proc.stdout.readline().strip() != "ready":
-        if not queue.stopped:  # it died starting: the others share its work
-            _failed([], why())
-        return
-    while (item := queue.take()) is not None:
-        if proc.pid not in queue.ready:
-            queue.started(proc.pid)
-        start = queue.now()
-        try:
-            proc.stdin.write(json.dumps([list(job) for job in item[0]]) + "\n")
-            proc.stdin.flush()
-            reply = proc.stdout.readline()
-        except (OSError, ValueError):  # a closed pipe: it died, or this process stopped it
-            reply = ""
-        if not reply:
-            return queue.done(item, start, who, why())
-        queue.done(item, start, who, None if reply.strip() == "ok" else reply.strip())
-    with contextlib.suppress(OSError):
-        proc.stdin.close()  # the worker exits
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            if not queue.stopped:  # it died starting: the others share its work
+                _failed([], why())
+            return
+        while (item := queue.take()) is not None:
+            if proc.pid not in queue.ready:
+                queue.started(proc.pid)
+            start, outcome = queue.now(), None
+            try:
+                try:
+                    proc.stdin.write(json.dumps([list(job) for job in item[0]]) + "\n")
+                    proc.stdin.flush()
+                except (OSError, ValueError):  # it died before this group: another process takes it
+                    queue.back(item)
+                    outcome = "back"
+                    return
+                try:
+                    reply = proc.stdout.readline()
+                except (OSError, ValueError):  # a closed pipe (this process stopped it) or bad bytes
+                    reply = ""
+                if not reply:  # it died in this group (or this process stopped it: then quietly)
+                    failure = "stopped" if queue.stopped else why()
+                    outcome = "done"
+                    return queue.done(item, start, who, failure, announce=not queue.stopped)
+                outcome = "done"
+                queue.done(item, start, who, None if reply.strip() == "ok" else reply.strip())
+            finally:
+                if outcome is None:  # an unexpected error here: left to the launches
+                    queue.done(item, start, who, "the feeding thread failed")
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # the worker exits
+        proc.wait()
+    except Exception as e:  # noqa: BLE001 - never lose the queue's accounting to a feeding thread
+        log.warning("a thread feeding a compile-ahead worker failed (%s: %s)", type(e).__name__, e)
 
 
 def _failed(part: list[Job], why: str) -> None:

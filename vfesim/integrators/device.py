@@ -35,6 +35,7 @@ class Device:
 
         from ..backends import cuda_backend as cb
 
+        cb.kc.ahead.finish()  # update kernels a first energy left compiling in workers: bound, not rebuilt
         self.uc = uc
         self.cb = cb
         self.xp = cb.array_module()
