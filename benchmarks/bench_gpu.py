@@ -682,17 +682,21 @@ def format_cold(rows) -> str:
             else []
         ),
         "# seconds per phase (energy_1: first vfesim.energy_and_gradient; step_1: first integrator step),",
-        "# wall = the whole process; compile = numba kernel compilation in the process (or loading from the",
-        "# disk cache; the kernels compiled ahead in other processes are listed below).",
+        "# after_import = to_first_step - import; wall = the whole process; compile = numba kernel",
+        "# compilation in the process or loading from the disk cache (the kernels compiled ahead in other",
+        "# processes are listed below).",
         "# 'no dask': warm caches, dask hidden (a `vfesim[gpu]` install without the dask extra: with dask",
         "# installed, xarray imports dask.array at its first Variable).",
-        f"{'run':>10} " + " ".join(f"{p:>13}" for p in phases) + f" {'wall':>7} {'compile':>8}",
+        f"{'run':>10} "
+        + " ".join(f"{p:>13}" for p in phases)
+        + f" {'after_import':>12} {'wall':>7} {'compile':>8}",
     ]
     for r in rows:
         tt = r["times"]
         lines.append(
             f"{r['run']:>10} "
             + " ".join(f"{tt.get(p, float('nan')):13.3f}" for p in phases)  # rows from before a phase
+            + f" {tt.get('to_first_step', float('nan')) - tt['import']:12.3f}"
             + f" {r['wall_s']:7.2f} {sum(r['compiles'].values()):8.2f}"
         )
     for r in rows:
