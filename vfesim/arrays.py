@@ -32,8 +32,8 @@ def is_host(a) -> bool:
 def max_abs(arrays) -> list[float]:
     """max |x| of each array as a host float, +inf for an array with a NaN or Inf entry (0 when empty).
 
-    Device (CuPy) arrays: two launches of a numba reduction kernel per array
-    (:func:`vfesim_kernels.cuda.reduce.max_abs`) and a single device-to-host transfer for all of them,
+    Device (CuPy) arrays: numba reduction kernels, two launches for up to six arrays of one dtype
+    (:func:`vfesim_kernels.cuda.reduce.max_abs`), and a single device-to-host transfer for all of them,
     the cheap first pass of input and output checks (a failing array is then examined in detail).
     Complex arrays are reduced over their real and imaginary parts.
     """

@@ -380,7 +380,7 @@ class _Pool:
     done, and all when this process is interrupted)."""
 
     def __init__(self, n: int, t0: float):
-        self.t0, self.queue, self.procs, self.feeders = t0, _Queue(t0), [], []
+        self.queue, self.procs, self.feeders = _Queue(t0), [], []
         for _ in range(n):
             err = tempfile.TemporaryFile("w+b")  # a file, not a pipe: a chatty worker never blocks
             cmd = [sys.executable, "-c", _WORKER]
@@ -451,28 +451,26 @@ def _feed(queue: _Queue, proc: subprocess.Popen, err, who: int) -> None:
         while (item := queue.take()) is not None:
             if proc.pid not in queue.ready:
                 queue.started(proc.pid)
-            start, outcome = queue.now(), None
+            start = queue.now()
             try:
-                try:
-                    proc.stdin.write(json.dumps([list(job) for job in item[0]]) + "\n")
-                    proc.stdin.flush()
-                except (OSError, ValueError):  # it died before this group: another process takes it
-                    queue.back(item)
-                    outcome = "back"
-                    return
-                try:
+                proc.stdin.write(json.dumps([list(job) for job in item[0]]) + "\n")
+                proc.stdin.flush()
+            except (OSError, ValueError):  # it died before this group: another process takes it
+                return queue.back(item)
+            failure, announce, reply = "the feeding thread failed", True, ""
+            try:  # done() exactly once, whatever fails here (an unexpected failure: left to the launches)
+                with contextlib.suppress(OSError, ValueError):  # a closed pipe or bad bytes: it is gone
                     reply = proc.stdout.readline()
-                except (OSError, ValueError):  # a closed pipe (this process stopped it) or bad bytes
-                    reply = ""
-                if not reply:  # it died in this group (or this process stopped it: then quietly)
-                    failure = "stopped" if queue.stopped else why()
-                    outcome = "done"
-                    return queue.done(item, start, who, failure, announce=not queue.stopped)
-                outcome = "done"
-                queue.done(item, start, who, None if reply.strip() == "ok" else reply.strip())
+                if reply:
+                    failure = None if reply.strip() == "ok" else reply.strip()
+                elif queue.stopped:  # this process stopped it: quietly
+                    failure, announce = "stopped", False
+                else:  # it died in this group
+                    failure = why()
             finally:
-                if outcome is None:  # an unexpected error here: left to the launches
-                    queue.done(item, start, who, "the feeding thread failed")
+                queue.done(item, start, who, failure, announce=announce)
+            if not reply:
+                return
         with contextlib.suppress(OSError):
             proc.stdin.close()  # the worker exits
         proc.wait()

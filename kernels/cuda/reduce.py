@@ -109,14 +109,9 @@ def reduce_signatures(dtype: str) -> dict[str, str]:
     }
 
 
-def _two_pass(name: str, flat, out) -> None:
-    """Kernel ``name``'s reduction of the non-empty 1-D array ``flat`` into the 1-element float64 device
-    array ``out``: always two launches, so a result never depends on how many blocks the first took."""
-    k = make_reduce_kernels()[name]
-    nb = max(1, min(REDUCE_BLOCKS, -(-flat.shape[0] // REDUCE_THREADS)))
-    parts = _xp(flat).empty(nb, np.float64)
-    k[nb, REDUCE_THREADS](launch_view(flat), launch_view(parts))
-    k[1, REDUCE_THREADS](launch_view(parts), launch_view(out))
+def _blocks(n: int) -> int:
+    """Blocks of a first pass over n entries (each block strides over the array)."""
+    return max(1, min(REDUCE_BLOCKS, -(-n // REDUCE_THREADS)))
 
 
 def _flat(a, xp):
@@ -133,8 +128,11 @@ def device_sum(a):
         raise TypeError(f"device_sum: a real array, got {a.dtype}")
     flat = _flat(a, xp)
     out = xp.zeros(1, np.float64)
-    if flat.shape[0]:
-        _two_pass("partial_sum", flat, out)
+    if flat.shape[0]:  # always two launches: a result never depends on how many blocks the first took
+        k = make_reduce_kernels()["partial_sum"]
+        parts = xp.empty(_blocks(flat.shape[0]), np.float64)
+        k[parts.shape[0], REDUCE_THREADS](launch_view(flat), launch_view(parts))
+        k[1, REDUCE_THREADS](launch_view(parts), launch_view(out))
     return out.reshape(())
 
 
@@ -154,7 +152,7 @@ def max_abs(arrays) -> list[float]:
         run = run[: next((r for r, f in enumerate(run) if f.dtype != run[0].dtype), len(run))]
         longest = max(f.shape[0] for f in run)
         if longest:
-            nb = max(1, min(REDUCE_BLOCKS, -(-longest // REDUCE_THREADS)))
+            nb = _blocks(longest)
             parts = xp.empty((len(run), nb), np.float64)
             xs = [launch_view(f) for f in run]
             xs += xs[:1] * (MAX_ABS_ARRAYS - len(run))  # fillers: rows past len(run) are not launched
