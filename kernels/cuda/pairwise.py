@@ -205,9 +205,11 @@ def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]
 
 # Register caps (max_registers) of the dense kernels, (dtype, D) -> (stats, grads); absent or None: the
 # compiler's choice. Kept here, in the kernels' source file: changing it invalidates their disk cache.
-# ptxas (sm_90, 128 threads) gives e.g. D = 10 float32 stats 94 / grads 154 registers, float64 156 / 164,
-# D = 16 float32 121 / 121, float64 222 / 221 (3, 3, 2 blocks of 128 threads per SM where 154-222); grads
-# of D = 10 float32 fits 128 registers without spilling (4 blocks). benchmarks/bench_gpu.py --tune-registers
+# ptxas (sm_90, 128 threads) gives D = 10 float32 stats 124 / grads 128 registers, float64 161 / 160,
+# D = 16 float32 122 / 122, float64 233 / 216 (4 blocks of 128 threads per SM at 128 registers, 3 at 161,
+# 2 above 168); stop 27 measured the caps below on the kernels before their per-pair work was
+# interleaved across owners (stop 30), which changed these counts (from 94 / 154, 156 / 164, 121 / 121,
+# 222 / 221). benchmarks/bench_gpu.py --tune-registers
 # measures caps. On an H100 (benchmarks/results/gpu_registers_h100_stop27.txt, the pair kernels alone at
 # N = 65 536 in 24 slices, against no cap) the best were D = 10 float32 (80, 128) 0.953, float64 (128, 128)
 # 0.903, D = 16 float32 (96, 128) 0.948, float64 (168, 168) 0.930; caps below these spill (D = 16 float64
@@ -248,6 +250,9 @@ def make_dense_kernels(
     (2 kappa), c' likewise) and kappa' = 1: W'_ij = W_ij, energy = kappa E', sum_i W_ij A'_i = (sum_i
     W_ij A_i) / (2 kappa). Per pair: two exponentials and three D-wide dot/axpy passes (three and five
     before the receiver sums moved into the statistics sweep).
+    Each sender (receiver) row meets all OPT owners of a thread at once: their KLs as two partial sums
+    each (even and odd features), then their exponentials, then the updates, so that 2 OPT independent
+    FMA chains are in flight instead of one (the order of every sum is still fixed).
     The pair i == j is skipped by a per-pair test only in the shared tiles that hold one of the block's
     own agents (and, in ``grads``, owners past the end only in the last block); every other tile runs
     the same loop without the tests.
@@ -265,13 +270,25 @@ def make_dense_kernels(
     OPT = opt
     NT = threads
 
-    def push(own, o, rw, oc, m, s, t, acc, accx, px):
-        """Owner o (a receiver) meets one more sender (row rw): online log-sum-exp statistics and the
-        sums of sender rows weighted by exp(x - m), rescaled when the maximum m moves."""
-        kl = pair_kl(own, o, rw, 0, oc)
-        x = pair_logit(kl, one)
+    def dots(own, rw, kl):
+        """kl[o] = own[o] . rw[0] for every owner o, as two partial sums (even and odd features): 2 OPT
+        independent FMA chains in flight instead of one chain of D dependent FMAs at a time."""
+        for o in range(OPT):
+            kl[o, 0] = zero
+            kl[o, 1] = zero
+        for d in range(0, D - 1, 2):
+            for o in range(OPT):
+                kl[o, 0] += own[o, d] * rw[0, d]
+                kl[o, 1] += own[o, d + 1] * rw[0, d + 1]
+        if D % 2:
+            for o in range(OPT):
+                kl[o, 0] += own[o, D - 1] * rw[0, D - 1]
+
+    def push(o, rw, kl, x, e, m, s, t, acc, accx, px):
+        """Owner o (a receiver) meets one more sender (row rw, KL' kl, logit x, e = exp(-|x - m[o]|)):
+        online log-sum-exp statistics and the sums of sender rows weighted by exp(x - m), rescaled when
+        the maximum m moves."""
         mo = m[o]
-        e = ex(-abs(x - mo))
         if x > mo:  # a new maximum: the sums so far scale by e = exp(m_old - x); this row has weight 1
             if expected and s[o] > zero:
                 sh = x - mo  # every delta so far grows by the shift
@@ -293,6 +310,20 @@ def make_dense_kernels(
                 px[o] += ed
             s[o] += e
             t[o] += e * kl
+
+    def meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, skip):
+        """Every owner but number ``skip`` (-1: none) meets sender row rw: the KLs and exponentials of
+        all owners first (independent work in flight), then the updates."""
+        dots(own, rw, kl)
+        for o in range(OPT):
+            k = (kl[o, 0] + kl[o, 1]) + oc[o]
+            x = pair_logit(k, one)
+            xe[o, 0] = k
+            xe[o, 1] = x
+            xe[o, 2] = ex(-abs(x - m[o]))
+        for o in range(OPT):
+            if o != skip:
+                push(o, rw, xe[o, 0], xe[o, 1], xe[o, 2], m, s, t, acc, accx, px)
 
     def stats(A, B, c, r0, f0, chunk, pm, ps, pt, gAr, gAx):
         """Receiver pass over one slice of senders: row statistics and weighted sums of sender rows."""
@@ -317,6 +348,8 @@ def make_dense_kernels(
         accx = cuda.local.array((OPT, D), dt)
         px = cuda.local.array(OPT, dt)
         rw = cuda.local.array((1, D), dt)
+        kl = cuda.local.array((OPT, 2), dt)
+        xe = cuda.local.array((OPT, 3), dt)
         for o in range(OPT):
             ii = min(i0 + o * NT, NR - 1)
             for d in range(D):
@@ -341,15 +374,15 @@ def make_dense_kernels(
                 for jj in range(nj):
                     for d in range(D):  # the sender's row once into registers, for all OPT owners
                         rw[0, d] = sX[jj, d]
-                    for o in range(OPT):
-                        if j0 + jj != g0 + o * NT:
-                            push(own, o, rw, oc, m, s, t, acc, accx, px)
+                    # the owner that is this sender, if any (owners are g0 + o NT)
+                    q = j0 + jj - g0
+                    skip = q // NT if q >= 0 and q % NT == 0 and q < NT * OPT else -1
+                    meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, skip)
             else:
                 for jj in range(nj):
                     for d in range(D):
                         rw[0, d] = sX[jj, d]
-                    for o in range(OPT):
-                        push(own, o, rw, oc, m, s, t, acc, accx, px)
+                    meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, -1)
         for o in range(OPT):
             i = i0 + o * NT
             if i < NR:
@@ -406,12 +439,18 @@ def make_dense_kernels(
                     gAr[sl, f, i, d] *= w
                 gAr[sl, f, i, D] = w * sk
 
-    def send_acc(own, o, rw, rc, rm, ri, ra, acc):
-        """W of receiver row rw (statistics rc, rm, ri, ra) and owner o (a sender); acc += W A'_i."""
-        kl = pair_kl(rw, 0, own, o, rc)
-        e = ex(pair_logit(kl, one) - rm)
-        w = pair_weight_e(e, kl, ri, ra, one, agg)
-        accumulate_row(acc, o, w, rw, 0)
+    def send(own, rw, rc, rm, ri, ra, acc, kl, skip, n_own):
+        """Receiver row rw (statistics rc, rm, ri, ra) meets owners o < n_own but ``skip`` (senders):
+        acc[o] += W A'_i, the KLs and exponentials of all owners first (independent work in flight)."""
+        dots(own, rw, kl)
+        for o in range(OPT):
+            k = (kl[o, 0] + kl[o, 1]) + rc
+            kl[o, 0] = ex(pair_logit(k, one) - rm)
+            kl[o, 1] = k
+        for o in range(OPT):
+            if o != skip and o < n_own:
+                w = pair_weight_e(kl[o, 0], kl[o, 1], ri, ra, one, agg)
+                accumulate_row(acc, o, w, rw, 0)
 
     def grads(A, B, c, m, inv_s, abar, r0, f0, chunk, gBs):
         """Sender pass: per slice of receivers, sum_i W_ij A'_i for each sender j."""
@@ -429,7 +468,8 @@ def make_dense_kernels(
         own = cuda.local.array((OPT, D), dt)
         acc = cuda.local.array((OPT, D), dt)
         rw = cuda.local.array((1, D), dt)
-        rc = cuda.local.array(1, dt)
+        kl = cuda.local.array((OPT, 2), dt)
+        n_own = min(OPT, max(0, -(-(N - i0) // NT)))  # owners of this thread inside the senders
         for o in range(OPT):
             ii = min(i0 + o * NT, N - 1)
             for d in range(D):
@@ -461,24 +501,23 @@ def make_dense_kernels(
             for kk in range(nk):
                 for d in range(D):  # the receiver's row once into registers, for all OPT owners
                     rw[0, d] = sX[kk, d]
-                kg = r0 + k0 + kk
-                rc[0] = sc[kk]
-                rm, ri, ra = sm[kk], si[kk], sa[kk]
+                rc, rm, ri, ra = sc[kk], sm[kk], si[kk], sa[kk]
                 if checked:
-                    for o in range(OPT):
-                        if kg != lo + tid + o * NT and i0 + o * NT < N:
-                            send_acc(own, o, rw, rc, rm, ri, ra, acc)
+                    q = r0 + k0 + kk - lo - tid  # the owner that is this receiver, if any
+                    skip = q // NT if q >= 0 and q % NT == 0 and q < NT * OPT else -1
+                    send(own, rw, rc, rm, ri, ra, acc, kl, skip, n_own)
                 else:
-                    for o in range(OPT):
-                        send_acc(own, o, rw, rc, rm, ri, ra, acc)
+                    send(own, rw, rc, rm, ri, ra, acc, kl, -1, OPT)
         for o in range(OPT):
             i = i0 + o * NT
             if i < N:
                 for d in range(D):
                     gBs[sl, f, i, d] = acc[o, d]
 
+    dots = device(dots)
     push = device(push)
-    send_acc = device(send_acc)
+    meet = device(meet)
+    send = device(send)
     pyfuncs = {"stats": stats, "merge": merge, "grads": grads}
     caps = dense_registers(D, dtype) if registers is None else registers
     stats_cap, grads_cap = caps
