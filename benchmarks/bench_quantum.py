@@ -28,7 +28,6 @@ import numpy as np
 
 import vfesim
 from vfesim.backends import get
-from vfesim.quantum import spin_generators
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +48,10 @@ def timeit(fn, sync, *, min_reps=3, max_reps=20, target_s=1.0) -> tuple[float, i
         sync()
         times.append(time.perf_counter() - t0)
     return float(np.median(times)), len(times)
+
+
+# (lambda_self, lambda_belief, lambda_prior, lambda_obs) of the passes timed alone: config(d, "belief")
+WEIGHTS = (1.0, 1.0, 0.0, 0.0)
 
 
 def config(d: int, terms: str) -> vfesim.QuantumConfig:
@@ -73,49 +76,36 @@ def pair_flops(N: int, d: int) -> float:
 
 def bench_pairs(backend_name: str, N: int, d: int, dtype: str) -> dict:
     """The pairwise part alone (the backend's dense pair function on the belief features)."""
-    from vfesim.quantum.energy import NUMPY_OPS, _floored
+    from vfesim.quantum.energy import NUMPY_OPS
 
     be = get(backend_name)
     cfg = config(d, "belief")
     st = vfesim.random_state(cfg, n_agents=N, seed=0, dtype=dtype)
     arrays = be.to_device({k: st[k].values for k in st.data_vars})
     ops = be.agent_ops.get("quantum", NUMPY_OPS)
-    x, _ = _floored(arrays["rho"])
-    _, _, log_x, xlx = ops.eig_log(x)
-    U, _ = ops.frames(arrays["phi"], spin_generators(d), x.dtype)
-    A, B = ops.pull_features(U, x, log_x)
-    c = 2.0 * xlx
+    A, B, c = ops.forward(arrays, WEIGHTS).features["belief_align"]
     t, reps = timeit(lambda: be.pairwise_dense(A, B, c, 1.0, "softmin"), lambda: _sync(be))
     return dict(kind="pairs", backend=backend_name, N=N, d=d, dtype=dtype, terms="belief", t_s=t, reps=reps,
                 tflops=pair_flops(N, d) / t / 1e12)  # fmt: skip
 
 
 def bench_stages(backend_name: str, N: int, d: int, dtype: str) -> list[dict]:
-    """Each per-agent stage of the backend (QuantumOps) alone, and the whole evaluation: where the time
-    goes besides the pairs."""
-    from vfesim.quantum.energy import NUMPY_OPS, _floored
+    """The backend's per-agent passes (QuantumOps.forward, .backward) alone, and the pairs: where the time
+    of an evaluation goes."""
+    from vfesim.quantum.energy import NUMPY_OPS
 
     be = get(backend_name)
     cfg = config(d, "belief")
     st = vfesim.random_state(cfg, n_agents=N, seed=0, dtype=dtype)
     a = be.to_device({k: st[k].values for k in st.data_vars})
     ops = be.agent_ops.get("quantum", NUMPY_OPS)
-    J = spin_generators(d)
-    x, _ = _floored(a["rho"])
-    s, W, log_x, xlx = ops.eig_log(x)
-    U, cache = ops.frames(a["phi"], J, x.dtype)
-    A, B = ops.pull_features(U, x, log_x)
-    sig = ops.gibbs(a["hamiltonian"], a["temperature"])
+    fw = ops.forward(a, WEIGHTS)
+    A, B, c = fw.features["belief_align"]
+    cot = {"belief_align": be.pairwise_dense(A, B, c, 1.0, "softmin")[1:]}
     calls = {
-        "floor": lambda: _floored(a["rho"]),
-        "eig_log": lambda: ops.eig_log(x),
-        "gibbs": lambda: ops.gibbs(a["hamiltonian"], a["temperature"]),
-        "frames": lambda: ops.frames(a["phi"], J, x.dtype),
-        "pull_features": lambda: ops.pull_features(U, x, log_x),
-        "pull_vjp": lambda: ops.pull_vjp(A, B, U, x, log_x),
-        "dk_log": lambda: ops.dk_log(s, W, x),
-        "dk_exp": lambda: ops.dk_exp(sig[2], sig[3], sig[4], x),
-        "frames_vjp": lambda: ops.frames_vjp(U, cache, J),
+        "forward": lambda: ops.forward(a, WEIGHTS),
+        "pairs": lambda: be.pairwise_dense(A, B, c, 1.0, "softmin"),
+        "backward": lambda: ops.backward(a, fw, WEIGHTS, cot),
     }
     rows = []
     for name, fn in calls.items():

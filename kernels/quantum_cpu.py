@@ -19,14 +19,8 @@ from . import quantum_math as _qm
 __all__ = ["KERNELS", "launch", "launch_serial", "MIN_AGENTS_PER_THREAD"]
 
 _m = _qm.link(numba.njit(nogil=True, cache=True), "cpu")
-_eig_log_agent = _m.eig_log_agent
-_gibbs_agent = _m.gibbs_agent
-_frames_agent = _m.frames_agent
-_pull_features_agent = _m.pull_features_agent
-_pull_vjp_agent = _m.pull_vjp_agent
-_dk_log_agent = _m.dk_log_agent
-_dk_exp_agent = _m.dk_exp_agent
-_frames_vjp_agent = _m.frames_vjp_agent
+_energy_forward_agent = _m.energy_forward_agent
+_energy_backward_agent = _m.energy_backward_agent
 _sender_state_agent = _m.sender_state_agent
 _channel_step_agent = _m.channel_step_agent
 _incoming_agent = _m.incoming_agent
@@ -57,68 +51,33 @@ def _run(kernel, N: int, *args) -> None:
 
 
 @_kernel
-def _eig_log(n0, n1, x, tol2, s, W, logx, xlx):
-    d = x.shape[1]
-    A = np.empty((d, d), x.dtype)
+def _energy_forward(
+    n0, n1, rho, H, T, phi, y, J, fs, fb, fp, fo, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k,
+    Vf, e, A, B, c,
+):  # fmt: skip
+    d = rho.shape[1]
+    Ms = np.empty((3, d, d), rho.dtype)
     r = np.empty(d, s.dtype)
     for n in range(n0, n1):
-        _eig_log_agent(x, n, s, W, logx, xlx, A, r, tol2)
+        _energy_forward_agent(
+            rho, H, T, phi, y, J, fs, fb, fp, fo, eps, tol2, n, x, s, W, logx, xlx, sigma, logsig, l, p, V,
+            U, k, Vf, e, A, B, c, Ms[0], r, Ms[1], Ms[2],
+        )  # fmt: skip
 
 
 @_kernel
-def _gibbs(n0, n1, H, T, tol2, sigma, logsig, l, p, V):
-    d = H.shape[1]
-    A = np.empty((d, d), H.dtype)
+def _energy_backward(
+    n0, n1, H, T, y, J, fs, fb, fp, fo, ls, lb, lp, lo, eps, gA, gB, gc, x, s, W, logx, sigma, logsig, l, p,
+    V, U, k, Vf, g_rho, g_H, g_T, g_phi,
+):  # fmt: skip
+    d = x.shape[1]
+    S = np.empty((10, d, d), x.dtype)
     for n in range(n0, n1):
-        _gibbs_agent(H, T, n, sigma, logsig, l, p, V, A, tol2)
-
-
-@_kernel
-def _frames(n0, n1, phi, J, tol2, U, k, V):
-    d = U.shape[1]
-    A = np.empty((d, d), U.dtype)
-    for n in range(n0, n1):
-        _frames_agent(phi, J, n, U, k, V, A, tol2)
-
-
-@_kernel
-def _pull_features(n0, n1, U, a, loga, Aout, Bout):
-    d = U.shape[1]
-    T = np.empty((2, d, d), U.dtype)
-    for n in range(n0, n1):
-        _pull_features_agent(U, a, loga, n, Aout, Bout, T[0], T[1])
-
-
-@_kernel
-def _pull_vjp(n0, n1, gA, gB, U, a, loga, abar, labar, Ubar):
-    d = U.shape[1]
-    T = np.empty((3, d, d), U.dtype)
-    for n in range(n0, n1):
-        _pull_vjp_agent(gA, gB, U, a, loga, n, abar, labar, Ubar, T[0], T[1], T[2])
-
-
-@_kernel
-def _dk_log(n0, n1, s, W, E, out):
-    d = W.shape[1]
-    T = np.empty((2, d, d), W.dtype)
-    for n in range(n0, n1):
-        _dk_log_agent(s, W, E, n, out, T[0], T[1])
-
-
-@_kernel
-def _dk_exp(n0, n1, l, p, V, E, out):
-    d = V.shape[1]
-    T = np.empty((2, d, d), V.dtype)
-    for n in range(n0, n1):
-        _dk_exp_agent(l, p, V, E, n, out, T[0], T[1])
-
-
-@_kernel
-def _frames_vjp(n0, n1, Ubar, k, V, J, out):
-    d = V.shape[1]
-    T = np.empty((3, d, d), V.dtype)
-    for n in range(n0, n1):
-        _frames_vjp_agent(Ubar, k, V, J, n, out, T[0], T[1], T[2])
+        _energy_backward_agent(
+            H, T, y, J, fs, fb, fp, fo, ls, lb, lp, lo, eps, gA, gB, gc, n, x, s, W, logx, sigma, logsig, l,
+            p, V, U, k, Vf, g_rho, g_H, g_T, g_phi, S[0], S[1], S[2], S[3], S[4], S[5], S[6], S[7], S[8],
+            S[9],
+        )  # fmt: skip
 
 
 @_kernel
@@ -169,14 +128,8 @@ def _incoming(n0, n1, rho, U, slots, s, Bt, x_bar, U_bar):
 
 
 KERNELS = {
-    "eig_log": _eig_log,
-    "gibbs": _gibbs,
-    "frames": _frames,
-    "pull_features": _pull_features,
-    "pull_vjp": _pull_vjp,
-    "dk_log": _dk_log,
-    "dk_exp": _dk_exp,
-    "frames_vjp": _frames_vjp,
+    "energy_forward": _energy_forward,
+    "energy_backward": _energy_backward,
     "sender_states": _sender_states,
     "channel_step": _channel_step,
     "channel_step_vjp": _channel_step_vjp,

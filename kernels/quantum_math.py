@@ -14,10 +14,12 @@ The same operations as the NumPy stages of ``vfesim.quantum`` (the vectorised re
 - :func:`gibbs_agent`: the Gibbs prior ``sigma = exp(-H/T)/Z``, its log and log-eigenvalues
   ``l = -h/T - log Z`` (a log-sum-exp, no ``log p``);
 - :func:`frames_agent`: ``U = exp(-i phi . J)`` through the eigen-decomposition of ``phi . J``;
-- :func:`pull_features_agent` / :func:`pull_vjp_agent`: the pairwise feature rows of pulled-back states,
+- :func:`pull_features` / :func:`pull_vjp_add`: the pairwise feature rows of pulled-back states,
   ``A = hvec(U^dagger a U)``, ``B = -2 hvec(U^dagger (log a) U)``, and their adjoint;
-- :func:`dk_log_agent`, :func:`dk_exp_agent`, :func:`frames_vjp_agent`: Daleckii–Krein adjoints of
-  ``log``, ``exp`` and ``exp(-i .)`` (the divided differences of ``vfesim.quantum.linalg``).
+- :func:`dk_log`, :func:`dk_exp`, :func:`frames_vjp`: Daleckii–Krein adjoints of ``log``, ``exp`` and
+  ``exp(-i .)`` (the divided differences of ``vfesim.quantum.linalg``);
+- :func:`energy_forward_agent` / :func:`energy_backward_agent`: the whole per-agent part of the free energy
+  and of its gradient (the stages above, fused: one launch each way).
 
 Every ``*_agent`` function handles agent ``n`` of its batched arguments, so a CPU kernel loops it over
 agents and a CUDA kernel runs it once per thread. Real scalars are evaluated in float64 where a float
@@ -285,62 +287,69 @@ def frames_agent(phi, J, n, U, k, V, A, tol2):
             U[n, r, c] = acc
 
 
-def pull_features_agent(U, a, loga, n, Aout, Bout, T1, T2):
-    """Aout[n] = hvec(U^dagger a U), Bout[n] = -2 hvec(U^dagger (log a) U) for agent n."""
-    pull_back(U[n], a[n], T1, T2)
-    hvec_store(T2, 1.0, Aout[n])
-    pull_back(U[n], loga[n], T1, T2)
-    hvec_store(T2, -2.0, Bout[n])
+def pull_features(Un, a, loga, Arow, Brow, T1, T2):
+    """Arow = hvec(U^dagger a U), Brow = -2 hvec(U^dagger (log a) U) (one agent's feature rows)."""
+    pull_back(Un, a, T1, T2)
+    hvec_store(T2, 1.0, Arow)
+    pull_back(Un, loga, T1, T2)
+    hvec_store(T2, -2.0, Brow)
 
 
-def pull_vjp_agent(gA, gB, U, a, loga, n, abar, labar, Ubar, C, M, T):
-    """Adjoint of :func:`pull_features_agent`: with C = hmat(gA[n]) and M = hmat(-2 gB[n]) (cotangents of
-    the pulled-back a and log a), abar[n] = U C U^dagger, labar[n] = U M U^dagger and
-    Ubar[n] = 2 (a U C + (log a) U M) (dL = Re tr(Ubar^dagger dU))."""
+def pull_vjp_add(gA, gB, gc, lam, Un, a, loga, a_bar, la_bar, U_bar, C, M, T, P):
+    """Adds lam times the adjoint of :func:`pull_features` and of the feature c = 2 tr(a log a)
+    (d tr(a log a) = tr((log a + I) da), the I left out: every consumer projects it away): with
+    C = hmat(lam gA) and M = hmat(-2 lam gB) (cotangents of the pulled-back a and log a),
+    a_bar += U C U^dagger + 2 lam gc log a, la_bar += U M U^dagger and U_bar += 2 (a U C + (log a) U M)
+    (dL = Re tr(U_bar^dagger dU))."""
     d = C.shape[0]
-    Un = U[n]
-    hmat_load(gA[n], 1.0, C)
-    hmat_load(gB[n], -2.0, M)
-    push_forward(Un, C, T, abar[n])
-    push_forward(Un, M, T, labar[n])
+    hmat_load(gA, lam, C)
+    hmat_load(gB, -2.0 * lam, M)
+    push_forward(Un, C, T, P)
+    for r in range(d):
+        for c in range(d):
+            a_bar[r, c] += P[r, c] + 2.0 * lam * gc * loga[r, c]
+    push_forward(Un, M, T, P)
+    for r in range(d):
+        for c in range(d):
+            la_bar[r, c] += P[r, c]
     mm(Un, C, T)
-    mm(a[n], T, Ubar[n])
+    mm(a, T, P)
     mm(Un, M, T)
-    mm_add(loga[n], T, Ubar[n])
+    mm_add(loga, T, P)
     for r in range(d):
         for c in range(d):
-            Ubar[n, r, c] = 2.0 * Ubar[n, r, c]
+            U_bar[r, c] += 2.0 * P[r, c]
 
 
-def dk_log_agent(s, W, E, n, out, T1, T2):
-    """out[n] = Dlog(x)[E[n]] = W (log^[1](s) o W^dagger E W) W^dagger (x = W diag(s) W^dagger)."""
+def dk_log(sn, Wn, E, out, T1, T2):
+    """out = Dlog(x)[E] = W (log^[1](s) o W^dagger E W) W^dagger (x = W diag(s) W^dagger)."""
     d = T1.shape[0]
-    pull_back(W[n], E[n], T1, T2)
+    pull_back(Wn, E, T1, T2)
     for r in range(d):
         for c in range(d):
-            T2[r, c] = T2[r, c] * dd_log(s[n, r], s[n, c])
-    push_forward(W[n], T2, T1, out[n])
+            T2[r, c] = T2[r, c] * dd_log(sn[r], sn[c])
+    push_forward(Wn, T2, T1, out)
 
 
-def dk_exp_agent(l, p, V, E, n, out, T1, T2):
-    """out[n] = Dexp(L)[E[n]] = V (exp^[1](l) o V^dagger E V) V^dagger (L = V diag(l) V^dagger)."""
+def dk_exp(ln, pn, Vn, E, out, T1, T2):
+    """out = Dexp(L)[E] = V (exp^[1](l) o V^dagger E V) V^dagger (L = V diag(l) V^dagger, p = exp(l))."""
     d = T1.shape[0]
-    pull_back(V[n], E[n], T1, T2)
+    pull_back(Vn, E, T1, T2)
     for r in range(d):
         for c in range(d):
-            T2[r, c] = T2[r, c] * dd_exp(l[n, r], l[n, c], p[n, r], p[n, c])
-    push_forward(V[n], T2, T1, out[n])
+            T2[r, c] = T2[r, c] * dd_exp(ln[r], ln[c], pn[r], pn[c])
+    push_forward(Vn, T2, T1, out)
 
 
-def frames_vjp_agent(Ubar, k, V, J, n, out, T1, T2, T3):
-    """out[n, a] = Re tr(Kbar^dagger J_a), Kbar = V (conj(f^[1](k)) o V^dagger Ubar V) V^dagger, f = exp(-i .)
-    (rule R2)."""
+def frames_vjp(U_bar, kn, Vn, J, out, T1, T2, T3):
+    """out[a] = Re tr(Kbar^dagger J_a), Kbar = V (conj(f^[1](k)) o V^dagger U_bar V) V^dagger, f = exp(-i .)
+    (rule R2; phi . J = V diag(k) V^dagger)."""
     d = T1.shape[0]
-    pull_back(V[n], Ubar[n], T1, T2)
+    pull_back(Vn, U_bar, T1, T2)
     for r in range(d):
         for c in range(d):
-            T2[r, c] = T2[r, c] * dd_expi_conj(k[n, r], k[n, c])
-    push_forward(V[n], T2, T1, T3)
+            T2[r, c] = T2[r, c] * dd_expi_conj(kn[r], kn[c])
+    push_forward(Vn, T2, T1, T3)
     for a in range(3):
         acc = 0.0
         for r in range(d):
@@ -348,7 +357,111 @@ def frames_vjp_agent(Ubar, k, V, J, n, out, T1, T2, T3):
                 z = T3[r, c]
                 j = J[a, r, c]
                 acc += z.real * j.real + z.imag * j.imag
-        out[n, a] = acc
+        out[a] = acc
+
+
+def energy_forward_agent(
+    rho, H, T, phi, y, J, fs, fb, fp, fo, eps, tol2, n, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k,
+    Vf, e, A, B, c, Ms, r, T1, T2,
+):  # fmt: skip
+    """The free energy's forward pass for agent n, the terms on by the flags fs (self), fb (belief), fp
+    (prior), fo (observation): the floored belief x[n] = (1 - eps) herm(rho[n]) + eps I/d and what the
+    terms need of it, of the prior and of the frame (the caches of :func:`energy_backward_agent`):
+    eig_log (s, W, logx, xlx), Gibbs (sigma, logsig, l, p, V), frames (U; k, Vf of phi . J). Per-agent
+    energies e[:, n] = (D(x || sigma), -log <y|x|y>); the feature rows (A, B, c)[0, n] of the belief term and
+    [1, n] of the prior term (c = 2 tr(a log a)). Scratch Ms, T1, T2 (d, d) complex, r (d,) real."""
+    d = Ms.shape[0]
+    keep = 1.0 - eps
+    for i in range(d):
+        for j in range(d):
+            x[n, i, j] = keep * (0.5 * (rho[n, i, j] + rho[n, j, i].conjugate()))
+        x[n, i, i] += eps / d
+    if fs or fb:
+        eig_log_agent(x, n, s, W, logx, xlx, Ms, r, tol2)
+    if fs or fp:
+        gibbs_agent(H, T, n, sigma, logsig, l, p, V, Ms, tol2)
+    if fb or fp:
+        frames_agent(phi, J, n, U, k, Vf, Ms, tol2)
+    if fs:
+        e[0, n] = xlx[n] - _tr_re(x[n], logsig[n])
+    if fo:
+        yn = y[n]
+        e[1, n] = -math.log(x[n, yn, yn].real)
+    if fb:
+        pull_features(U[n], x[n], logx[n], A[0, n], B[0, n], T1, T2)
+        c[0, n] = 2.0 * xlx[n]
+    if fp:
+        pull_features(U[n], sigma[n], logsig[n], A[1, n], B[1, n], T1, T2)
+        acc = 0.0
+        for i in range(d):
+            acc += p[n, i] * l[n, i]
+        c[1, n] = 2.0 * acc
+
+
+def energy_backward_agent(
+    H, T, y, J, fs, fb, fp, fo, ls, lb, lp, lo, eps, gA, gB, gc, n, x, s, W, logx, sigma, logsig, l, p, V,
+    U, k, Vf, g_rho, g_H, g_T, g_phi, Xb, Lb, Ub, Sb, LSb, C, M, T1, T2, T3,
+):  # fmt: skip
+    """The gradient of agent n (conventions of ``vfesim.quantum.energy``) from the caches of
+    :func:`energy_forward_agent`, the terms' weights ls, lb, lp, lo and the pair cotangents (gA, gB, gc)
+    of the belief [0] and prior [1] features: the cotangents of x, log x, U, sigma and log sigma, then
+    one Daleckii–Krein of log (x), one of exp (log sigma), the Gibbs map's (H, T) and rule R2 (phi).
+    Scratch Xb, Lb, Ub, Sb, LSb, C, M, T1, T2, T3 (d, d) complex."""
+    d = C.shape[0]
+    for i in range(d):
+        for j in range(d):
+            Xb[i, j] = 0.0
+            Lb[i, j] = 0.0
+            Ub[i, j] = 0.0
+            Sb[i, j] = 0.0
+            LSb[i, j] = 0.0
+    xn = x[n]
+    if fs:  # D(x || sigma): d/dx = log x - log sigma, d/d(log sigma) = -x
+        for i in range(d):
+            for j in range(d):
+                Xb[i, j] += ls * (logx[n, i, j] - logsig[n, i, j])
+                LSb[i, j] -= ls * xn[i, j]
+    if fo:
+        yn = y[n]
+        Xb[yn, yn] -= lo / xn[yn, yn].real
+    if fb:
+        pull_vjp_add(gA[0, n], gB[0, n], gc[0, n], lb, U[n], xn, logx[n], Xb, Lb, Ub, C, M, T1, T2)
+    if fp:
+        pull_vjp_add(gA[1, n], gB[1, n], gc[1, n], lp, U[n], sigma[n], logsig[n], Sb, LSb, Ub, C, M, T1, T2)
+    if fs or fb:
+        dk_log(s[n], W[n], Lb, T3, T1, T2)
+        for i in range(d):
+            for j in range(d):
+                Xb[i, j] += T3[i, j]
+    # rho: (1 - eps) traceless(herm(Xb))
+    tr = _trace_re(Xb) / d
+    for i in range(d):
+        for j in range(d):
+            g_rho[n, i, j] = (1.0 - eps) * (0.5 * (Xb[i, j] + Xb[j, i].conjugate()))
+        g_rho[n, i, i] -= (1.0 - eps) * tr
+    if fs or fp:  # M = log-sigma cotangent in total; H_bar = herm(-M + tr(M) sigma) / T
+        dk_exp(l[n], p[n], V[n], Sb, T3, T1, T2)
+        for i in range(d):
+            for j in range(d):
+                T3[i, j] += LSb[i, j]
+        trM = _trace_re(T3)
+        tn = T[n]
+        for i in range(d):
+            for j in range(d):
+                a = -T3[i, j] + trM * sigma[n, i, j]
+                b = -T3[j, i] + trM * sigma[n, j, i]
+                g_H[n, i, j] = (0.5 * (a + b.conjugate())) / tn
+        g_T[n] = (_tr_re(T3, H[n]) - trM * _tr_re(sigma[n], H[n])) / (tn * tn)
+    else:
+        for i in range(d):
+            for j in range(d):
+                g_H[n, i, j] = 0.0
+        g_T[n] = 0.0
+    if fb or fp:
+        frames_vjp(Ub, k[n], Vf[n], J, g_phi[n], T1, T2, T3)
+    else:
+        for a in range(3):
+            g_phi[n, a] = 0.0
 
 
 def _push_diag(W, Dg, out):
@@ -867,15 +980,17 @@ FUNCTIONS = (
     "eig_log_agent",
     "gibbs_agent",
     "frames_agent",
-    "pull_features_agent",
-    "pull_vjp_agent",
-    "dk_log_agent",
-    "dk_exp_agent",
-    "frames_vjp_agent",
     "_push_diag",
     "_copy",
     "_trace_re",
     "_tr_re",
+    "pull_features",
+    "pull_vjp_add",
+    "dk_log",
+    "dk_exp",
+    "frames_vjp",
+    "energy_forward_agent",
+    "energy_backward_agent",
     "sender_state_agent",
     "_coupling",
     "_gate_divergence",

@@ -2,15 +2,21 @@
 
 import numpy as np
 
-from vfesim.quantum import spin_generators
-
 
 def _herm(rng, N, d):
     X = rng.normal(size=(N, d, d)) + 1j * rng.normal(size=(N, d, d))
     return X + X.conj().swapaxes(1, 2)
 
 
+# Weights of (self, belief, prior, observation): every term on, and sets with terms off (the passes skip
+# their parts: their caches are never written).
+WEIGHTS = [(0.7, 1.3, 0.9, 0.4), (0.0, 1.0, 0.0, 0.0), (1.0, 0.0, 0.6, 0.0), (0.0, 0.0, 0.0, 2.0)]
+
+
 def stage_inputs(d, dtype, N=13, seed=0):
+    """(arrays, cotangents): a population with hard cases (every eigenvalue of a belief tied, a nearly pure
+    belief, a flat Hamiltonian, the identity frame) and random pair cotangents (gA, gB, gc) of both
+    alignment terms."""
     rng = np.random.default_rng(seed)
     X = rng.normal(size=(N, d, d)) + 1j * rng.normal(size=(N, d, d))
     x = X @ X.conj().swapaxes(1, 2)
@@ -22,28 +28,32 @@ def stage_inputs(d, dtype, N=13, seed=0):
     T = rng.uniform(0.3, 3.0, N)
     phi = rng.normal(size=(N, 3))
     phi[3] = 0.0  # the identity frame
-    E = _herm(rng, N, d)
-    Ub = rng.normal(size=(N, d, d)) + 1j * rng.normal(size=(N, d, d))
-    gA, gB = rng.normal(size=(N, d * d)), rng.normal(size=(N, d * d))
     rt = np.finfo(np.dtype(dtype)).dtype
-    c = lambda a: a.astype(dtype)
-    return dict(x=c(x), H=c(H), T=T.astype(rt), phi=phi.astype(rt), E=c(E), Ub=c(Ub),
-                gA=gA.astype(rt), gB=gB.astype(rt), J=spin_generators(d))  # fmt: skip
+    arrays = dict(rho=x.astype(dtype), hamiltonian=H.astype(dtype), temperature=T.astype(rt),
+                  phi=phi.astype(rt), outcome=rng.integers(0, d, N))  # fmt: skip
+    cot = {
+        name: (rng.normal(size=(N, d * d)).astype(rt), rng.normal(size=(N, d * d)).astype(rt),
+               rng.normal(size=N).astype(rt))
+        for name in ("belief_align", "prior_align")
+    }  # fmt: skip
+    return arrays, cot
 
 
-def stage_outputs(ops, v, dtype):
-    """Every stage's outputs on the same inputs, as a dict of arrays."""
-    s, W, logx, xlx = ops.eig_log(v["x"])
-    sigma, logsig, l, p, V = ops.gibbs(v["H"], v["T"])
-    U, cache = ops.frames(v["phi"], v["J"], dtype)
-    A, B = ops.pull_features(U, v["x"], logx)
-    abar, labar, Ubar = ops.pull_vjp(v["gA"], v["gB"], U, v["x"], logx)
-    return dict(
-        logx=logx, xlx=xlx, sigma=sigma, logsig=logsig, l=np.sort(l, axis=1), U=U, A=A, B=B,
-        abar=abar, labar=labar, Ubar=Ubar,
-        dk_log=ops.dk_log(s, W, v["E"]), dk_exp=ops.dk_exp(l, p, V, v["E"]),
-        frames_vjp=ops.frames_vjp(v["Ub"], cache, v["J"]),
-    )  # fmt: skip
+def stage_outputs(ops, v, weights=WEIGHTS[0]):
+    """The forward pass's energies and features and the backward pass's gradients of ``ops`` (a
+    QuantumOps) on inputs ``v`` of :func:`stage_inputs`, as a dict of host arrays (the gradients of
+    temperature and phi in the state's dtypes, as the assembly gives them)."""
+    from vfesim.arrays import host_array
+
+    arrays, cot = v
+    fw = ops.forward(arrays, weights)
+    out = {f"energy {k}": e for k, e in fw.energies.items()}
+    for name, feats in fw.features.items():
+        out |= {f"{name} {k}": f for k, f in zip("ABc", feats, strict=True)}
+    grads = ops.backward(arrays, fw, weights, {k: cot[k] for k in fw.features})
+    for k, g in grads.items():
+        out[f"grad {k}"] = g.astype(arrays[k].dtype, copy=False) if k in ("temperature", "phi") else g
+    return {k: host_array(a) for k, a in out.items()}
 
 
 def channel_case(d, dtype, coupling, basis, gate, window="sparse", N=9, seed=0):

@@ -1,12 +1,13 @@
 """The density-matrix per-agent kernels (kernels/quantum_math.py, compiled for the CPU in
-kernels/quantum_cpu.py): the Jacobi eigensolver on hard spectra, and every stage of ``QuantumOps`` against
-the NumPy stages (complex128 to round-off, complex64 to its precision). The same kernels compiled for CUDA
-are checked under the simulator (tests/cudasim/test_quantum_sim.py) and for sm_90 (tests/test_cuda_ptx.py)."""
+kernels/quantum_cpu.py): the Jacobi eigensolver on hard spectra, and the fused passes of ``QuantumOps``
+against the array code (complex128 to round-off, complex64 to its precision). The same kernels compiled for
+CUDA are checked under the simulator (tests/cudasim/test_quantum_sim.py) and for sm_90
+(tests/test_cuda_ptx.py)."""
 
 import numba
 import numpy as np
 import pytest
-from quantum_stages import channel_case, stage_inputs, stage_outputs
+from quantum_stages import WEIGHTS, channel_case, stage_inputs, stage_outputs
 from vfesim_kernels import quantum_cpu, quantum_math
 
 from vfesim.backends import numba_backend
@@ -78,35 +79,51 @@ def test_jacobi_eigh_reconstructs_and_is_unitary(d):
      (8, "complex128", 1e-11), (4, "complex64", 2e-5)],
 )  # fmt: skip
 def test_cpu_kernels_match_numpy_stages(d, dtype, rtol):
+    """The fused per-agent passes (forward: floor, eig_log, Gibbs, frames, energies, features; backward:
+    pull-back adjoints, Daleckii–Krein of log and exp, the Gibbs map, rule R2) against the array code."""
     v = stage_inputs(d, dtype)
-    ref = stage_outputs(NUMPY_OPS, v, dtype)
-    got = stage_outputs(KERNEL_OPS, v, dtype)
+    ref = stage_outputs(NUMPY_OPS, v)
+    got = stage_outputs(KERNEL_OPS, v)
+    assert got.keys() == ref.keys()
     for k, b in ref.items():
         a = got[k]
         assert a.dtype == b.dtype and a.shape == b.shape, k
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.abs(b).max()), err_msg=k)
 
 
+@pytest.mark.parametrize("weights", WEIGHTS[1:])
+def test_cpu_kernels_with_terms_off(weights):
+    """Terms off: the passes leave out their parts (and give zero gradients where nothing depends on a
+    variable), exactly as the array code does."""
+    v = stage_inputs(3, "complex128", N=7, seed=2)
+    ref = stage_outputs(NUMPY_OPS, v, weights)
+    got = stage_outputs(KERNEL_OPS, v, weights)
+    assert got.keys() == ref.keys()
+    for k, b in ref.items():
+        np.testing.assert_allclose(got[k], b, rtol=1e-12, atol=1e-12 * float(np.abs(b).max()), err_msg=k)
+
+
 def test_results_do_not_depend_on_the_thread_split(monkeypatch):
     v = stage_inputs(4, "complex128", N=40, seed=5)
-    one = stage_outputs(KERNEL_OPS, v, "complex128")
+    one = stage_outputs(KERNEL_OPS, v)
     monkeypatch.setattr(quantum_cpu, "MIN_AGENTS_PER_THREAD", 1)
-    split = stage_outputs(KERNEL_OPS, v, "complex128")
+    split = stage_outputs(KERNEL_OPS, v)
     for k in one:
         np.testing.assert_array_equal(one[k], split[k], err_msg=k)
 
 
 def test_numba_backend_runs_kernels_up_to_its_size_limit(monkeypatch):
-    """The numba backend's stages: Jacobi kernels up to QUANTUM_JACOBI_MAX_D, LAPACK (NumPy) above."""
+    """The numba backend's passes: Jacobi kernels up to QUANTUM_JACOBI_MAX_D, LAPACK (NumPy) above."""
     calls = []
     run = quantum_cpu._run
     monkeypatch.setattr(quantum_cpu, "_run", lambda k, *a: (calls.append(k), run(k, *a)))
     ops = numba_backend.QUANTUM_OPS
     small, large = numba_backend.QUANTUM_JACOBI_MAX_D, numba_backend.QUANTUM_JACOBI_MAX_D + 1
-    ops.eig_log(stage_inputs(small, "complex128", N=6)["x"])
-    assert calls == [quantum_cpu.KERNELS["eig_log"]]
-    v = stage_inputs(large, "complex128", N=6)
-    np.testing.assert_array_equal(ops.eig_log(v["x"])[2], NUMPY_OPS.eig_log(v["x"])[2])
+    ops.forward(stage_inputs(small, "complex128", N=6)[0], WEIGHTS[0])
+    assert calls == [quantum_cpu.KERNELS["energy_forward"]]
+    arrays = stage_inputs(large, "complex128", N=6)[0]
+    got, ref = ops.forward(arrays, WEIGHTS[0]), NUMPY_OPS.forward(arrays, WEIGHTS[0])
+    np.testing.assert_array_equal(got.energies["self"], ref.energies["self"])
     assert len(calls) == 1
 
 

@@ -136,16 +136,18 @@ def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
     f = "float32" if c == "complex64" else "float64"
     c3 = f"{c}[:, :, ::1]"
     c4 = f"{c}[:, :, :, ::1]"
-    r1, r2 = f"{f}[::1]", f"{f}[:, ::1]"
+    r1, r2, r3 = f"{f}[::1]", f"{f}[:, ::1]", f"{f}[:, :, ::1]"
     return {
-        "eig_log": f"void({c3}, float64, {r2}, {c3}, {c3}, {r1})",
-        "gibbs": f"void({c3}, {r1}, float64, {c3}, {c3}, {r2}, {r2}, {c3})",
-        "frames": f"void({r2}, {c3}, float64, {c3}, {r2}, {c3})",
-        "pull_features": f"void({c3}, {c3}, {c3}, {r2}, {r2})",
-        "pull_vjp": f"void({r2}, {r2}, {c3}, {c3}, {c3}, {c3}, {c3}, {c3})",
-        "dk_log": f"void({r2}, {c3}, {c3}, {c3})",
-        "dk_exp": f"void({r2}, {r2}, {c3}, {c3}, {c3})",
-        "frames_vjp": f"void({c3}, {r2}, {c3}, {c3}, {r2})",
+        "energy_forward": (
+            f"void({c3}, {c3}, {r1}, {r2}, int64[::1], {c3}, int64, int64, int64, int64, float64, float64, "
+            f"{c3}, {r2}, {c3}, {c3}, {r1}, {c3}, {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {c3}, {r2}, {r3}, "
+            f"{r3}, {r2})"
+        ),
+        "energy_backward": (
+            f"void({c3}, {r1}, int64[::1], {c3}, int64, int64, int64, int64, float64, float64, float64, "
+            f"float64, float64, {r3}, {r3}, {r2}, {c3}, {r2}, {c3}, {c3}, {c3}, {c3}, {r2}, {r2}, {c3}, "
+            f"{c3}, {r2}, {c3}, {c3}, {c3}, {r1}, {r2})"
+        ),
         "sender_states": f"void({c3}, {c3}, {c3})",
         "channel_step": (
             f"void({c3}, {c3}, int64[:, ::1], boolean[:, ::1], {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {r1}, "

@@ -18,14 +18,8 @@ from .core import _NB, compile_kernels, cuda, device
 __all__ = ["make_quantum_kernels"]
 
 _m = _qm.link(device, "cuda")
-_eig_log_agent = _m.eig_log_agent
-_gibbs_agent = _m.gibbs_agent
-_frames_agent = _m.frames_agent
-_pull_features_agent = _m.pull_features_agent
-_pull_vjp_agent = _m.pull_vjp_agent
-_dk_log_agent = _m.dk_log_agent
-_dk_exp_agent = _m.dk_exp_agent
-_frames_vjp_agent = _m.frames_vjp_agent
+_energy_forward_agent = _m.energy_forward_agent
+_energy_backward_agent = _m.energy_backward_agent
 _sender_state_agent = _m.sender_state_agent
 _channel_step_agent = _m.channel_step_agent
 _incoming_agent = _m.incoming_agent
@@ -36,60 +30,38 @@ _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex1
 
 @functools.cache
 def make_quantum_kernels(d: int, dtype: str) -> dict:
-    """The per-agent kernels for matrices of size ``d`` and complex ``dtype``: eig_log, gibbs, frames,
-    pull_features, pull_vjp, dk_log, dk_exp, frames_vjp, sender_states, channel_step, channel_step_vjp,
+    """The per-agent kernels for matrices of size ``d`` and complex ``dtype``: energy_forward,
+    energy_backward (the free energy's per-agent passes), sender_states, channel_step, channel_step_vjp,
     incoming (arguments as the CPU kernels of :mod:`vfesim_kernels.quantum_cpu`, without the agent
     range)."""
     cdt = _COMPLEX[np.dtype(dtype)]
     rdt = _NB[np.finfo(np.dtype(dtype)).dtype]
 
-    def eig_log(x, tol2, s, W, logx, xlx):
-        for n in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
-            A = cuda.local.array((d, d), cdt)
+    def energy_forward(
+        rho, H, T, phi, y, J, fs, fb, fp, fo, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf,
+        e, A, B, c,
+    ):  # fmt: skip
+        for n in range(cuda.grid(1), rho.shape[0], cuda.gridsize(1)):
+            Ms = cuda.local.array((d, d), cdt)
             r = cuda.local.array(d, rdt)
-            _eig_log_agent(x, n, s, W, logx, xlx, A, r, tol2)
-
-    def gibbs(H, T, tol2, sigma, logsig, l, p, V):
-        for n in range(cuda.grid(1), H.shape[0], cuda.gridsize(1)):
-            A = cuda.local.array((d, d), cdt)
-            _gibbs_agent(H, T, n, sigma, logsig, l, p, V, A, tol2)
-
-    def frames(phi, J, tol2, U, k, V):
-        for n in range(cuda.grid(1), phi.shape[0], cuda.gridsize(1)):
-            A = cuda.local.array((d, d), cdt)
-            _frames_agent(phi, J, n, U, k, V, A, tol2)
-
-    def pull_features(U, a, loga, Aout, Bout):
-        for n in range(cuda.grid(1), U.shape[0], cuda.gridsize(1)):
             T1 = cuda.local.array((d, d), cdt)
             T2 = cuda.local.array((d, d), cdt)
-            _pull_features_agent(U, a, loga, n, Aout, Bout, T1, T2)
+            _energy_forward_agent(
+                rho, H, T, phi, y, J, fs, fb, fp, fo, eps, tol2, n, x, s, W, logx, xlx, sigma, logsig, l, p,
+                V, U, k, Vf, e, A, B, c, Ms, r, T1, T2,
+            )  # fmt: skip
 
-    def pull_vjp(gA, gB, U, a, loga, abar, labar, Ubar):
-        for n in range(cuda.grid(1), U.shape[0], cuda.gridsize(1)):
-            C = cuda.local.array((d, d), cdt)
-            M = cuda.local.array((d, d), cdt)
-            T = cuda.local.array((d, d), cdt)
-            _pull_vjp_agent(gA, gB, U, a, loga, n, abar, labar, Ubar, C, M, T)
-
-    def dk_log(s, W, E, out):
-        for n in range(cuda.grid(1), W.shape[0], cuda.gridsize(1)):
-            T1 = cuda.local.array((d, d), cdt)
-            T2 = cuda.local.array((d, d), cdt)
-            _dk_log_agent(s, W, E, n, out, T1, T2)
-
-    def dk_exp(l, p, V, E, out):
-        for n in range(cuda.grid(1), V.shape[0], cuda.gridsize(1)):
-            T1 = cuda.local.array((d, d), cdt)
-            T2 = cuda.local.array((d, d), cdt)
-            _dk_exp_agent(l, p, V, E, n, out, T1, T2)
-
-    def frames_vjp(Ubar, k, V, J, out):
-        for n in range(cuda.grid(1), V.shape[0], cuda.gridsize(1)):
-            T1 = cuda.local.array((d, d), cdt)
-            T2 = cuda.local.array((d, d), cdt)
-            T3 = cuda.local.array((d, d), cdt)
-            _frames_vjp_agent(Ubar, k, V, J, n, out, T1, T2, T3)
+    def energy_backward(
+        H, T, y, J, fs, fb, fp, fo, ls, lb, lp, lo, eps, gA, gB, gc, x, s, W, logx, sigma, logsig, l, p, V,
+        U, k, Vf, g_rho, g_H, g_T, g_phi,
+    ):  # fmt: skip
+        for n in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+            S = cuda.local.array((10, d, d), cdt)
+            _energy_backward_agent(
+                H, T, y, J, fs, fb, fp, fo, ls, lb, lp, lo, eps, gA, gB, gc, n, x, s, W, logx, sigma, logsig,
+                l, p, V, U, k, Vf, g_rho, g_H, g_T, g_phi, S[0], S[1], S[2], S[3], S[4], S[5], S[6], S[7],
+                S[8], S[9],
+            )  # fmt: skip
 
     def sender_states(rho, U, xt):
         for n in range(cuda.grid(1), rho.shape[0], cuda.gridsize(1)):
@@ -135,14 +107,8 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
             _incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, Y, T1, T2)
 
     pyfuncs = {
-        "eig_log": eig_log,
-        "gibbs": gibbs,
-        "frames": frames,
-        "pull_features": pull_features,
-        "pull_vjp": pull_vjp,
-        "dk_log": dk_log,
-        "dk_exp": dk_exp,
-        "frames_vjp": frames_vjp,
+        "energy_forward": energy_forward,
+        "energy_backward": energy_backward,
         "sender_states": sender_states,
         "channel_step": channel_step,
         "channel_step_vjp": channel_step_vjp,

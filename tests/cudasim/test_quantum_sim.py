@@ -3,7 +3,7 @@
 
 import numpy as np
 import pytest
-from quantum_stages import channel_case, stage_inputs, stage_outputs
+from quantum_stages import WEIGHTS, channel_case, stage_inputs, stage_outputs
 
 import vfesim
 from vfesim.backends.cuda_backend import QUANTUM_OPS
@@ -29,14 +29,25 @@ def test_cuda_matches_numpy(aggregator):
     "d, dtype, rtol", [(2, "complex128", 1e-12), (4, "complex128", 1e-12), (3, "complex64", 2e-5)]
 )
 def test_cuda_kernels_match_numpy_stages(d, dtype, rtol):
-    """Every per-agent CUDA kernel (one thread per agent) against the NumPy stages."""
+    """The fused per-agent CUDA kernels (one thread per agent) against the array code."""
     v = stage_inputs(d, dtype, N=6)
-    ref = stage_outputs(NUMPY_OPS, v, dtype)
-    got = stage_outputs(QUANTUM_OPS, v, dtype)
+    ref = stage_outputs(NUMPY_OPS, v)
+    got = stage_outputs(QUANTUM_OPS, v)
+    assert got.keys() == ref.keys()
     for k, b in ref.items():
         a = got[k]
         assert a.dtype == b.dtype and a.shape == b.shape, k
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.abs(b).max()), err_msg=k)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS[1:])
+def test_cuda_kernels_with_terms_off(weights):
+    v = stage_inputs(2, "complex128", N=5, seed=3)
+    ref = stage_outputs(NUMPY_OPS, v, weights)
+    got = stage_outputs(QUANTUM_OPS, v, weights)
+    assert got.keys() == ref.keys()
+    for k, b in ref.items():
+        np.testing.assert_allclose(got[k], b, rtol=1e-12, atol=1e-12 * float(np.abs(b).max()), err_msg=k)
 
 
 def test_cuda_sparse_complex64_matches_numpy():

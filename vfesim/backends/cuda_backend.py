@@ -196,7 +196,7 @@ def quantum_jobs(d: int, dtype: str, aggregator: str, dense: bool) -> list:
     cdt = np.dtype(dtype).name
     rdt = np.finfo(np.dtype(dtype)).dtype.name
     plan = _Plan()
-    stages = ("pull_vjp", "frames_vjp", "eig_log", "gibbs", "frames", "pull_features", "dk_log", "dk_exp")
+    stages = ("energy_backward", "energy_forward")
     plan.add(kc.quantum, "make_quantum_kernels", (d, cdt), kc.quantum_kernel_signatures(cdt), *stages)
     plan.pairs(d * d, rdt, aggregator, dense, streaming=d * d <= STREAM_MAX_D)
     plan.reductions(rdt)

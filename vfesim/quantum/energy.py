@@ -52,6 +52,7 @@ from .linalg import dagger, dd_exp, dd_log, dk, eigh, from_eig, herm, hmat, hvec
 
 __all__ = [
     "TERMS",
+    "Forward",
     "QuantumOps",
     "NUMPY_OPS",
     "FLOOR_EPS",
@@ -128,17 +129,31 @@ def _no_step_vjp(d: int) -> None:
     return None
 
 
-class QuantumOps(NamedTuple):
-    """The per-agent stages of the density-matrix free energy; a backend may supply kernels for them
-    (NumPy/CuPy array code by default, :data:`NUMPY_OPS`). Batched over agents; ``d x d`` complex.
+class Forward(NamedTuple):
+    """The per-agent part of one free energy, as a :class:`QuantumOps` forward pass returns it.
 
-    eig_log(x) -> (s (N, d), W, log x, tr(x log x) (N,)): floored beliefs' eigen-decomposition and log
-    gibbs(H, T) -> (sigma, log sigma, l, p, V): Gibbs priors, log-eigenvalues l, p = exp(l), eigenvectors
-    frames(phi, J, dtype) -> (U, cache): U_i = exp(-i phi_i . J), cache = (k, V) of phi_i . J
-    pull_features(U, a, log a) -> (A, B) = (hvec(U^dagger a U), -2 hvec(U^dagger (log a) U)) (N, d^2)
-    pull_vjp(gA, gB, U, a, log a) -> (a_bar, log_a_bar, U_bar): adjoint of pull_features
-    dk_log(s, W, E) -> Dlog(x)[E];  dk_exp(l, p, V, E) -> Dexp(L)[E] (Daleckii–Krein)
-    frames_vjp(U_bar, cache, J) -> phi_bar (N, 3)
+    energies: "self" -> D(x_i || sigma_i), "observation" -> -log <y_i| x_i |y_i> (N,), for terms on;
+    features: "belief_align" / "prior_align" -> (A, B, c) of the pulled-back states (module docstring);
+    cache: what the same ops' backward pass needs (its own layout).
+    """
+
+    energies: dict
+    features: dict
+    cache: Any
+
+
+class QuantumOps(NamedTuple):
+    """The per-agent stages of density-matrix agents; a backend may supply kernels for them (NumPy/CuPy
+    array code by default, :data:`NUMPY_OPS`). Batched over agents; ``d x d`` complex. ``weights`` are
+    the terms' (lambda_self, lambda_belief, lambda_prior, lambda_obs); a term is on where its weight is
+    positive.
+
+    forward(arrays, weights) -> :class:`Forward`: floored beliefs and their logs, Gibbs priors, frames
+        U_i = exp(-i phi_i . J), per-agent energies and the alignment terms' feature rows
+    backward(arrays, forward, weights, cotangents) -> gradients of rho, hamiltonian, temperature, phi
+        (conventions of :func:`energy_and_gradient_arrays`) from the pair cotangents (gA, gB, gc) of
+        each alignment term on: its pull-back adjoints, one Daleckii–Krein of log per belief, one of
+        exp per prior, rule R2 per frame
     channel_step(P, rho, dt, dynamics, senders=None) -> rho after one Jacobi step of the channels,
         forward only (vfesim.quantum.evolve: P its Prepared caches, dynamics a QuantumDynamics);
         ``senders`` = (states, frames) of the agents the coupling window P.index names when they are
@@ -151,14 +166,8 @@ class QuantumOps(NamedTuple):
         free energy takes when a caller names no others (rollouts, mirror steps); None: the array code
     """
 
-    eig_log: Callable
-    gibbs: Callable
-    frames: Callable
-    pull_features: Callable
-    pull_vjp: Callable
-    dk_log: Callable
-    dk_exp: Callable
-    frames_vjp: Callable
+    forward: Callable
+    backward: Callable
     channel_step: Callable
     step_vjp: Callable = _no_step_vjp
     pairwise_dense: Callable | None = None
@@ -172,23 +181,93 @@ def _channel_step(P, rho, dt, dyn, senders=None):
     return agent_update(P, slice(None), rho, S[window(P, _xp(rho))[0]], dt, dyn)[0]
 
 
-NUMPY_OPS = QuantumOps(
-    _eig_log, _gibbs, frames, _pull_features, _pull_vjp, _dk_log, _dk_exp, frames_vjp, _channel_step
-)
+def terms_on(weights) -> tuple[bool, bool, bool, bool]:
+    """(self, belief, prior, observation) on: their weights are positive."""
+    return tuple(bool(w > 0) for w in weights)
 
 
-def _alignment(ops, a, log_a, c_half, U, kappa, aggregator, neighbours, dense, sparse):
-    """One alignment term over states a (own frames) with their logs.
+def _forward(arrays: dict[str, Any], weights) -> Forward:
+    """The array code's forward pass (QuantumOps.forward)."""
+    fs, fb, fp, fo = terms_on(weights)
+    rho, H, T, phi = arrays["rho"], arrays["hamiltonian"], arrays["temperature"], arrays["phi"]
+    xp = _xp(rho)
+    x, eps = _floored(rho)
+    c: dict[str, Any] = dict(x=x, eps=eps)
+    energies, features = {}, {}
+    if fs or fb:
+        c["s"], c["W"], c["log_x"], x_log_x = _eig_log(x)  # x_log_x = tr(x log x) = -S(x)
+    if fs or fp:
+        c["sigma"], c["log_sigma"], c["l"], c["p"], c["V"] = _gibbs(H, T)
+    if fb or fp:
+        c["J"] = spin_generators(rho.shape[-1])
+        c["U"], c["fcache"] = frames(phi, c["J"], rho.dtype)
+    if fs:  # D(x || sigma) = tr x log x - tr x log sigma
+        energies["self"] = x_log_x - xp.einsum("nkl,nlk->n", x, c["log_sigma"]).real
+    if fo:
+        c["y"] = y = xp.asarray(arrays["outcome"])
+        energies["observation"] = -xp.log(x[xp.arange(x.shape[0]), y, y].real)
+    if fb:
+        A, B = _pull_features(c["U"], x, c["log_x"])
+        features["belief_align"] = (A, B, 2.0 * x_log_x)
+    if fp:
+        A, B = _pull_features(c["U"], c["sigma"], c["log_sigma"])
+        features["prior_align"] = (A, B, 2.0 * (c["p"] * c["l"]).sum(axis=1))
+    return Forward(energies, features, c)
 
-    c_half: tr(a log a) per agent. Returns (E, a_bar, log_a_bar, U_bar, gc): cotangents (own frame) of a
-    and of log a from the features A and B, gc (the coefficient of tr(a log a) is 2 gc), and U's
-    cotangent (dL = Re tr(U_bar^dagger dU)).
-    """
-    A, B = ops.pull_features(U, a, log_a)
-    E, gA, gB, gc = _pairwise.pairwise_energy(
-        A, B, 2.0 * c_half, kappa, aggregator, neighbours, dense=dense, sparse=sparse
+
+def _backward(arrays: dict[str, Any], fw: Forward, weights, cot: dict) -> dict[str, Any]:
+    """The array code's backward pass (QuantumOps.backward)."""
+    fs, fb, fp, fo = terms_on(weights)
+    ls, lb, lp, lo = weights
+    c = fw.cache
+    x, H, T = c["x"], arrays["hamiltonian"], arrays["temperature"]
+    xp = _xp(x)
+    x_bar = xp.zeros_like(x)  # cotangent of x (own frame)
+    logx_bar = xp.zeros_like(x)  # cotangent of log x
+    U_bar = xp.zeros_like(x)
+    sigma_bar = xp.zeros_like(x)
+    logsig_bar = xp.zeros_like(x)
+    if fs:  # d/dx D(x || sigma) = log x - log sigma (+ I, dropped); d/d(log sigma) = -x
+        x_bar += ls * (c["log_x"] - c["log_sigma"])
+        logsig_bar -= ls * x
+    if fo:
+        y, idx = c["y"], xp.arange(x.shape[0])
+        x_bar[idx, y, y] -= lo / x[idx, y, y].real
+    alignment = (
+        ("belief_align", lb, x, c.get("log_x"), x_bar, logx_bar),
+        ("prior_align", lp, c.get("sigma"), c.get("log_sigma"), sigma_bar, logsig_bar),
     )
-    return (E, *ops.pull_vjp(gA, gB, U, a, log_a), gc)
+    for name, lam, a, log_a, a_bar, la_bar in alignment:
+        if lam > 0:
+            gA, gB, gc = cot[name]
+            ab, lab, Ub = _pull_vjp(gA, gB, c["U"], a, log_a)
+            a_bar += lam * (ab + (2.0 * gc)[:, None, None] * log_a)  # d tr(a log a) = tr((log a + I) da)
+            la_bar += lam * lab
+            U_bar += lam * Ub
+    grads = {}
+    if fs or fb:
+        x_bar = x_bar + _dk_log(c["s"], c["W"], logx_bar)
+    grads["rho"] = (1.0 - c["eps"]) * traceless(herm(x_bar))
+    if fs or fp:
+        # Total cotangent of L = log sigma (sigma = exp(L)), then L = -H/T - log Z(H, T) I:
+        # H_bar = (-M + tr(M) sigma)/T, T_bar = (tr(M H) - tr(M) tr(sigma H))/T^2.
+        sigma = c["sigma"]
+        M = logsig_bar + _dk_exp(c["l"], c["p"], c["V"], sigma_bar)
+        trM = trace(M).real
+        grads["hamiltonian"] = herm(-M + trM[:, None, None] * sigma) / T[:, None, None]
+        tr_MH = xp.einsum("nkl,nlk->n", M, H).real
+        tr_sH = xp.einsum("nkl,nlk->n", sigma, H).real
+        grads["temperature"] = (tr_MH - trM * tr_sH) / T**2
+    else:
+        grads["hamiltonian"], grads["temperature"] = xp.zeros_like(H), xp.zeros_like(T)
+    if fb or fp:
+        grads["phi"] = frames_vjp(U_bar, c["fcache"], c["J"])
+    else:
+        grads["phi"] = xp.zeros_like(arrays["phi"])
+    return grads
+
+
+NUMPY_OPS = QuantumOps(_forward, _backward, _channel_step)
 
 
 def energy_and_gradient_arrays(
@@ -200,102 +279,39 @@ def energy_and_gradient_arrays(
     neighbours: tuple | None = None,
     ops: QuantumOps = NUMPY_OPS,
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Energy terms and the gradient of ``terms["total"]`` for raw arrays (no validation).
+    """Energy terms and the gradient of ``terms["total"]`` for raw arrays (no validation): the one
+    assembly of the density-matrix free energy, whatever runs its per-agent passes.
 
     arrays: rho, hamiltonian (N, d, d) complex; temperature (N,), phi (N, 3) real; outcome (N,) integer
     when lambda_obs > 0. Gradient conventions: module docstring. neighbours: (index, mask) for sparse
-    configs (default: from cfg). ops: the per-agent stages (array code by default, or a backend's kernels).
+    configs (default: from cfg). ops: the per-agent passes (array code by default, or a backend's kernels).
     pairwise_dense / pairwise_sparse: the pair kernels (default: those of ``ops``, else the array code).
     """
     pairwise_dense = pairwise_dense or ops.pairwise_dense or _pairwise.pairwise_dense
     pairwise_sparse = pairwise_sparse or ops.pairwise_sparse or _pairwise.pairwise_sparse
-    rho, H, T, phi = arrays["rho"], arrays["hamiltonian"], arrays["temperature"], arrays["phi"]
-    xp = _xp(rho)
-    N, d = rho.shape[0], rho.shape[-1]
     if not cfg.dense and neighbours is None:
         neighbours = (cfg.neighbours.index, cfg.neighbours.mask)
     nb = None if cfg.dense else neighbours
-    x, eps = _floored(rho)
-    x_bar = xp.zeros_like(rho)  # cotangent of x (own frame)
-    logx_bar = xp.zeros_like(rho)  # cotangent of log x
-    U_bar = xp.zeros_like(rho)
-    grads = {k: xp.zeros_like(v) for k, v in arrays.items() if k != "outcome"}
+    weights = (cfg.lambda_self, cfg.lambda_belief, cfg.lambda_prior, cfg.lambda_obs)
+    fw = ops.forward(arrays, weights)
     terms = dict.fromkeys(TERMS, 0.0)
-
-    if cfg.lambda_self > 0 or cfg.lambda_belief > 0:
-        s, W, log_x, x_log_x = ops.eig_log(x)  # x_log_x = tr(x log x) = -S(x)
-    if cfg.lambda_self > 0 or cfg.lambda_prior > 0:
-        sigma, log_sigma, l, p, V = ops.gibbs(H, T)
-        sigma_bar = xp.zeros_like(rho)
-        logsig_bar = xp.zeros_like(rho)
-    if cfg.lambda_belief > 0 or cfg.lambda_prior > 0:
-        J = spin_generators(d)
-        U, fcache = ops.frames(phi, J, rho.dtype)
-
-    if cfg.lambda_self > 0:
-        lam = cfg.lambda_self
-        # D(x || sigma) = tr x log x - tr x log sigma; d/dx = log x - log sigma (+ I, dropped)
-        e = x_log_x - xp.einsum("nkl,nlk->n", x, log_sigma).real
-        terms["self"] = lam * total(e)
-        x_bar += lam * (log_x - log_sigma)
-        logsig_bar -= lam * x
-
-    if cfg.lambda_obs > 0:
-        lam = cfg.lambda_obs
-        y = xp.asarray(arrays["outcome"])
-        idx = xp.arange(N)
-        pyy = x[idx, y, y].real
-        terms["observation"] = lam * total(-xp.log(pyy))
-        x_bar[idx, y, y] -= lam / pyy
-
-    if cfg.lambda_belief > 0:
-        lam = cfg.lambda_belief
-        E, a_bar, la_bar, Ub, gc = _alignment(
-            ops, x, log_x, x_log_x, U, cfg.kappa_beta, cfg.aggregator, nb, pairwise_dense, pairwise_sparse
+    for name, lam in (("self", cfg.lambda_self), ("observation", cfg.lambda_obs)):
+        if lam > 0:
+            terms[name] = lam * total(fw.energies[name])
+    alignment = {
+        "belief_align": (cfg.lambda_belief, cfg.kappa_beta),
+        "prior_align": (cfg.lambda_prior, cfg.kappa_gamma),
+    }
+    cot = {}
+    for name, (A, B, c) in fw.features.items():
+        lam, kappa = alignment[name]
+        E, *cot[name] = _pairwise.pairwise_energy(
+            A, B, c, kappa, cfg.aggregator, nb, dense=pairwise_dense, sparse=pairwise_sparse
         )
-        terms["belief_align"] = lam * E
-        x_bar += lam * (a_bar + (2.0 * gc)[:, None, None] * log_x)  # d tr(x log x) = tr((log x + I) dx)
-        logx_bar += lam * la_bar
-        U_bar += lam * Ub
-
-    if cfg.lambda_prior > 0:
-        lam = cfg.lambda_prior
-        sig_log_sig = (p * l).sum(axis=1)
-        E, a_bar, la_bar, Ub, gc = _alignment(
-            ops,
-            sigma,
-            log_sigma,
-            sig_log_sig,
-            U,
-            cfg.kappa_gamma,
-            cfg.aggregator,
-            nb,
-            pairwise_dense,
-            pairwise_sparse,
-        )
-        terms["prior_align"] = lam * E
-        sigma_bar += lam * (a_bar + (2.0 * gc)[:, None, None] * log_sigma)
-        logsig_bar += lam * la_bar
-        U_bar += lam * Ub
-
-    if cfg.lambda_self > 0 or cfg.lambda_belief > 0:
-        x_bar = x_bar + ops.dk_log(s, W, logx_bar)
-    grads["rho"] = (1.0 - eps) * traceless(herm(x_bar))
-
-    if cfg.lambda_self > 0 or cfg.lambda_prior > 0:
-        # Total cotangent of L = log sigma (sigma = exp(L)), then L = -H/T - log Z(H, T) I:
-        # H_bar = (-M + tr(M) sigma)/T, T_bar = (tr(M H) - tr(M) tr(sigma H))/T^2.
-        M = logsig_bar + ops.dk_exp(l, p, V, sigma_bar)
-        trM = trace(M).real
-        Tc = T[:, None, None]
-        grads["hamiltonian"] = herm(-M + trM[:, None, None] * sigma) / Tc
-        tr_MH = xp.einsum("nkl,nlk->n", M, H).real
-        tr_sH = xp.einsum("nkl,nlk->n", sigma, H).real
-        grads["temperature"] = ((tr_MH - trM * tr_sH) / T**2).astype(T.dtype)
-
-    if cfg.lambda_belief > 0 or cfg.lambda_prior > 0:
-        grads["phi"] = ops.frames_vjp(U_bar, fcache, J).astype(phi.dtype)
-
+        terms[name] = lam * E
+    grads = ops.backward(arrays, fw, weights, cot)
+    grads["temperature"] = grads["temperature"].astype(arrays["temperature"].dtype, copy=False)
+    grads["phi"] = grads["phi"].astype(arrays["phi"].dtype, copy=False)
     terms["total"] = sum(terms[k] for k in TERMS)
     return terms, grads
 

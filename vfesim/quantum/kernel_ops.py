@@ -15,22 +15,17 @@ from collections.abc import Callable
 import numpy as np
 
 from .channels import incoming_slots
-from .energy import QuantumOps, floor_eps
+from .energy import TERMS, Forward, QuantumOps, floor_eps, terms_on
 from .evolve import resident, window
+from .frames import spin_generators
 
 __all__ = ["kernel_ops", "kernel_step_vjp", "kernel_accumulators", "sized_ops", "jacobi_tol2"]
 
-# Which argument of each stage carries the matrix size d (its last axis).
-_SIZE_ARG = {
-    "eig_log": 0,
-    "gibbs": 0,
-    "frames": 1,
-    "pull_features": 0,
-    "pull_vjp": 2,
-    "dk_log": 1,
-    "dk_exp": 2,
-    "frames_vjp": 0,
-    "channel_step": 1,
+# The matrix size d of a stage's call (the last axis of one of its arguments).
+_SIZE = {
+    "forward": lambda args: args[0]["rho"].shape[-1],
+    "backward": lambda args: args[0]["rho"].shape[-1],
+    "channel_step": lambda args: args[1].shape[-1],
 }
 # Codes of the channel step's modes (vfesim_kernels.quantum_math.channel_step_agent).
 _COUPLING = {"none": 0, "C1": 1, "C2": 2}
@@ -51,10 +46,12 @@ def _real(dtype) -> np.dtype:
 def kernel_ops(
     array_module: Callable, launch: Callable, view: Callable = lambda a: a, pairwise: tuple = (None, None)
 ) -> QuantumOps:
-    """A :class:`QuantumOps` whose stages run ``launch`` on arrays of ``array_module()``; its ``step_vjp``
-    is :func:`kernel_step_vjp` for every d. ``view(a)``: the form of an array the launcher takes fastest
-    (a device view wrapped once); the channel steps keep the views of a run's constants. ``pairwise``: the
-    backend's (pairwise_dense, pairwise_sparse) for the free energy of rollouts and mirror steps."""
+    """A :class:`QuantumOps` whose passes run ``launch`` on arrays of ``array_module()``: the free energy's
+    per-agent forward and backward passes one kernel each (``energy_forward``, ``energy_backward``), and
+    ``step_vjp`` :func:`kernel_step_vjp` for every d. ``view(a)``: the form of an array the launcher takes
+    fastest (a device view wrapped once); the channel steps keep the views of a run's constants.
+    ``pairwise``: the backend's (pairwise_dense, pairwise_sparse) for the free energy of rollouts and
+    mirror steps."""
 
     def c(a):
         a = array_module().ascontiguousarray(a)
@@ -62,71 +59,52 @@ def kernel_ops(
         # for host arrays) copies every argument back after a launch.
         return a.copy() if isinstance(a, np.ndarray) and not a.flags.writeable else a
 
-    def run(name, like, *args):
-        N, d = like.shape[0], like.shape[-1]
-        launch(name, N, d, like.dtype, *args)
-
-    def eig_log(x):
+    def forward(arrays, weights):
         xp = array_module()
-        x = c(x)
+        rho, H = c(arrays["rho"]), c(arrays["hamiltonian"])
+        N, d = rho.shape[:2]
+        rdt = _real(rho.dtype)
+        T = c(arrays["temperature"].astype(rdt, copy=False))
+        phi = c(arrays["phi"].astype(rdt, copy=False))
+        on = tuple(int(f) for f in terms_on(weights))
+        y = c(xp.asarray(arrays["outcome"]).astype(np.int64, copy=False)) if on[3] else xp.zeros(1, np.int64)
+        J = c(xp.asarray(spin_generators(d), rho.dtype))
+        x, W, logx, sigma, logsig, V, U, Vf = (xp.empty_like(rho) for _ in range(8))
+        s, l, p, k = (xp.empty((N, d), rdt) for _ in range(4))
+        xlx = xp.empty(N, rdt)
+        e = xp.empty((2, N), rdt)  # self, observation
+        A, B = xp.empty((2, N, d * d), rdt), xp.empty((2, N, d * d), rdt)  # belief, prior
+        cf = xp.empty((2, N), rdt)
+        eps = float(floor_eps(rho.dtype))
+        tail = (x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf, e, A, B, cf)
+        launch(
+            "energy_forward", N, d, rho.dtype, rho, H, T, phi, y, J, *on, eps, jacobi_tol2(rho.dtype), *tail
+        )
+        energies = {name: e[i] for i, name in ((0, "self"), (1, "observation")) if on[3 * i]}
+        features = {name: (A[i], B[i], cf[i]) for i, name in enumerate(TERMS[1:3]) if on[1 + i]}
+        cache = (H, T, y, J, on, eps, (x, s, W, logx, sigma, logsig, l, p, V, U, k, Vf))
+        return Forward(energies, features, cache)
+
+    def backward(arrays, fw, weights, cot):
+        xp = array_module()
+        H, T, y, J, on, eps, cached = fw.cache
+        x = cached[0]
         N, d = x.shape[:2]
-        s = xp.empty((N, d), _real(x.dtype))
-        W, logx = xp.empty_like(x), xp.empty_like(x)
-        xlx = xp.empty(N, s.dtype)
-        run("eig_log", x, x, jacobi_tol2(x.dtype), s, W, logx, xlx)
-        return s, W, logx, xlx
-
-    def gibbs(H, T):
-        xp = array_module()
-        H = c(H)
-        N, d = H.shape[:2]
-        l, p = xp.empty((N, d), T.dtype), xp.empty((N, d), T.dtype)
-        sigma, logsig, V = xp.empty_like(H), xp.empty_like(H), xp.empty_like(H)
-        run("gibbs", H, H, c(T), jacobi_tol2(H.dtype), sigma, logsig, l, p, V)
-        return sigma, logsig, l, p, V
-
-    def frames(phi, J, dtype):
-        xp = array_module()
-        dtype = np.dtype(dtype)
-        N, d = phi.shape[0], J.shape[-1]
-        U, V = xp.empty((N, d, d), dtype), xp.empty((N, d, d), dtype)
-        k = xp.empty((N, d), _real(dtype))
-        phi = c(phi.astype(_real(dtype), copy=False))
-        run("frames", U, phi, xp.array(J, dtype), jacobi_tol2(dtype), U, k, V)
-        return U, (k, V)
-
-    def pull_features(U, a, loga):
-        xp = array_module()
-        N, d = U.shape[:2]
-        A = xp.empty((N, d * d), _real(U.dtype))
-        B = xp.empty_like(A)
-        run("pull_features", U, c(U), c(a), c(loga), A, B)
-        return A, B
-
-    def pull_vjp(gA, gB, U, a, loga):
-        xp = array_module()
-        abar, labar, Ubar = xp.empty_like(U), xp.empty_like(U), xp.empty_like(U)
-        run("pull_vjp", U, c(gA), c(gB), c(U), c(a), c(loga), abar, labar, Ubar)
-        return abar, labar, Ubar
-
-    def dk_log(s, W, E):
-        xp = array_module()
-        out = xp.empty_like(W)
-        run("dk_log", W, c(s), c(W), c(E.astype(W.dtype, copy=False)), out)
-        return out
-
-    def dk_exp(l, p, V, E):
-        xp = array_module()
-        out = xp.empty_like(V)
-        run("dk_exp", V, c(l), c(p), c(V), c(E.astype(V.dtype, copy=False)), out)
-        return out
-
-    def frames_vjp(U_bar, cache, J):
-        xp = array_module()
-        k, V = cache
-        out = xp.empty((V.shape[0], 3), k.dtype)
-        run("frames_vjp", V, c(U_bar), c(k), c(V), xp.array(J, V.dtype), out)
-        return out
+        rdt = _real(x.dtype)
+        gA, gB = xp.empty((2, N, d * d), rdt), xp.empty((2, N, d * d), rdt)  # belief, prior
+        gc = xp.empty((2, N), rdt)
+        for i, name in enumerate(TERMS[1:3]):
+            if name in cot:
+                for buf, g in zip((gA, gB, gc), cot[name], strict=True):
+                    buf[i] = g
+        g_rho, g_H = xp.empty_like(x), xp.empty_like(x)
+        g_T, g_phi = xp.empty(N, rdt), xp.empty((N, 3), rdt)
+        lams = tuple(float(w) for w in weights)
+        launch(
+            "energy_backward", N, d, x.dtype, H, T, y, J, *on, *lams, eps, gA, gB, gc, *cached, g_rho, g_H,
+            g_T, g_phi,
+        )  # fmt: skip
+        return {"rho": g_rho, "hamiltonian": g_H, "temperature": g_T, "phi": g_phi}
 
     def channel_step(P, rho, dt, dyn, senders=None):
         xp = array_module()
@@ -137,16 +115,13 @@ def kernel_ops(
             xt = _sender_states(launch, xp, view, P, rho, dyn, args[2])
         else:  # a chunk of a population: the window's senders are other agents (their states, frames)
             xt = _chunk_sender_states(launch, xp, c, view, P, rho, dyn, senders)
-        run("channel_step", rho, rho, xt, *args, out, gmin_v)
+        launch("channel_step", rho.shape[0], rho.shape[-1], rho.dtype, rho, xt, *args, out, gmin_v)
         if dyn.gate != "none":
             _refuse_non_positive(xp, gmin <= 0, gmin)
         return out
 
     step_vjp = kernel_step_vjp(array_module, launch, view)
-    return QuantumOps(
-        eig_log, gibbs, frames, pull_features, pull_vjp, dk_log, dk_exp, frames_vjp, channel_step,
-        lambda d: step_vjp, *pairwise,
-    )  # fmt: skip
+    return QuantumOps(forward, backward, channel_step, lambda d: step_vjp, *pairwise)
 
 
 def _buffer(P, xp, view, key, make):
@@ -332,11 +307,11 @@ def sized_ops(small: QuantumOps, large: QuantumOps, max_d: int) -> QuantumOps:
     of the same side, so a channel step and its adjoint always come from one of them."""
 
     def pick(name):
-        i = _SIZE_ARG[name]
+        size = _SIZE[name]
         lo, hi = getattr(small, name), getattr(large, name)
 
         def stage(*args, **kwargs):
-            return (lo if args[i].shape[-1] <= max_d else hi)(*args, **kwargs)
+            return (lo if size(args) <= max_d else hi)(*args, **kwargs)
 
         stage.__name__ = name
         return stage
@@ -344,6 +319,6 @@ def sized_ops(small: QuantumOps, large: QuantumOps, max_d: int) -> QuantumOps:
     def step_vjp(d):
         return (small if d <= max_d else large).step_vjp(d)
 
-    stages = {name: pick(name) for name in _SIZE_ARG}
+    stages = {name: pick(name) for name in _SIZE}
     pairs = {k: getattr(small, k) or getattr(large, k) for k in ("pairwise_dense", "pairwise_sparse")}
     return QuantumOps(**stages, step_vjp=step_vjp, **pairs)
