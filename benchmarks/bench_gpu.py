@@ -188,6 +188,7 @@ def tune(out_rows):
 # of 128 threads more per SM than the compiler's choice where that fits (65 536 registers per SM).
 REGISTER_CAPS = [
     (None, None), (None, 128), (96, 128), (80, 128), (None, 96), (96, 96), (168, 168), (128, 128),
+    (200, 200), (184, 168),
 ]  # fmt: skip
 # (D, dtype): Gaussian K = 3 (D = 10) and density-matrix d = 4 (D = 16)
 REGISTER_CASES = [(10, "float32"), (10, "float64"), (16, "float32"), (16, "float64")]

@@ -19,7 +19,8 @@ from . import quantum_math as _qm
 __all__ = ["KERNELS", "launch", "launch_serial", "MIN_AGENTS_PER_THREAD"]
 
 _m = _qm.link(numba.njit(nogil=True, cache=True), "cpu")
-_energy_forward_agent = _m.energy_forward_agent
+_energy_prep_agent = _m.energy_prep_agent
+_energy_features_agent = _m.energy_features_agent
 _energy_backward_agent = _m.energy_backward_agent
 _sender_state_agent = _m.sender_state_agent
 _channel_step_agent = _m.channel_step_agent
@@ -51,18 +52,27 @@ def _run(kernel, N: int, *args) -> None:
 
 
 @_kernel
-def _energy_forward(
-    n0, n1, rho, H, T, phi, y, J, fs, fb, fp, fo, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k,
-    Vf, e, A, B, c,
+def _energy_prep(
+    t0, t1, rho, H, T, phi, J, fs, fb, fp, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf
 ):  # fmt: skip
     d = rho.shape[1]
-    Ms = np.empty((3, d, d), rho.dtype)
+    Ms = np.empty((d, d), rho.dtype)
     r = np.empty(d, s.dtype)
-    for n in range(n0, n1):
-        _energy_forward_agent(
-            rho, H, T, phi, y, J, fs, fb, fp, fo, eps, tol2, n, x, s, W, logx, xlx, sigma, logsig, l, p, V,
-            U, k, Vf, e, A, B, c, Ms[0], r, Ms[1], Ms[2],
+    for t in range(t0, t1):
+        _energy_prep_agent(
+            t, rho, H, T, phi, J, fs, fb, fp, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf,
+            Ms, r,
         )  # fmt: skip
+
+
+@_kernel
+def _energy_features(n0, n1, y, fs, fb, fp, fo, x, logx, xlx, sigma, logsig, l, p, U, e, A, B, c):
+    d = x.shape[1]
+    Ts = np.empty((2, d, d), x.dtype)
+    for n in range(n0, n1):
+        _energy_features_agent(
+            y, fs, fb, fp, fo, n, x, logx, xlx, sigma, logsig, l, p, U, e, A, B, c, Ts[0], Ts[1]
+        )
 
 
 @_kernel
@@ -128,7 +138,8 @@ def _incoming(n0, n1, rho, U, slots, s, Bt, x_bar, U_bar):
 
 
 KERNELS = {
-    "energy_forward": _energy_forward,
+    "energy_prep": _energy_prep,
+    "energy_features": _energy_features,
     "energy_backward": _energy_backward,
     "sender_states": _sender_states,
     "channel_step": _channel_step,

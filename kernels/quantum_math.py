@@ -18,8 +18,9 @@ The same operations as the NumPy stages of ``vfesim.quantum`` (the vectorised re
   ``A = hvec(U^dagger a U)``, ``B = -2 hvec(U^dagger (log a) U)``, and their adjoint;
 - :func:`dk_log`, :func:`dk_exp`, :func:`frames_vjp`: Daleckii–Krein adjoints of ``log``, ``exp`` and
   ``exp(-i .)`` (the divided differences of ``vfesim.quantum.linalg``);
-- :func:`energy_forward_agent` / :func:`energy_backward_agent`: the whole per-agent part of the free energy
-  and of its gradient (the stages above, fused: one launch each way).
+- :func:`energy_prep_agent`, :func:`energy_features_agent` / :func:`energy_backward_agent`: the whole
+  per-agent part of the free energy (its three independent eigen-decompositions, then energies and
+  features) and of its gradient (the stages above, fused: two launches forward, one back).
 
 Every ``*_agent`` function handles agent ``n`` of its batched arguments, so a CPU kernel loops it over
 agents and a CUDA kernel runs it once per thread. Real scalars are evaluated in float64 where a float
@@ -360,28 +361,37 @@ def frames_vjp(U_bar, kn, Vn, J, out, T1, T2, T3):
         out[a] = acc
 
 
-def energy_forward_agent(
-    rho, H, T, phi, y, J, fs, fb, fp, fo, eps, tol2, n, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k,
-    Vf, e, A, B, c, Ms, r, T1, T2,
+def energy_prep_agent(
+    t, rho, H, T, phi, J, fs, fb, fp, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf, Ms, r,
 ):  # fmt: skip
-    """The free energy's forward pass for agent n, the terms on by the flags fs (self), fb (belief), fp
-    (prior), fo (observation): the floored belief x[n] = (1 - eps) herm(rho[n]) + eps I/d and what the
-    terms need of it, of the prior and of the frame (the caches of :func:`energy_backward_agent`):
-    eig_log (s, W, logx, xlx), Gibbs (sigma, logsig, l, p, V), frames (U; k, Vf of phi . J). Per-agent
-    energies e[:, n] = (D(x || sigma), -log <y|x|y>); the feature rows (A, B, c)[0, n] of the belief term and
-    [1, n] of the prior term (c = 2 tr(a log a)). Scratch Ms, T1, T2 (d, d) complex, r (d,) real."""
+    """Part t // N of the free energy's forward pass for agent n = t % N (N agents), the terms on by the
+    flags fs (self), fb (belief), fp (prior); the three parts are independent (a kernel runs them in
+    parallel): 0 the floored belief x[n] = (1 - eps) herm(rho[n]) + eps I/d and, for self or belief, its
+    eig_log (s, W, logx, xlx); 1 for self or prior, the Gibbs prior (sigma, logsig, l, p, V); 2 for belief
+    or prior, the frame (U; k, Vf of phi . J). Scratch Ms (d, d) complex, r (d,) real."""
+    N = rho.shape[0]
+    part = t // N
+    n = t - part * N
     d = Ms.shape[0]
-    keep = 1.0 - eps
-    for i in range(d):
-        for j in range(d):
-            x[n, i, j] = keep * (0.5 * (rho[n, i, j] + rho[n, j, i].conjugate()))
-        x[n, i, i] += eps / d
-    if fs or fb:
-        eig_log_agent(x, n, s, W, logx, xlx, Ms, r, tol2)
-    if fs or fp:
-        gibbs_agent(H, T, n, sigma, logsig, l, p, V, Ms, tol2)
-    if fb or fp:
+    if part == 0:
+        keep = 1.0 - eps
+        for i in range(d):
+            for j in range(d):
+                x[n, i, j] = keep * (0.5 * (rho[n, i, j] + rho[n, j, i].conjugate()))
+            x[n, i, i] += eps / d
+        if fs or fb:
+            eig_log_agent(x, n, s, W, logx, xlx, Ms, r, tol2)
+    elif part == 1:
+        if fs or fp:
+            gibbs_agent(H, T, n, sigma, logsig, l, p, V, Ms, tol2)
+    elif fb or fp:
         frames_agent(phi, J, n, U, k, Vf, Ms, tol2)
+
+
+def energy_features_agent(y, fs, fb, fp, fo, n, x, logx, xlx, sigma, logsig, l, p, U, e, A, B, c, T1, T2):
+    """The rest of the forward pass for agent n, after :func:`energy_prep_agent`: per-agent energies
+    e[:, n] = (D(x || sigma), -log <y|x|y>) and the feature rows (A, B, c)[0, n] of the belief term and
+    [1, n] of the prior term (c = 2 tr(a log a)), for the terms on (fo: observation). Scratch T1, T2."""
     if fs:
         e[0, n] = xlx[n] - _tr_re(x[n], logsig[n])
     if fo:
@@ -393,7 +403,7 @@ def energy_forward_agent(
     if fp:
         pull_features(U[n], sigma[n], logsig[n], A[1, n], B[1, n], T1, T2)
         acc = 0.0
-        for i in range(d):
+        for i in range(T1.shape[0]):
             acc += p[n, i] * l[n, i]
         c[1, n] = 2.0 * acc
 
@@ -402,10 +412,11 @@ def energy_backward_agent(
     H, T, y, J, fs, fb, fp, fo, ls, lb, lp, lo, eps, gA, gB, gc, n, x, s, W, logx, sigma, logsig, l, p, V,
     U, k, Vf, g_rho, g_H, g_T, g_phi, Xb, Lb, Ub, Sb, LSb, C, M, T1, T2, T3,
 ):  # fmt: skip
-    """The gradient of agent n (conventions of ``vfesim.quantum.energy``) from the caches of
-    :func:`energy_forward_agent`, the terms' weights ls, lb, lp, lo and the pair cotangents (gA, gB, gc)
-    of the belief [0] and prior [1] features: the cotangents of x, log x, U, sigma and log sigma, then
-    one Daleckii–Krein of log (x), one of exp (log sigma), the Gibbs map's (H, T) and rule R2 (phi).
+    """The gradient of agent n (conventions of ``vfesim.quantum.energy``) from the caches of the forward
+    pass (:func:`energy_prep_agent`, :func:`energy_features_agent`), the terms' weights ls, lb, lp, lo and
+    the pair cotangents (gA, gB, gc) of the belief [0] and prior [1] features: the cotangents of x,
+    log x, U, sigma and log sigma, then one Daleckii–Krein of log (x), one of exp (log sigma), the Gibbs
+    map's (H, T) and rule R2 (phi).
     Scratch Xb, Lb, Ub, Sb, LSb, C, M, T1, T2, T3 (d, d) complex."""
     d = C.shape[0]
     for i in range(d):
@@ -989,7 +1000,8 @@ FUNCTIONS = (
     "dk_log",
     "dk_exp",
     "frames_vjp",
-    "energy_forward_agent",
+    "energy_prep_agent",
+    "energy_features_agent",
     "energy_backward_agent",
     "sender_state_agent",
     "_coupling",

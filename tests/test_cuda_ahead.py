@@ -277,7 +277,7 @@ def test_density_matrix_plan_names_real_kernels_with_fitting_signatures(d, dtype
 
     jobs = cb.quantum_jobs(d, dtype, "expected", dense)
     names = {j.kernel for j in jobs}
-    assert {"energy_forward", "energy_backward", "partial_sum"} <= names
+    assert {"energy_prep", "energy_features", "energy_backward", "partial_sum"} <= names
     assert ("stats" in names) == (dense and d * d <= cb.STREAM_MAX_D)
     for job in jobs:
         params = inspect.signature(job.dispatcher().py_func).parameters

@@ -171,7 +171,7 @@ def test_thread_per_agent_kernels_keep_matrices_in_registers(dtype):
 # ------------------------------------------------------------------------------------------------
 
 QUANTUM_CASES = [("complex128", name) for name in kc.quantum_kernel_signatures("complex128")] + [
-    ("complex64", name) for name in ("energy_forward", "energy_backward")
+    ("complex64", name) for name in ("energy_prep", "energy_features", "energy_backward")
 ]
 
 

@@ -138,10 +138,13 @@ def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
     c4 = f"{c}[:, :, :, ::1]"
     r1, r2, r3 = f"{f}[::1]", f"{f}[:, ::1]", f"{f}[:, :, ::1]"
     return {
-        "energy_forward": (
-            f"void({c3}, {c3}, {r1}, {r2}, int64[::1], {c3}, int64, int64, int64, int64, float64, float64, "
-            f"{c3}, {r2}, {c3}, {c3}, {r1}, {c3}, {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {c3}, {r2}, {r3}, "
-            f"{r3}, {r2})"
+        "energy_prep": (
+            f"void({c3}, {c3}, {r1}, {r2}, {c3}, int64, int64, int64, float64, float64, {c3}, {r2}, {c3}, "
+            f"{c3}, {r1}, {c3}, {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {c3})"
+        ),
+        "energy_features": (
+            f"void(int64[::1], int64, int64, int64, int64, {c3}, {c3}, {r1}, {c3}, {c3}, {r2}, {r2}, {c3}, "
+            f"{r2}, {r3}, {r3}, {r2})"
         ),
         "energy_backward": (
             f"void({c3}, {r1}, int64[::1], {c3}, int64, int64, int64, int64, float64, float64, float64, "

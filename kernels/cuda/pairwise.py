@@ -217,8 +217,13 @@ def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]
 # Gaussian K = 3 energy slower (float32 19.8 -> 23.2 ms in the 7 slices of its workspace), and the D = 16
 # float32 cap sped the density-matrix pairs (d = 4, complex64) up at N = 65 536 (21.5 -> 20.5 ms) but
 # slowed them down at 16 384 (2.65 -> 3.17 ms). Only the D = 16 float64 cap won at every size (complex128
-# pairs 65 536: 57.9 -> 53.9 ms; 16 384: 5.56 -> 5.09 ms) and is kept.
-DENSE_REGISTERS: dict = {("float64", 16): (168, 168)}
+# pairs 65 536: 57.9 -> 53.9 ms; 16 384: 5.56 -> 5.09 ms) and was kept. On the interleaved kernels of stop 30
+# it spills (264 bytes in stats) and lost: the pairs alone at N = 65 536 on an H200 took 52.6 ms under it
+# against 51.4 free, 57.5 under (184, 168), 61.8 under (200, 200) (gpu_registers_h200_stop30.txt). There,
+# D = 10 float64 (128, 128) gave 0.955 of free alone (35.9 against 37.6 ms) but made whole Gaussian K = 3
+# calls at 65 536 on an H100 far slower (65.8 / 66.0 ms against 44.2-45.0; gpu_caps_ab_h100_stop30.txt).
+# No cap is kept.
+DENSE_REGISTERS: dict = {}
 
 
 def dense_registers(D: int, dtype) -> tuple:

@@ -18,7 +18,8 @@ from .core import _NB, compile_kernels, cuda, device
 __all__ = ["make_quantum_kernels"]
 
 _m = _qm.link(device, "cuda")
-_energy_forward_agent = _m.energy_forward_agent
+_energy_prep_agent = _m.energy_prep_agent
+_energy_features_agent = _m.energy_features_agent
 _energy_backward_agent = _m.energy_backward_agent
 _sender_state_agent = _m.sender_state_agent
 _channel_step_agent = _m.channel_step_agent
@@ -30,26 +31,32 @@ _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex1
 
 @functools.cache
 def make_quantum_kernels(d: int, dtype: str) -> dict:
-    """The per-agent kernels for matrices of size ``d`` and complex ``dtype``: energy_forward,
-    energy_backward (the free energy's per-agent passes), sender_states, channel_step, channel_step_vjp,
+    """The per-agent kernels for matrices of size ``d`` and complex ``dtype``: energy_prep (launched
+    with 3 N threads: the forward pass's three independent parts), energy_features, energy_backward (the
+    free energy's per-agent passes), sender_states, channel_step, channel_step_vjp,
     incoming (arguments as the CPU kernels of :mod:`vfesim_kernels.quantum_cpu`, without the agent
     range)."""
     cdt = _COMPLEX[np.dtype(dtype)]
     rdt = _NB[np.finfo(np.dtype(dtype)).dtype]
 
-    def energy_forward(
-        rho, H, T, phi, y, J, fs, fb, fp, fo, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf,
-        e, A, B, c,
+    def energy_prep(
+        rho, H, T, phi, J, fs, fb, fp, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf
     ):  # fmt: skip
-        for n in range(cuda.grid(1), rho.shape[0], cuda.gridsize(1)):
+        for t in range(cuda.grid(1), 3 * rho.shape[0], cuda.gridsize(1)):
             Ms = cuda.local.array((d, d), cdt)
             r = cuda.local.array(d, rdt)
+            _energy_prep_agent(
+                t, rho, H, T, phi, J, fs, fb, fp, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k,
+                Vf, Ms, r,
+            )  # fmt: skip
+
+    def energy_features(y, fs, fb, fp, fo, x, logx, xlx, sigma, logsig, l, p, U, e, A, B, c):
+        for n in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
             T1 = cuda.local.array((d, d), cdt)
             T2 = cuda.local.array((d, d), cdt)
-            _energy_forward_agent(
-                rho, H, T, phi, y, J, fs, fb, fp, fo, eps, tol2, n, x, s, W, logx, xlx, sigma, logsig, l, p,
-                V, U, k, Vf, e, A, B, c, Ms, r, T1, T2,
-            )  # fmt: skip
+            _energy_features_agent(
+                y, fs, fb, fp, fo, n, x, logx, xlx, sigma, logsig, l, p, U, e, A, B, c, T1, T2
+            )
 
     def energy_backward(
         H, T, y, J, fs, fb, fp, fo, ls, lb, lp, lo, eps, gA, gB, gc, x, s, W, logx, sigma, logsig, l, p, V,
@@ -107,7 +114,8 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
             _incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, Y, T1, T2)
 
     pyfuncs = {
-        "energy_forward": energy_forward,
+        "energy_prep": energy_prep,
+        "energy_features": energy_features,
         "energy_backward": energy_backward,
         "sender_states": sender_states,
         "channel_step": channel_step,

@@ -196,7 +196,7 @@ def quantum_jobs(d: int, dtype: str, aggregator: str, dense: bool) -> list:
     cdt = np.dtype(dtype).name
     rdt = np.finfo(np.dtype(dtype)).dtype.name
     plan = _Plan()
-    stages = ("energy_backward", "energy_forward")
+    stages = ("energy_backward", "energy_prep", "energy_features")
     plan.add(kc.quantum, "make_quantum_kernels", (d, cdt), kc.quantum_kernel_signatures(cdt), *stages)
     plan.pairs(d * d, rdt, aggregator, dense, streaming=d * d <= STREAM_MAX_D)
     plan.reductions(rdt)
