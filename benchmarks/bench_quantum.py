@@ -10,7 +10,8 @@ the backend's device before timing (arrays in, arrays out: the public Dataset AP
 for NumPy-backed states on a GPU, transfers). ``--oracle`` also times the naive per-pair oracle
 (tests/reference/quantum.py, energy only) at N = 64 against the numba backend's energy + gradient.
 ``--pairs`` also times the pairwise part alone with its FLOP/s (8 d^2 N (N - 1), :func:`pair_flops`) and,
-on a GPU, the cuBLAS GEMM rate as the ceiling; ``--torch`` adds the PyTorch autograd baseline
+on a GPU, the cuBLAS GEMM rate as the ceiling; ``--stages`` times the per-agent forward and backward
+passes (``QuantumOps``) and the pairs alone, where an evaluation's time goes; ``--torch`` adds the PyTorch autograd baseline
 (benchmarks/torch_quantum_baseline.py). Medians of repeated calls after one warm-up (which compiles).
 Writes DIR/quantum_bench.jsonl and .txt.
 """
