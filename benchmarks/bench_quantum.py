@@ -11,9 +11,9 @@ for NumPy-backed states on a GPU, transfers). ``--oracle`` also times the naive 
 (tests/reference/quantum.py, energy only) at N = 64 against the numba backend's energy + gradient.
 ``--pairs`` also times the pairwise part alone with its FLOP/s (8 d^2 N (N - 1), :func:`pair_flops`) and,
 on a GPU, the cuBLAS GEMM rate as the ceiling; ``--stages`` times the per-agent forward and backward
-passes (``QuantumOps``) and the pairs alone, where an evaluation's time goes; ``--torch`` adds the PyTorch autograd baseline
-(benchmarks/torch_quantum_baseline.py). Medians of repeated calls after one warm-up (which compiles).
-Writes DIR/quantum_bench.jsonl and .txt.
+passes (``QuantumOps``) and the pairs alone, where an evaluation's time goes; ``--torch`` adds the PyTorch
+autograd baseline (benchmarks/torch_quantum_baseline.py). Medians of repeated calls after one warm-up
+(which compiles). Writes DIR/quantum_bench.jsonl and .txt.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def main(argv=None) -> None:
     ap.add_argument("--terms", choices=["belief", "both"], default="belief")
     ap.add_argument("--oracle", action="store_true")
     ap.add_argument("--pairs", action="store_true", help="also time the pairwise part alone (FLOP/s)")
-    ap.add_argument("--stages", action="store_true", help="also time each per-agent stage alone")
+    ap.add_argument("--stages", action="store_true", help="time the per-agent passes, the pairs")
     ap.add_argument("--torch", type=int, nargs="*", help="PyTorch autograd baseline at these N (GPU)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)

@@ -149,7 +149,8 @@ KERNELS = {
 
 
 def launch(name: str, N: int, d: int, dtype, *args) -> None:
-    """Run kernel ``name`` over agents 0 .. N (arguments as the CUDA kernels of
+    """Run kernel ``name`` over items 0 .. N (agents; parts of agents for ``energy_prep``, N = 3 x agents;
+    arguments as the CUDA kernels of
     :func:`vfesim_kernels.cuda.make_quantum_kernels`; d and dtype unused: the CPU kernels specialise on
     their arguments)."""
     _run(KERNELS[name], N, *args)

@@ -22,8 +22,9 @@ The same operations as the NumPy stages of ``vfesim.quantum`` (the vectorised re
   per-agent part of the free energy (its three independent eigen-decompositions, then energies and
   features) and of its gradient (the stages above, fused: two launches forward, one back).
 
-Every ``*_agent`` function handles agent ``n`` of its batched arguments, so a CPU kernel loops it over
-agents and a CUDA kernel runs it once per thread. Real scalars are evaluated in float64 where a float
+Every ``*_agent`` function handles agent ``n`` of its batched arguments (``energy_prep_agent``: part
+``t // N`` of agent ``t % N``), so a CPU kernel loops it over agents (parts) and a CUDA kernel runs it once
+per thread. Real scalars are evaluated in float64 where a float
 literal promotes them; results are stored in the arrays' dtypes.
 """
 

@@ -8,9 +8,33 @@ def _herm(rng, N, d):
     return X + X.conj().swapaxes(1, 2)
 
 
-# Weights of (self, belief, prior, observation): every term on, and sets with terms off (the passes skip
-# their parts: their caches are never written).
+# Weights of (self, belief, prior, observation): every term on, and some sets with terms off (the passes
+# skip their parts: their caches are never written); ALL_WEIGHTS: every term on or off.
 WEIGHTS = [(0.7, 1.3, 0.9, 0.4), (0.0, 1.0, 0.0, 0.0), (1.0, 0.0, 0.6, 0.0), (0.0, 0.0, 0.0, 2.0)]
+ALL_WEIGHTS = [tuple(w * ((m >> k) & 1) for k, w in enumerate(WEIGHTS[0])) for m in range(16)]
+
+
+class Poisoned:
+    """NumPy whose ``empty`` / ``empty_like`` arrays are full of NaN (integers: -1): kernels handed these
+    (``kernel_ops(lambda: POISONED, launch)``) give NaN, or index out of range, where they read what they
+    did not write."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def _fill(a):
+        a.fill(-1 if a.dtype.kind in "iu" else np.nan)
+        return a
+
+    def empty(self, shape, dtype=float):
+        return self._fill(np.empty(shape, dtype))
+
+    def empty_like(self, a, dtype=None):
+        return self._fill(np.empty_like(a, dtype=dtype))
+
+
+POISONED = Poisoned()
 
 
 def stage_inputs(d, dtype, N=13, seed=0):

@@ -7,7 +7,7 @@ CUDA are checked under the simulator (tests/cudasim/test_quantum_sim.py) and for
 import numba
 import numpy as np
 import pytest
-from quantum_stages import WEIGHTS, channel_case, stage_inputs, stage_outputs
+from quantum_stages import ALL_WEIGHTS, POISONED, WEIGHTS, channel_case, stage_inputs, stage_outputs
 from vfesim_kernels import quantum_cpu, quantum_math
 
 from vfesim.backends import numba_backend
@@ -91,13 +91,14 @@ def test_cpu_kernels_match_numpy_stages(d, dtype, rtol):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.abs(b).max()), err_msg=k)
 
 
-@pytest.mark.parametrize("weights", WEIGHTS[1:])
+@pytest.mark.parametrize("weights", ALL_WEIGHTS)
 def test_cpu_kernels_with_terms_off(weights):
-    """Terms off: the passes leave out their parts (and give zero gradients where nothing depends on a
-    variable), exactly as the array code does."""
+    """Every set of terms on: the passes leave out the parts of the terms off (zero gradients where
+    nothing depends on a variable), exactly as the array code does, and read nothing they did not write
+    (their buffers start as NaN)."""
     v = stage_inputs(3, "complex128", N=7, seed=2)
     ref = stage_outputs(NUMPY_OPS, v, weights)
-    got = stage_outputs(KERNEL_OPS, v, weights)
+    got = stage_outputs(kernel_ops(lambda: POISONED, quantum_cpu.launch), v, weights)
     assert got.keys() == ref.keys()
     for k, b in ref.items():
         np.testing.assert_allclose(got[k], b, rtol=1e-12, atol=1e-12 * float(np.abs(b).max()), err_msg=k)

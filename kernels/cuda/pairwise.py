@@ -221,8 +221,9 @@ def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]
 # it spills (264 bytes in stats) and lost: the pairs alone at N = 65 536 on an H200 took 52.6 ms under it
 # against 51.4 free, 57.5 under (184, 168), 61.8 under (200, 200) (gpu_registers_h200_stop30.txt). There,
 # D = 10 float64 (128, 128) gave 0.955 of free alone (35.9 against 37.6 ms) but made whole Gaussian K = 3
-# calls at 65 536 on an H100 far slower (65.8 / 66.0 ms against 44.2-45.0; gpu_caps_ab_h100_stop30.txt).
-# No cap is kept.
+# calls at 65 536 on an H100 far slower (65.8 / 66.0 ms against 44.2-45.0; gpu_caps_ab_h100_stop30.txt);
+# D = 10 float32 (96, 96) 0.947 and (80, 128) 0.952 alone are the caps stop 27 found slower in whole calls
+# (above), not tried again. No cap is kept.
 DENSE_REGISTERS: dict = {}
 
 

@@ -814,7 +814,8 @@ def pairwise_dense_senders(A, c, m, inv_s, abar, B_s, s0: int, kappa: float, agg
 
 
 def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
-    """Launch density-matrix kernel ``name`` with one thread per agent (vfesim.quantum.kernel_ops)."""
+    """Launch density-matrix kernel ``name`` with N threads (vfesim.quantum.kernel_ops): one per agent, or
+    per part of an agent's work (``energy_prep``: N = 3 x agents)."""
     ks = kc.make_quantum_kernels(d, np.dtype(dtype).name)
     FIRST_USE.begin(("quantum", d, np.dtype(dtype).str), f"density-matrix agents, d={d}, {np.dtype(dtype)}")
     views = [kc.launch_view(a) if hasattr(a, "shape") else a for a in args]

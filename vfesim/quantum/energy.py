@@ -319,7 +319,7 @@ def energy_and_gradient_arrays(
 def energy_and_gradient(arrays: dict[str, Any], cfg: QuantumConfig, backend) -> tuple[dict[str, float], dict]:
     """Terms and the gradient of ``terms["total"]`` with the capabilities of ``backend`` (no validation).
 
-    The per-agent stages are the backend's kernels (``backend.agent_ops["quantum"]``, a
+    The per-agent passes are the backend's kernels (``backend.agent_ops["quantum"]``, a
     :class:`QuantumOps`: Jacobi eigensolvers and Daleckii–Krein adjoints per agent on the CPU and the GPU)
     or, where it has none, array code on its arrays; the pairwise part runs in the backend's own
     family-free pair kernels.

@@ -4,8 +4,10 @@ kernels of :mod:`vfesim_kernels.quantum_cpu` or the CUDA kernels of
 
 :func:`kernel_ops` allocates the outputs with the backend's array module (``array_module()``, asked at
 each call: a backend module imports without its device) and hands every operation to a
-``launch(name, N, d, dtype, *args)`` of the backend; the arguments are C-contiguous arrays in the
-kernels' dtypes (complex matrices, real vectors of the matching precision, a float64 tolerance).
+``launch(name, N, d, dtype, *args)`` of the backend over N threads (one per agent, or per part of an
+agent's work: ``energy_prep`` takes 3 N); the arguments are C-contiguous arrays in the kernels' dtypes
+(complex matrices, real vectors of the matching precision) and Python scalars (int64 term flags, float64
+weights and tolerances).
 """
 
 from __future__ import annotations
