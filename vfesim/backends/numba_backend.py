@@ -147,9 +147,11 @@ class SerialUpdates(NumbaUpdates):
 # Per-agent Jacobi kernels up to d = 5; LAPACK's batched eigh (NumPy stages) above. Measured on 2 cores
 # (benchmarks/bench_quantum.py --stages): the staged kernels' eig_log took 0.6x NumPy's time at d = 4 and
 # 0.86x at d = 5, but 1.7x at d = 6 and 1.9x at d = 8 (Jacobi sweeps cost O(d^3) per sweep; LAPACK reduces
-# once). The fused passes (stop 30; forward + backward, self + belief, N = 2048) take 0.53x the array code's
-# time at d = 4, 0.59x at 5, 0.72x at 6 and 0.96x at 8: raising the limit waits for a measurement of the
-# channel-step kernels above d = 5, which share it.
+# once). The fused passes (stop 30, self + belief, N = 2048) take 0.45x the array code's time at d = 4 and
+# 0.55x at 5 (quantum_cpu_stages_stop30.txt; forward + backward 13.5 against 29.9 ms, 26.2 against 48.1);
+# run directly at every d (kernel_ops over quantum_cpu.launch, before the forward pass was split in two),
+# 0.72x at 6 and 0.96x at 8. Raising the limit waits for a measurement of the channel-step kernels above
+# d = 5, which share it.
 QUANTUM_JACOBI_MAX_D = 5
 QUANTUM_OPS = sized_ops(
     kernel_ops(lambda: np, quantum_cpu.launch, pairwise=(pairwise_dense, pairwise_sparse)),
