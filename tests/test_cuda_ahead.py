@@ -313,3 +313,34 @@ def test_an_energy_leaves_the_update_kernels_compiling_until_an_integrator_steps
     cb.prepare({"mu_q": np.zeros((4, 5), np.float64)}, ModelConfig(K=5), stepping=True)
     now, later = calls[-1]  # an integrator first: everything at once
     assert later == [] and updates <= set(now)
+
+
+def test_a_group_past_the_time_limit_stops_its_worker_and_is_left_to_its_launch(stub, caplog, monkeypatch):
+    # a worker takes "hold", which never ends ("go" comes only at teardown); this process's kernel waits
+    # until a worker has started on it
+    import threading
+
+    monkeypatch.setenv("VFESIM_COMPILE_TIMEOUT", "1.5")
+    jobs = _jobs(["wait_hold", "hold", "c"])
+    release = threading.Timer(40, (stub / "go").write_text, args=("",))  # without a limit: ends anyway
+    release.start()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="vfesim"):
+        report = ahead.compile_ahead(jobs, n_workers=3)
+    release.cancel()
+    assert time.monotonic() - t0 < 30
+    assert report["failed"] == ["hold"] and report["compiled"] == 2
+    assert "still compiling after 1.5 s (VFESIM_COMPILE_TIMEOUT)" in caplog.text and "'hold'" in caplog.text
+    hold = jobs[1]
+    assert hold.argtypes() not in hold.dispatcher().overloads and not (stub / "hold").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "soon", "nan"])
+def test_time_limit_setting_is_checked(monkeypatch, value):
+    monkeypatch.setenv("VFESIM_COMPILE_TIMEOUT", value)
+    with pytest.raises(ValueError, match="VFESIM_COMPILE_TIMEOUT: must be a positive number"):
+        ahead.group_limit()
+    monkeypatch.setenv("VFESIM_COMPILE_TIMEOUT", "90")
+    assert ahead.group_limit() == 90.0
+    monkeypatch.delenv("VFESIM_COMPILE_TIMEOUT")
+    assert ahead.group_limit() == ahead.GROUP_LIMIT_S

@@ -13,7 +13,8 @@ time from a common queue in the caller's cost order: this process starts on the 
 worker takes the next group whenever it is ready, writing each to the disk cache; this process then
 loads them. Jobs the caller needs only later (``later``: an integrator's updates after a first energy)
 stay in the queue for the workers while the call returns; :func:`finish` waits for them. A group that
-fails is only logged: its kernels compile at their first launch as before.
+fails is only logged: its kernels compile at their first launch as before. So is one a worker is still
+compiling after ``VFESIM_COMPILE_TIMEOUT`` seconds (:func:`group_limit`): that worker is stopped.
 
 A marker file in the kernel cache (``ahead-<hash>``: the jobs, the device's compute capability, the
 numba-cuda and Python versions) records a completed set, so a later process skips even the loading pass
@@ -91,6 +92,26 @@ def workers() -> int:
     except (OSError, ValueError):  # no cgroup v2 quota here
         pass
     return max(1, min(cores, MAX_WORKERS))
+
+
+# Seconds a worker may spend on one group before it is stopped and the group left to its launches (the
+# costliest groups take 2-8 s on the GPU hosts, under eight processes at once).
+GROUP_LIMIT_S = 600.0
+
+
+def group_limit() -> float:
+    """Seconds a worker may spend on one group: ``VFESIM_COMPILE_TIMEOUT`` (positive), else
+    :data:`GROUP_LIMIT_S`."""
+    env = os.environ.get("VFESIM_COMPILE_TIMEOUT", "").strip()
+    if not env:
+        return GROUP_LIMIT_S
+    try:
+        limit = float(env)
+    except ValueError:
+        limit = float("nan")
+    if not limit > 0:
+        raise ValueError(f"VFESIM_COMPILE_TIMEOUT: must be a positive number of seconds, got {env!r}")
+    return limit
 
 
 def groups(jobs: list) -> list[list]:
@@ -209,7 +230,7 @@ def _compile_ahead(jobs: list[Job], n_workers: int | None, later) -> dict:
     pool = None
     try:
         # the workers start before the loading pass: their imports and CUDA contexts overlap it
-        pool = _Pool(n - 1, t0) if n > 1 else None
+        pool = _Pool(n - 1, t0, group_limit()) if n > 1 else None
         todo = [job for job in everything if not _load(job)]
         report["loaded"] = len(everything) - len(todo)
         todo_groups = groups(todo)
@@ -247,8 +268,9 @@ _LOCK = threading.RLock()
 
 def finish() -> None:
     """Wait for the kernels an earlier :func:`compile_ahead` left compiling (its ``later`` jobs; this
-    process compiles any group no worker took), bind them here and complete that call's report. (No
-    time limit: a worker that hangs in a compile holds this up, as a launch's own compile would.)"""
+    process compiles any group no worker took), bind them here and complete that call's report. A worker
+    still on one group after :func:`group_limit` seconds is stopped and the group left to its launches;
+    this process's own compiles have no limit (as a launch's own compile has none)."""
     with _LOCK:
         while _PENDING:
             _finish(_PENDING.pop())
@@ -379,7 +401,7 @@ class _Pool:
     workers' start-up hides behind it. :meth:`stop` ends the workers (those not yet ready when the work is
     done, and all when this process is interrupted)."""
 
-    def __init__(self, n: int, t0: float):
+    def __init__(self, n: int, t0: float, limit: float = GROUP_LIMIT_S):
         self.queue, self.procs, self.feeders = _Queue(t0), [], []
         for _ in range(n):
             err = tempfile.TemporaryFile("w+b")  # a file, not a pipe: a chatty worker never blocks
@@ -393,7 +415,7 @@ class _Pool:
                 break
             self.procs.append((proc, err))
             feeder = threading.Thread(
-                target=_feed, args=(self.queue, proc, err, len(self.procs)), daemon=True
+                target=_feed, args=(self.queue, proc, err, len(self.procs), limit), daemon=True
             )
             feeder.start()
             self.feeders.append(feeder)
@@ -429,10 +451,11 @@ class _Pool:
         self.procs = []
 
 
-def _feed(queue: _Queue, proc: subprocess.Popen, err, who: int) -> None:
+def _feed(queue: _Queue, proc: subprocess.Popen, err, who: int, limit: float = GROUP_LIMIT_S) -> None:
     """One worker's thread: once the worker says it is ready, hand it groups one at a time until the
-    queue is empty. A group it fails on, or was compiling when it died, is reported (left to launches);
-    one it could not even be sent goes back to the queue. Every group taken is given back to the queue
+    queue is empty. A group it fails on, was compiling when it died, or is still compiling after
+    ``limit`` seconds (then it is stopped) is reported (left to launches); one it could not even be sent
+    goes back to the queue. Every group taken is given back to the queue
     exactly once (:meth:`_Queue.done` or :meth:`_Queue.back`), whatever happens here."""
 
     def why() -> str:
@@ -458,16 +481,30 @@ def _feed(queue: _Queue, proc: subprocess.Popen, err, who: int) -> None:
             except (OSError, ValueError):  # it died before this group: another process takes it
                 return queue.back(item)
             failure, announce, reply = "the feeding thread failed", True, ""
+            expired = threading.Event()
+
+            def expire(expired=expired):  # a group past its time: the worker is stopped
+                expired.set()
+                proc.kill()
+
+            timer = threading.Timer(limit, expire)
+            timer.daemon = True
             try:  # done() exactly once, whatever fails here (an unexpected failure: left to the launches)
+                timer.start()
                 with contextlib.suppress(OSError, ValueError):  # a closed pipe or bad bytes: it is gone
                     reply = proc.stdout.readline()
+                timer.cancel()
                 if reply:
                     failure = None if reply.strip() == "ok" else reply.strip()
                 elif queue.stopped:  # this process stopped it: quietly
                     failure, announce = "stopped", False
+                elif expired.is_set():
+                    proc.wait()
+                    failure = f"still compiling after {limit:g} s (VFESIM_COMPILE_TIMEOUT): stopped"
                 else:  # it died in this group
                     failure = why()
             finally:
+                timer.cancel()
                 queue.done(item, start, who, failure, announce=announce)
             if not reply:
                 return
