@@ -313,6 +313,7 @@ def main(argv=None) -> None:
         print(table(qrows, list(qrows[0])))
         rows += qrows
     if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(Path(args.out) / "quantum_dynamics_bench.jsonl", "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")

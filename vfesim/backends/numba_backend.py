@@ -144,15 +144,15 @@ class SerialUpdates(NumbaUpdates):
         self.kernels = _SerialKernels()
 
 
-# Per-agent Jacobi kernels up to d = 5; LAPACK's batched eigh (NumPy stages) above. Measured on 2 cores
-# (benchmarks/bench_quantum.py --stages): the staged kernels' eig_log took 0.6x NumPy's time at d = 4 and
-# 0.86x at d = 5, but 1.7x at d = 6 and 1.9x at d = 8 (Jacobi sweeps cost O(d^3) per sweep; LAPACK reduces
-# once). The fused passes (stop 30, self + belief, N = 2048) take 0.45x the array code's time at d = 4 and
-# 0.55x at 5 (quantum_cpu_stages_stop30.txt; forward + backward 13.5 against 29.9 ms, 26.2 against 48.1);
-# run directly at every d (kernel_ops over quantum_cpu.launch, before the forward pass was split in two),
-# 0.72x at 6 and 0.96x at 8. Raising the limit waits for a measurement of the channel-step kernels above
-# d = 5, which share it.
-QUANTUM_JACOBI_MAX_D = 5
+# Per-agent Jacobi kernels up to d = 8 (as on the GPU); LAPACK's batched eigh (the array code) above.
+# Measured on 2 cores: the free energy's fused passes (self + belief, N = 2048) take 0.45x the array code's
+# time at d = 4 and 0.55x at 5 (quantum_cpu_stages_stop30.txt), 0.72x at 6 and 0.96x at 8 (run directly,
+# kernel_ops over quantum_cpu.launch); the channel-step kernels, which share the limit, take 0.27-1.0x
+# the array code's step at d = 5-8, and the kernels' rollout adjoint (no tapes) makes T = 8 rollouts at
+# N = 1024 4.2x (d = 6) and 3.4x (d = 8) faster than the taped array code
+# (quantum_dynamics_numba_maxd_stop30.txt). (Until stop 30 the limit was 5: the staged kernels' eig_log
+# alone took 1.7x NumPy's time at d = 6 and 1.9x at d = 8.)
+QUANTUM_JACOBI_MAX_D = 8
 QUANTUM_OPS = sized_ops(
     kernel_ops(lambda: np, quantum_cpu.launch, pairwise=(pairwise_dense, pairwise_sparse)),
     NUMPY_OPS,
