@@ -101,3 +101,17 @@ def channel_case(d, dtype, coupling, basis, gate, window="sparse", N=9, seed=0):
     )  # fmt: skip
     arrays = {k: qs[k].values for k in qs.data_vars}
     return prepare(arrays, cfg, dyn), arrays["rho"], dyn
+
+
+def assert_stages_match(ops, v, rtol, weights=WEIGHTS[0]):
+    """The passes of ``ops`` against the array code's on inputs ``v`` (:func:`stage_inputs`): the same
+    outputs, dtypes and shapes, equal to ``rtol`` (relative to each output's largest entry)."""
+    from vfesim.quantum.energy import NUMPY_OPS
+
+    ref = stage_outputs(NUMPY_OPS, v, weights)
+    got = stage_outputs(ops, v, weights)
+    assert got.keys() == ref.keys()
+    for k, b in ref.items():
+        a = got[k]
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.abs(b).max()), err_msg=k)

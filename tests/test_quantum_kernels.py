@@ -7,7 +7,15 @@ CUDA are checked under the simulator (tests/cudasim/test_quantum_sim.py) and for
 import numba
 import numpy as np
 import pytest
-from quantum_stages import ALL_WEIGHTS, POISONED, WEIGHTS, channel_case, stage_inputs, stage_outputs
+from quantum_stages import (
+    ALL_WEIGHTS,
+    POISONED,
+    WEIGHTS,
+    assert_stages_match,
+    channel_case,
+    stage_inputs,
+    stage_outputs,
+)
 from vfesim_kernels import quantum_cpu, quantum_math
 
 from vfesim.backends import numba_backend
@@ -81,14 +89,7 @@ def test_jacobi_eigh_reconstructs_and_is_unitary(d):
 def test_cpu_kernels_match_numpy_stages(d, dtype, rtol):
     """The fused per-agent passes (forward: floor, eig_log, Gibbs, frames, energies, features; backward:
     pull-back adjoints, Daleckii–Krein of log and exp, the Gibbs map, rule R2) against the array code."""
-    v = stage_inputs(d, dtype)
-    ref = stage_outputs(NUMPY_OPS, v)
-    got = stage_outputs(KERNEL_OPS, v)
-    assert got.keys() == ref.keys()
-    for k, b in ref.items():
-        a = got[k]
-        assert a.dtype == b.dtype and a.shape == b.shape, k
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.abs(b).max()), err_msg=k)
+    assert_stages_match(KERNEL_OPS, stage_inputs(d, dtype), rtol)
 
 
 @pytest.mark.parametrize("weights", ALL_WEIGHTS)
@@ -96,12 +97,8 @@ def test_cpu_kernels_with_terms_off(weights):
     """Every set of terms on: the passes leave out the parts of the terms off (zero gradients where
     nothing depends on a variable), exactly as the array code does, and read nothing they did not write
     (their buffers start as NaN)."""
-    v = stage_inputs(3, "complex128", N=7, seed=2)
-    ref = stage_outputs(NUMPY_OPS, v, weights)
-    got = stage_outputs(kernel_ops(lambda: POISONED, quantum_cpu.launch), v, weights)
-    assert got.keys() == ref.keys()
-    for k, b in ref.items():
-        np.testing.assert_allclose(got[k], b, rtol=1e-12, atol=1e-12 * float(np.abs(b).max()), err_msg=k)
+    poisoned = kernel_ops(lambda: POISONED, quantum_cpu.launch)
+    assert_stages_match(poisoned, stage_inputs(3, "complex128", N=7, seed=2), 1e-12, weights)
 
 
 def test_results_do_not_depend_on_the_thread_split(monkeypatch):

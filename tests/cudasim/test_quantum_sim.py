@@ -3,7 +3,7 @@
 
 import numpy as np
 import pytest
-from quantum_stages import ALL_WEIGHTS, POISONED, channel_case, stage_inputs, stage_outputs
+from quantum_stages import ALL_WEIGHTS, POISONED, assert_stages_match, channel_case, stage_inputs
 
 import vfesim
 from vfesim.backends.cuda_backend import QUANTUM_OPS
@@ -31,14 +31,7 @@ def test_cuda_matches_numpy(aggregator):
 )
 def test_cuda_kernels_match_numpy_stages(d, dtype, rtol):
     """The fused per-agent CUDA kernels (one thread per agent) against the array code."""
-    v = stage_inputs(d, dtype, N=6)
-    ref = stage_outputs(NUMPY_OPS, v)
-    got = stage_outputs(QUANTUM_OPS, v)
-    assert got.keys() == ref.keys()
-    for k, b in ref.items():
-        a = got[k]
-        assert a.dtype == b.dtype and a.shape == b.shape, k
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.abs(b).max()), err_msg=k)
+    assert_stages_match(QUANTUM_OPS, stage_inputs(d, dtype, N=6), rtol)
 
 
 @pytest.mark.parametrize("weights", ALL_WEIGHTS)
@@ -48,12 +41,8 @@ def test_cuda_kernels_with_terms_off(weights):
     from vfesim.backends.cuda_backend import _quantum_launch
     from vfesim.quantum.kernel_ops import kernel_ops
 
-    v = stage_inputs(2, "complex128", N=5, seed=3)
-    ref = stage_outputs(NUMPY_OPS, v, weights)
-    got = stage_outputs(kernel_ops(lambda: POISONED, _quantum_launch), v, weights)
-    assert got.keys() == ref.keys()
-    for k, b in ref.items():
-        np.testing.assert_allclose(got[k], b, rtol=1e-12, atol=1e-12 * float(np.abs(b).max()), err_msg=k)
+    poisoned = kernel_ops(lambda: POISONED, _quantum_launch)
+    assert_stages_match(poisoned, stage_inputs(2, "complex128", N=5, seed=3), 1e-12, weights)
 
 
 def test_cuda_sparse_complex64_matches_numpy():
