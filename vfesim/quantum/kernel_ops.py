@@ -50,11 +50,10 @@ def kernel_ops(
 ) -> QuantumOps:
     """A :class:`QuantumOps` whose passes run ``launch`` on arrays of ``array_module()``: the free energy's
     per-agent forward pass in two kernels (``energy_prep`` over 3 N threads, ``energy_features``), its
-    backward pass in one (``energy_backward``), and
-    ``step_vjp`` :func:`kernel_step_vjp` for every d. ``view(a)``: the form of an array the launcher takes
-    fastest (a device view wrapped once); the channel steps keep the views of a run's constants.
-    ``pairwise``: the backend's (pairwise_dense, pairwise_sparse) for the free energy of rollouts and
-    mirror steps."""
+    backward pass in one (``energy_backward``), and ``step_vjp`` :func:`kernel_step_vjp` for every d.
+    ``view(a)``: the form of an array the launcher takes fastest (a device view wrapped once); the channel
+    steps keep the views of a run's constants. ``pairwise``: the backend's (pairwise_dense,
+    pairwise_sparse) for the free energy of rollouts and mirror steps."""
 
     def c(a):
         a = array_module().ascontiguousarray(a)
@@ -79,26 +78,11 @@ def kernel_ops(
         A, B = xp.empty((2, N, d * d), rdt), xp.empty((2, N, d * d), rdt)  # belief, prior
         cf = xp.empty((2, N), rdt)
         eps = float(floor_eps(rho.dtype))
-        fs, fb, fp, fo = on
+        fs, fb, fp, _ = on
         prep = (x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf)
         # 3 N threads: the floored belief's, the prior's and the frame's eigen-decompositions in parallel
-        launch(
-            "energy_prep",
-            3 * N,
-            d,
-            rho.dtype,
-            rho,
-            H,
-            T,
-            phi,
-            J,
-            fs,
-            fb,
-            fp,
-            eps,
-            jacobi_tol2(rho.dtype),
-            *prep,
-        )
+        tol2 = jacobi_tol2(rho.dtype)
+        launch("energy_prep", 3 * N, d, rho.dtype, rho, H, T, phi, J, fs, fb, fp, eps, tol2, *prep)
         launch("energy_features", N, d, rho.dtype, y, *on, x, logx, xlx, sigma, logsig, l, p, U, e, A, B, cf)
         energies = {name: e[i] for i, name in ((0, "self"), (1, "observation")) if on[3 * i]}
         features = {name: (A[i], B[i], cf[i]) for i, name in enumerate(TERMS[1:3]) if on[1 + i]}
