@@ -2,8 +2,10 @@
 
 Every term x every variable (rho along traceless Hermitian directions, hamiltonian along Hermitian
 directions, temperature and phi along random directions over all agents) x both aggregators x dense /
-sparse neighbours, d in {2, 3, 4, 5}. Step h = 1e-6 (spec §4.3); error relative to max(|analytic|,
-||gradient of the variable||_F) (the directional derivative along a unit direction is at most that norm).
+sparse neighbours, d in {2, 3, 4, 5}; the same for the per-agent kernels' fused passes (the numba
+backend's QuantumOps, whose CUDA build runs the same source). Step h = 1e-6 (spec §4.3); error relative to
+max(|analytic|, ||gradient of the variable||_F) (the directional derivative along a unit direction is at
+most that norm).
 """
 
 import itertools
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 import vfesim
-from vfesim.quantum.energy import energy_and_gradient_arrays
+from vfesim.quantum.energy import NUMPY_OPS, energy_and_gradient_arrays
 
 N = 5
 H_STEP = 1e-6
@@ -46,7 +48,7 @@ def _inner(G, E):
     return float((G * E).sum())
 
 
-def _check(term, d, aggregator, sparse, seed):
+def _check(term, d, aggregator, sparse, seed, ops=NUMPY_OPS):
     neighbours = vfesim.SparseNeighbours.ring(N, 1) if sparse else "dense"
     cfg = vfesim.QuantumConfig(
         d=d,
@@ -57,7 +59,7 @@ def _check(term, d, aggregator, sparse, seed):
         **TERM_LAMBDAS[term],
     )
     arrays = {k: v.data for k, v in vfesim.random_state(cfg, N, seed=seed, outcome=True).items()}
-    terms, grads = energy_and_gradient_arrays(arrays, cfg)
+    terms, grads = energy_and_gradient_arrays(arrays, cfg, ops=ops)
     expected = terms["total"] if term == "total" else terms[term]
     assert terms["total"] == pytest.approx(expected, rel=1e-15)
     rng = np.random.default_rng(seed)
@@ -71,8 +73,8 @@ def _check(term, d, aggregator, sparse, seed):
             plus = {**arrays, var: arrays[var] + H_STEP * E}
             minus = {**arrays, var: arrays[var] - H_STEP * E}
             fd = (
-                energy_and_gradient_arrays(plus, cfg)[0]["total"]
-                - energy_and_gradient_arrays(minus, cfg)[0]["total"]
+                energy_and_gradient_arrays(plus, cfg, ops=ops)[0]["total"]
+                - energy_and_gradient_arrays(minus, cfg, ops=ops)[0]["total"]
             ) / (2 * H_STEP)
             an = _inner(grads[var], E)
             scale = max(abs(an), np.linalg.norm(grads[var]))
@@ -98,6 +100,16 @@ def test_per_agent_terms(term, d):
 )
 def test_pair_terms(term, d, aggregator, sparse):
     _check(term, d, aggregator, sparse, seed=10 * d + sparse)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("term", list(TERM_LAMBDAS))
+def test_kernel_passes_per_term(term, d):
+    """The fused per-agent kernels' adjoint (energy_prep / energy_features / energy_backward) against
+    central differences of their own energy, every term and variable."""
+    from vfesim.backends.numba_backend import QUANTUM_OPS
+
+    _check(term, d, "softmin", False, seed=20 + d, ops=QUANTUM_OPS)
 
 
 def test_complex64_matches_complex128():
