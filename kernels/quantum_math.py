@@ -110,6 +110,15 @@ def load_herm(X, n, A):
             A[r, c] = 0.5 * (X[n, r, c] + X[n, c, r].conjugate())
 
 
+def floored(X, eps, out):
+    """out = (1 - eps) herm(X) + eps I / d: the depolarising floor of a state (spec §2.3)."""
+    d = X.shape[0]
+    for r in range(d):
+        for c in range(d):
+            out[r, c] = (1.0 - eps) * 0.5 * (X[r, c] + X[c, r].conjugate())
+        out[r, r] += eps / d
+
+
 def from_eig(V, f, out):
     """out = V diag(f) V^dagger for real f (d,)."""
     d = V.shape[0]
@@ -373,13 +382,8 @@ def energy_prep_agent(
     N = rho.shape[0]
     part = t // N
     n = t - part * N
-    d = Ms.shape[0]
     if part == 0:
-        keep = 1.0 - eps
-        for i in range(d):
-            for j in range(d):
-                x[n, i, j] = keep * (0.5 * (rho[n, i, j] + rho[n, j, i].conjugate()))
-            x[n, i, i] += eps / d
+        floored(rho[n], eps, x[n])
         if fs or fb:
             eig_log_agent(x, n, s, W, logx, xlx, Ms, r, tol2)
     elif part == 1:
@@ -574,10 +578,7 @@ def _gate_divergence(X, V, l, n, floor, tol2, Xf, T1, S, W, w):
     """D(x_f || sigma) for the floored x_f = (1 - floor) herm(X) + floor I / d (left in Xf), with the
     eigen-decomposition x_f = W diag(w) W^dagger; returns (D, least eigenvalue)."""
     d = X.shape[0]
-    for r in range(d):
-        for c in range(d):
-            Xf[r, c] = (1.0 - floor) * 0.5 * (X[r, c] + X[c, r].conjugate())
-        Xf[r, r] += floor / d
+    floored(X, floor, Xf)
     pull_back(V[n], Xf, T1, S)  # tr(x_f log sigma) = sum_k l_k (V^dagger x_f V)_kk
     dv = 0.0
     for k in range(d):
@@ -977,6 +978,7 @@ def channel_step_vjp_agent(
 FUNCTIONS = (
     "jacobi_eigh",
     "load_herm",
+    "floored",
     "from_eig",
     "mm",
     "mm_add",

@@ -333,19 +333,12 @@ def energy_and_gradient(arrays: dict[str, Any], cfg: QuantumConfig, backend) -> 
     )
 
 
-def _pulled(arrays: dict[str, Any], cfg: QuantumConfig, which: str):
-    """Pulled-back states and logs (a~, (log a)~) and tr(a log a) of the belief or prior term."""
-    if which == "belief":
-        x, _ = _floored(arrays["rho"])
-        s, W = eigh(x)
-        a, log_a, c_half = x, from_eig(W, np.log(s)), (s * np.log(s)).sum(axis=1)
-    elif which == "prior":
-        a, log_a, l, p, _ = _gibbs(arrays["hamiltonian"], arrays["temperature"])
-        c_half = (p * l).sum(axis=1)
-    else:
+def _features(arrays: dict[str, Any], which: str):
+    """(A, B, c) of the belief or prior alignment term: the array code's forward pass with that term on."""
+    if which not in ("belief", "prior"):
         raise ValueError(f"which: must be 'belief' or 'prior', got {which!r}")
-    U, _ = frames(arrays["phi"], spin_generators(cfg.d), arrays["rho"].dtype)
-    return _pull(U, a), _pull(U, log_a), c_half
+    weights = (0.0, 1.0, 0.0, 0.0) if which == "belief" else (0.0, 0.0, 1.0, 0.0)
+    return _forward(arrays, weights).features[f"{which}_align"]
 
 
 def divergences(arrays: dict[str, Any], cfg: QuantumConfig, which: str = "belief") -> np.ndarray:
@@ -353,8 +346,8 @@ def divergences(arrays: dict[str, Any], cfg: QuantumConfig, which: str = "belief
 
     which: "belief" (floored rho) or "prior" (Gibbs states). The diagonal is 0 up to rounding.
     """
-    at, lt, c_half = _pulled(arrays, cfg, which)
-    return 0.5 * (hvec(at) @ (-2.0 * hvec(lt)).T + 2.0 * c_half[:, None])
+    A, B, c = _features(arrays, which)
+    return 0.5 * (A @ B.T + c[:, None])
 
 
 def attention(arrays: dict[str, Any], cfg: QuantumConfig, which: str = "belief") -> np.ndarray:
@@ -362,8 +355,7 @@ def attention(arrays: dict[str, Any], cfg: QuantumConfig, which: str = "belief")
 
     which: "belief" (beta, kappa_beta) or "prior" (gamma, kappa_gamma). NumPy arrays.
     """
-    at, lt, c_half = _pulled(arrays, cfg, which)
-    A, B, c = hvec(at), -2.0 * hvec(lt), 2.0 * c_half
+    A, B, c = _features(arrays, which)
     kappa = cfg.kappa_beta if which == "belief" else cfg.kappa_gamma
     if cfg.dense:
         return _pairwise.pairwise_dense(A, B, c, kappa, cfg.aggregator, return_beta=True)[-1]
