@@ -204,26 +204,25 @@ def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]
 
 
 # Register caps (max_registers) of the dense kernels, (dtype, D) -> (stats, grads); absent or None: the
-# compiler's choice. Kept here, in the kernels' source file: changing it invalidates their disk cache.
-# ptxas (sm_90, 128 threads) gives D = 10 float32 stats 124 / grads 128 registers, float64 161 / 160,
-# D = 16 float32 122 / 122, float64 233 / 216 (4 blocks of 128 threads per SM at 128 registers, 3 at 161,
-# 2 above 168); stop 27 measured the caps below on the kernels before their per-pair work was
-# interleaved across owners (stop 30), which changed these counts (from 94 / 154, 156 / 164, 121 / 121,
-# 222 / 221). benchmarks/bench_gpu.py --tune-registers
-# measures caps. On an H100 (benchmarks/results/gpu_registers_h100_stop27.txt, the pair kernels alone at
-# N = 65 536 in 24 slices, against no cap) the best were D = 10 float32 (80, 128) 0.953, float64 (128, 128)
-# 0.903, D = 16 float32 (96, 128) 0.948, float64 (168, 168) 0.930; caps below these spill (D = 16 float64
-# at 96: 4.3x). In whole calls (gpu_registers_ab_h100_stop27.txt, two alternations) the D = 10 caps made the
-# Gaussian K = 3 energy slower (float32 19.8 -> 23.2 ms in the 7 slices of its workspace), and the D = 16
-# float32 cap sped the density-matrix pairs (d = 4, complex64) up at N = 65 536 (21.5 -> 20.5 ms) but
-# slowed them down at 16 384 (2.65 -> 3.17 ms). Only the D = 16 float64 cap won at every size (complex128
+# compiler's choice. Kept here, in the kernels' source file: changing it invalidates their disk cache. ptxas
+# (sm_90, 128 threads) gives D = 10 float32 stats 124 / grads 128 registers, float64 161 / 160, D = 16 float32
+# 122 / 122, float64 233 / 216 (4 blocks of 128 threads per SM at 128 registers, 3 at 161, 2 above 168); stop
+# 27 measured the caps below on the kernels before their per-pair work was interleaved across owners (stop
+# 30), which changed these counts (from 94 / 154, 156 / 164, 121 / 121, 222 / 221). benchmarks/bench_gpu.py
+# --tune-registers measures caps. On an H100 (benchmarks/results/gpu_registers_h100_stop27.txt, the pair
+# kernels alone at N = 65 536 in 24 slices, against no cap) the best were D = 10 float32 (80, 128) 0.953,
+# float64 (128, 128) 0.903, D = 16 float32 (96, 128) 0.948, float64 (168, 168) 0.930; caps below these spill
+# (D = 16 float64 at 96: 4.3x). In whole calls (gpu_registers_ab_h100_stop27.txt, two alternations) the D = 10
+# caps made the Gaussian K = 3 energy slower (float32 19.8 -> 23.2 ms in the 7 slices of its workspace), and
+# the D = 16 float32 cap sped the density-matrix pairs (d = 4, complex64) up at N = 65 536 (21.5 -> 20.5 ms)
+# but slowed them down at 16 384 (2.65 -> 3.17 ms). Only the D = 16 float64 cap won at every size (complex128
 # pairs 65 536: 57.9 -> 53.9 ms; 16 384: 5.56 -> 5.09 ms) and was kept. On the interleaved kernels of stop 30
 # it spills (264 bytes in stats) and lost: the pairs alone at N = 65 536 on an H200 took 52.6 ms under it
-# against 51.4 free, 57.5 under (184, 168), 61.8 under (200, 200) (gpu_registers_h200_stop30.txt). There,
-# D = 10 float64 (128, 128) gave 0.955 of free alone (35.9 against 37.6 ms) but made whole Gaussian K = 3
-# calls at 65 536 on an H100 far slower (65.8 / 66.0 ms against 44.2-45.0; gpu_caps_ab_h100_stop30.txt);
-# D = 10 float32 (96, 96) 0.947 and (80, 128) 0.952 alone are the caps stop 27 found slower in whole calls
-# (above), not tried again. No cap is kept.
+# against 51.4 free, 57.5 under (184, 168), 61.8 under (200, 200) (gpu_registers_h200_stop30.txt). There, D =
+# 10 float64 (128, 128) gave 0.955 of free alone (35.9 against 37.6 ms) but made whole Gaussian K = 3 calls at
+# 65 536 on an H100 far slower (65.8 / 66.0 ms against 44.2-45.0; gpu_caps_ab_h100_stop30.txt); D = 10 float32
+# (96, 96) 0.947 and (80, 128) 0.952 alone are the caps stop 27 found slower in whole calls (above), not tried
+# again. No cap is kept.
 DENSE_REGISTERS: dict = {}
 
 
@@ -317,6 +316,11 @@ def make_dense_kernels(
             s[o] += e
             t[o] += e * kl
 
+    def owner(q):
+        """The number of the thread's owner that is the agent q rows after its first owner (its owners are
+        NT rows apart), or -1: the pair that owner would skip (i == j)."""
+        return q // NT if q >= 0 and q % NT == 0 and q < NT * OPT else -1
+
     def meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, skip):
         """Every owner but number ``skip`` (-1: none) meets sender row rw: the KLs and exponentials of
         all owners first (independent work in flight), then the updates."""
@@ -380,9 +384,7 @@ def make_dense_kernels(
                 for jj in range(nj):
                     for d in range(D):  # the sender's row once into registers, for all OPT owners
                         rw[0, d] = sX[jj, d]
-                    # the owner that is this sender, if any (owners are g0 + o NT)
-                    q = j0 + jj - g0
-                    skip = q // NT if q >= 0 and q % NT == 0 and q < NT * OPT else -1
+                    skip = owner(j0 + jj - g0)  # the owner that is this sender, if any
                     meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, skip)
             else:
                 for jj in range(nj):
@@ -509,8 +511,7 @@ def make_dense_kernels(
                     rw[0, d] = sX[kk, d]
                 rc, rm, ri, ra = sc[kk], sm[kk], si[kk], sa[kk]
                 if checked:
-                    q = r0 + k0 + kk - lo - tid  # the owner that is this receiver, if any
-                    skip = q // NT if q >= 0 and q % NT == 0 and q < NT * OPT else -1
+                    skip = owner(r0 + k0 + kk - lo - tid)  # the owner that is this receiver, if any
                     send(own, rw, rc, rm, ri, ra, acc, kl, skip, n_own)
                 else:
                     send(own, rw, rc, rm, ri, ra, acc, kl, -1, OPT)
@@ -521,6 +522,7 @@ def make_dense_kernels(
                     gBs[sl, f, i, d] = acc[o, d]
 
     dots = device(dots)
+    owner = device(owner)
     push = device(push)
     meet = device(meet)
     send = device(send)
