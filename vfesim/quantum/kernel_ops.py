@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .channels import incoming_slots
-from .energy import TERMS, Forward, QuantumOps, floor_eps, terms_on
+from .energy import Forward, QuantumOps, floor_eps, terms_on
 from .evolve import resident, window
 from .frames import spin_generators
 
@@ -29,6 +29,8 @@ _SIZE = {
     "backward": lambda args: args[0]["rho"].shape[-1],
     "channel_step": lambda args: args[1].shape[-1],
 }
+# The alignment terms in the order of the passes' feature and cotangent slots (A[0], A[1], ...).
+_SLOTS = ("belief_align", "prior_align")
 # Codes of the channel step's modes (vfesim_kernels.quantum_math.channel_step_agent).
 _COUPLING = {"none": 0, "C1": 1, "C2": 2}
 _BASIS = {"computational": 0, "energy": 1}
@@ -78,14 +80,15 @@ def kernel_ops(
         A, B = xp.empty((2, N, d * d), rdt), xp.empty((2, N, d * d), rdt)  # belief, prior
         cf = xp.empty((2, N), rdt)
         eps = float(floor_eps(rho.dtype))
-        fs, fb, fp, _ = on
+        fs, fb, fp, fo = on
         prep = (x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf)
         # 3 N threads: the floored belief's, the prior's and the frame's eigen-decompositions in parallel
         tol2 = jacobi_tol2(rho.dtype)
         launch("energy_prep", 3 * N, d, rho.dtype, rho, H, T, phi, J, fs, fb, fp, eps, tol2, *prep)
         launch("energy_features", N, d, rho.dtype, y, *on, x, logx, xlx, sigma, logsig, l, p, U, e, A, B, cf)
-        energies = {name: e[i] for i, name in ((0, "self"), (1, "observation")) if on[3 * i]}
-        features = {name: (A[i], B[i], cf[i]) for i, name in enumerate(TERMS[1:3]) if on[1 + i]}
+        energies = {name: e[i] for i, (name, f) in enumerate((("self", fs), ("observation", fo))) if f}
+        on_slots = zip(_SLOTS, (fb, fp), strict=True)
+        features = {n: (A[i], B[i], cf[i]) for i, (n, f) in enumerate(on_slots) if f}
         cache = (H, T, y, J, on, eps, (x, s, W, logx, sigma, logsig, l, p, V, U, k, Vf))
         return Forward(energies, features, cache)
 
@@ -97,7 +100,7 @@ def kernel_ops(
         rdt = _real(x.dtype)
         gA, gB = xp.empty((2, N, d * d), rdt), xp.empty((2, N, d * d), rdt)  # belief, prior
         gc = xp.empty((2, N), rdt)
-        for i, name in enumerate(TERMS[1:3]):
+        for i, name in enumerate(_SLOTS):
             if name in cot:
                 for buf, g in zip((gA, gB, gc), cot[name], strict=True):
                     buf[i] = g
