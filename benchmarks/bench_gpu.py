@@ -172,16 +172,17 @@ def check_baseline(K: int, dtype: str = "float64", N: int = 256) -> dict:
 def tune(out_rows):
     """Threads per block x owners per thread of the dense kernels at N = 65536, K = 3."""
     N, K = 65536, 3
-    keep = (kc.PAIR_THREADS, kc.PAIR_OPT)
+    keep = (kc.PAIR_THREADS, dict(kc.PAIR_OPTS))
     for dtype in DTYPES:
         for threads in (128, 256):
-            for opt in (1, 2, 4):
-                kc.PAIR_THREADS, kc.PAIR_OPT = threads, opt
+            for opt in (1, 2, 3, 4):
+                kc.PAIR_THREADS, kc.PAIR_OPTS[dtype] = threads, opt
                 t, reps, _, _ = bench_cuda(N, K, dtype, config(K, "belief"))
                 row = dict(kind="tune", N=N, K=K, dtype=dtype, threads=threads, opt=opt, t_s=t, reps=reps)
                 out_rows.append(row)
                 log(f"tune {dtype} threads={threads} opt={opt}: {t * 1e3:.2f} ms")
-    kc.PAIR_THREADS, kc.PAIR_OPT = keep
+    kc.PAIR_THREADS = keep[0]
+    kc.PAIR_OPTS.update(keep[1])
 
 
 # Register caps (stats, grads) of the dense pair kernels tried by --tune-registers: each a resident block
@@ -260,7 +261,7 @@ def tune_splits(out: Path) -> None:
         Ah = cp.asarray(0.1 * rng.standard_normal((1, max(NO, NX), D)), dtype)
         Bb = cp.asarray(0.1 * rng.standard_normal((1, max(NO, NX), D)), dtype)
         ch = cp.asarray(0.1 * rng.standard_normal((1, max(NO, NX))), dtype)
-        ks = kc.make_dense_kernels(D, dtype, "softmin", kc.PAIR_THREADS, kc.PAIR_OPT)
+        ks = kc.make_dense_kernels(D, dtype, "softmin", kc.PAIR_THREADS, kc.pair_opt(dtype))
         nt = ks["threads"]
         _, _, _, m, inv_s, abar = cb._dense_stats(Ah[:, :NX], Bb[:, :NX], ch[:, :NX], 0, "softmin")
         # stats: receivers 0 .. NO - 1 against NX senders; grads: senders 0 .. NO - 1 from NX receivers
@@ -272,7 +273,7 @@ def tune_splits(out: Path) -> None:
         }
         for role, call in calls.items():
             row_bytes = (D + (role == "stats")) * np.dtype(dtype).itemsize
-            default = kc.dense_splits(NO, NX, row_bytes, kc.PAIR_OPT, nt)[0]
+            default = kc.dense_splits(NO, NX, row_bytes, ks["opt"], nt)[0]
             times: dict = {S: [] for S in tries}
             for S in tries:
                 call(S)
@@ -339,7 +340,7 @@ def main(argv=None):
     rows: list[dict] = []
     dev = cp.cuda.runtime.getDeviceProperties(0)
     info = dict(kind="device", name=dev["name"].decode(), sms=dev["multiProcessorCount"],
-                mem_gib=dev["totalGlobalMem"] / 2**30, threads=kc.PAIR_THREADS, opt=kc.PAIR_OPT)  # fmt: skip
+                mem_gib=dev["totalGlobalMem"] / 2**30, threads=kc.PAIR_THREADS, opt=kc.PAIR_OPTS)  # fmt: skip
     log(info)
     ceil = ceilings()
     rows += [info, dict(kind="ceilings", **ceil)]

@@ -31,3 +31,14 @@ def test_host_array_and_module():
     x = np.ones(3)
     assert arrays.host_array(x) is x and arrays.is_host(x) and arrays.array_module(x) is np
     assert arrays.array_module(1.0) is np
+
+
+def test_lazy_totals_come_home_in_one_transfer():
+    """lazy_total keeps a sum where its array lives (a NumPy float64 here, a 0-d device array on a GPU);
+    host_floats turns numbers and such sums into floats, in the dict's order."""
+    x = np.full(1000, 0.1, np.float32)
+    s = arrays.lazy_total(x)
+    assert isinstance(s, np.float64) and float(s) == arrays.total(x)
+    got = arrays.host_floats({"b": s, "a": 2, "c": np.float32(0.5), "d": np.asarray(3.0)})
+    assert got == {"b": arrays.total(x), "a": 2.0, "c": 0.5, "d": 3.0}
+    assert list(got) == ["b", "a", "c", "d"] and all(type(v) is float for v in got.values())

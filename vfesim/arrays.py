@@ -58,8 +58,26 @@ def total(a) -> float:
     """The float64 sum of an array's entries as a host float. Device (CuPy) arrays: the numba reduction
     kernels of :func:`vfesim_kernels.cuda.reduce.device_sum` (CuPy's own ``sum`` runs a CUB program that
     NVRTC compiles in a process's first call, seconds each)."""
+    return float(lazy_total(a))
+
+
+def lazy_total(a):
+    """The float64 sum of an array's entries where the array lives: a NumPy float64, or a 0-d float64
+    device array (no synchronisation; :func:`host_floats` brings several home in one transfer)."""
     if array_module(a) is np:
-        return float(np.asarray(a).sum(dtype=np.float64))
+        return np.asarray(a).sum(dtype=np.float64)
     from vfesim_kernels.cuda import reduce
 
-    return float(reduce.device_sum(a))
+    return reduce.device_sum(a)
+
+
+def host_floats(values: dict) -> dict:
+    """The values of a dict of numbers and 0-d device arrays as host floats, with one device-to-host
+    transfer (one synchronisation) for all the device ones."""
+    lazy = [k for k, v in values.items() if array_module(v) is not np]
+    out = {k: float(v) for k, v in values.items() if k not in lazy}
+    if lazy:
+        xp = array_module(values[lazy[0]])
+        host = xp.stack([xp.asarray(values[k], np.float64).reshape(()) for k in lazy]).get()
+        out |= dict(zip(lazy, map(float, host), strict=True))
+    return {k: out[k] for k in values}

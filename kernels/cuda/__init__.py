@@ -24,7 +24,7 @@ import numpy as np
 from . import ahead, checks, gaussian, quantum, reduce
 from .core import (
     BLOCK,
-    PAIR_OPT,
+    PAIR_OPTS,
     PAIR_THREADS,
     SHARED_BYTES,
     SIMULATOR,
@@ -33,6 +33,7 @@ from .core import (
     cuda,
     feature_dim,
     launch_view,
+    pair_opt,
 )
 from .gaussian import (
     BLOCK_SHARED_BYTES,
@@ -87,7 +88,8 @@ __all__ = [
     "BLOCK",
     "BLOCK_SHARED_BYTES",
     "BLOCK_THREADS_MAX",
-    "PAIR_OPT",
+    "PAIR_OPTS",
+    "pair_opt",
     "PAIR_THREADS",
     "ROW_THREADS",
     "SHARED_BYTES",

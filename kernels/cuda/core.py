@@ -7,8 +7,6 @@ needs). Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run on NumPy arrays.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import cuda, float32, float64
 from numba.core import config as _numba_config
@@ -21,10 +19,10 @@ __all__ = [
     "cuda",
     "BLOCK",
     "PAIR_THREADS",
-    "PAIR_OPT",
+    "PAIR_OPTS",
+    "pair_opt",
     "SHARED_BYTES",
     "NB_TYPES",
-    "PAIR_EXP",
     "device",
     "compile_kernels",
     "compile_report",
@@ -44,10 +42,22 @@ _numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
 # Threads per block of the per-agent kernels. The simulator spawns one Python thread per CUDA thread
 # of a block, so it gets small blocks.
 BLOCK = 8 if SIMULATOR else 128
-# Dense pairwise: threads per block, owners per thread (register blocking: each shared-memory row is
-# reused by OPT owners); the slices of the other side: vfesim_kernels.cuda.pairwise.dense_splits.
+# Dense pairwise: threads per block, owners per thread by dtype (register blocking: each shared-memory row
+# is reused by OPT owners); the slices of the other side: vfesim_kernels.cuda.pairwise.dense_splits. On an
+# H100 (benchmarks/results/gpu_opt_h100_stop31.txt, whole evaluations, two alternations) float32 took 3
+# owners: the density-matrix pairs (D = 16, complex64) at N = 16 384 3.40-3.80 -> 2.78-3.12 ms, at 65 536
+# 22.4-22.6 -> 21.9-22.3 ms, Gaussian K = 3 (D = 10, two terms) at 65 536 35.0-35.2 -> 34.4-34.7 ms; 4 owners
+# (200 registers at D = 16, 2 blocks per SM) were slower. float64 keeps 2: 3 owners made the complex128 pairs
+# at 65 536 53.5 -> 61 ms and Gaussian float64 87 -> 92 ms.
 PAIR_THREADS = 4 if SIMULATOR else 128
-PAIR_OPT = 2
+PAIR_OPTS = {"float32": 3, "float64": 2}
+
+
+def pair_opt(dtype) -> int:
+    """Owners per thread of the dense pair kernels in ``dtype`` (PAIR_OPTS)."""
+    return PAIR_OPTS[np.dtype(dtype).name]
+
+
 # Static shared memory per block stays under the 48 KB that needs no opt-in.
 SHARED_BYTES = 40 * 1024
 
@@ -116,23 +126,6 @@ jr_transpose_apply = device(_am.jr_transpose_apply)
 AGG_CODES = {"expected": _pm.AGG_EXPECTED, "softmin": _pm.AGG_SOFTMIN}
 
 
-def _exp(x):
-    return math.exp(x)
-
-
-def _fast_expf(x):
-    return libdevice.fast_expf(x)
-
-
-# The pair kernels' exponential per dtype. float32: the hardware ex2.approx of x log2(e) (2 instructions
-# instead of libdevice's 14; relative error ~ 1e-7 |x|, far inside the 1e-4 of float32 results); float64
-# and the simulator: math.exp.
-if SIMULATOR:
-    PAIR_EXP = {np.dtype(np.float32): device(_exp), np.dtype(np.float64): device(_exp)}
-else:
-    from numba.cuda import libdevice
-
-    PAIR_EXP = {np.dtype(np.float32): device(_fast_expf), np.dtype(np.float64): device(_exp)}
 _NB = NB_TYPES
 
 

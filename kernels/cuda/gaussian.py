@@ -404,7 +404,8 @@ def make_gaussian_kernels(K: int, dtype: str, blockwise: bool, max_registers: in
         """Agent i: the adjoint of the features and the frame (SPEC §2.3; vfesim.gaussian.features_vjp and
         vfesim.groups.phi_grad_from_R), added into g_mu, g_sigma (2, N, ...) and g_phi (N, 3).
 
-        gAr (S_r, 2, N, D+1): receiver slices of sum_j W_ij B_j and (last column) sum_j W_ij;
+        gAr (S_r, 2, N, D+1): receiver slices of sum_j W_ij B_j and (last column) sum_j W_ij (one slice
+        from the dense streaming kernels, whose merge sums them);
         gBs (S_s, 2, N, D): sender slices of sum_i W_ij A_i / (2 kappa) (pre-scaled A: factor 2 kappa).
         lam_w (2,): the term weights lambda.
         """

@@ -8,10 +8,12 @@ cotangent by 2 kappa.
 
 Dense pairs (flash-attention pattern, no N x N array, no float atomics):
   1. ``stats``: owner thread = receiver, others = sender tiles in shared memory; online log-sum-exp
-     over one slice of the senders (grid axis y splits the senders, for parallelism at moderate N);
-  2. ``merge``: per receiver, merge the slices' statistics in slice order (``lse_merge``); energies;
-  3. ``grads``: grid axis y < S: receiver role, sum_j W_ij B_j (and sum_j W_ij) per slice;
-     y >= S: sender role, sum_i W_ij A_i per slice. Slices are summed, in order, by the caller's adjoint.
+     over one slice of the senders (grid axis y splits the senders, for parallelism at moderate N), and
+     the receiver's sums of sender rows weighted by exp(x - m) in the same sweep;
+  2. ``merge``: per receiver, merge the slices' statistics in slice order (``lse_merge``); energies; the
+     slices' weighted sums rescaled and summed, in slice order, into sum_j W_ij (B_j, 1);
+  3. ``grads``: sender role, sum_i W_ij A_i per slice of receivers (summed in slice order by the caller:
+     :func:`vfesim_kernels.cuda.reduce.fold_slices`, or the family's adjoint kernel).
 Sparse pairs: fixed-width neighbour lists, receivers and (through a CSC reverse index) senders.
 Weighted pairs batched over grid points (field agents, :func:`make_points_kernels`): one thread per
 receiver row, then one per sender row through the reverse index of the neighbour lists.
@@ -25,12 +27,11 @@ import functools
 import math
 
 import numpy as np
+from numba import int32
 
 from .core import (
     _NB,
     AGG_CODES,
-    PAIR_EXP,
-    PAIR_OPT,
     PAIR_THREADS,
     SHARED_BYTES,
     SIMULATOR,
@@ -43,6 +44,7 @@ from .core import (
     lse_push_w,
     pair_kl,
     pair_logit,
+    pair_opt,
     pair_weight,
     pair_weight_e,
     pair_weight_w,
@@ -51,6 +53,7 @@ from .core import (
     row_means_w,
     row_unit_energy_w,
 )
+from .pair_exp import PAIR_EXP
 
 __all__ = [
     "make_dense_kernels",
@@ -158,15 +161,22 @@ def _tile_rows(D: int, itemsize: int, threads: int) -> int:
 
 
 # Dense grids: about SPLIT_BLOCKS blocks of owners x slices of the others. With few blocks per SM resident
-# (3-5 at D = 10), a grid of a few waves idles most SMs during its last, partial wave: on an H200 the
-# receiver pass of 2^18 receivers x 2^20 senders takes 526 ms in 1 slice (1024 blocks, 1.55 waves) and
-# 466 ms in 10-16, the sender pass 579 -> 487 ms, and at N = 2^16 both passes lose 15-30 % in 2 slices
-# against 24 (benchmarks/results/gpu_splits_h200.txt). At most SPLIT_MAX slices, each of at least four
-# tiles, and the slices' partial-sum buffers (S x owners x row_bytes: the caller counts its buffers) within
+# (3-5 at D = 10), a grid of a few waves idles most SMs during its last, partial wave: on an H200 the receiver
+# pass of 2^18 receivers x 2^20 senders takes 526 ms in 1 slice (1024 blocks, 1.55 waves) and 466 ms in 10-16,
+# the sender pass 579 -> 487 ms, and at N = 2^16 both passes lose 15-30 % in 2 slices against 24
+# (benchmarks/results/gpu_splits_h200.txt). At most SPLIT_MAX slices, each of at least four tiles, and the
+# slices' partial-sum buffers (S x owners x row_bytes: the caller counts its buffers) within
 # :func:`split_budget`: SPLIT_BYTES, or SPLIT_OWNER_BYTES per owner for many owners (a fixed 128 MiB left the
-# in-process Gaussian passes at N = 2^20, 280 B per owner and slice, in one slice: 1.55 waves per pass).
-# The block count bounds the buffers too: S x owners stays near SPLIT_BLOCKS x threads x opt (3.1e6), so
-# the Gaussian workspace's slices take at most about 0.9 GB at any N (3 slices at 2^20, 1 from 2^22).
+# in-process Gaussian passes at N = 2^20, 280 B per owner and slice, in one slice: 1.55 waves per pass). The
+# block count bounds the buffers too: S x owners stays near SPLIT_BLOCKS x threads x opt (3.1e6 at 2 owners
+# per thread, 4.7e6 at 3), so the float32 Gaussian workspace keeps 3 slices up to 2^21 agents (1.8 GB), 2 at
+# 2^22 and one from 2^23. Not done: slices by whole waves of the kernel's own occupancy. At N = 16 384 on an
+# H100 (gpu_splits_h100_stop31*.txt) the passes ran up to 20 % faster in the fewest slices that fill one or
+# two waves (float64 D = 16: 4 slices, 1.93 / 1.86 ms, against 2.45 / 2.00 in the default 22), but at 4096
+# (16-43 owner blocks) the most slices win (8: 0.52 / 0.34 ms against 2: 0.96 / 0.82), and a floor of 2048
+# rows per slice made whole evaluations no faster at 16 384 (gpu_ab_h100_stop31.txt); the occupancy is known
+# only once a kernel is compiled, and the slice count must not change between a process's first and later
+# calls (bitwise resumption).
 SPLIT_BLOCKS = 4 if SIMULATOR else 12288
 SPLIT_MAX = 2 if SIMULATOR else 24
 SPLIT_BYTES = 128 << 20
@@ -182,12 +192,13 @@ def dense_splits(
     n_owners: int,
     n_others: int | None = None,
     row_bytes: int = 0,
-    opt: int = PAIR_OPT,
+    opt: int = 2,
     threads: int = PAIR_THREADS,
 ) -> tuple[int, int]:
     """(S, chunk): the others axis (``n_others`` rows, default ``n_owners``) cut into S slices of ``chunk``
-    rows (a multiple of ``threads``) for a launch over ``n_owners`` owners, ``opt`` per thread, whose
-    slices each keep ``row_bytes`` per owner of partial sums (see SPLIT_BLOCKS)."""
+    rows (a multiple of ``threads``) for a launch over ``n_owners`` owners, ``opt`` per thread (the
+    kernels' :func:`~.core.pair_opt`), whose slices each keep ``row_bytes`` per owner of partial sums (see
+    SPLIT_BLOCKS)."""
     n_others = n_owners if n_others is None else n_others
     S = -(-SPLIT_BLOCKS // -(-n_owners // (threads * opt)))
     if not SIMULATOR:
@@ -231,10 +242,17 @@ def dense_registers(D: int, dtype) -> tuple:
     return DENSE_REGISTERS.get((np.dtype(dtype).name, D), (None, None))
 
 
-@functools.cache
 def make_dense_kernels(
-    D: int, dtype: str, aggregator: str, threads: int = PAIR_THREADS, opt: int = PAIR_OPT, registers=None
+    D: int, dtype: str, aggregator: str, threads: int = PAIR_THREADS, opt: int | None = None, registers=None
 ):
+    """The dense streaming kernels of :func:`_dense_kernels` with ``opt`` owners per thread (None: the
+    dtype's :func:`~.core.pair_opt`)."""
+    dtype = np.dtype(dtype).name
+    return _dense_kernels(D, dtype, aggregator, threads, pair_opt(dtype) if opt is None else opt, registers)
+
+
+@functools.cache
+def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, registers):
     """Dense streaming kernels ``stats``, ``merge``, ``grads`` for one (feature width D, dtype, aggregator).
 
     Receivers are a contiguous range of the agents: A (nf, NR, D), c (nf, NR) hold receivers r0 ..
@@ -249,9 +267,9 @@ def make_dense_kernels(
     rows relative to the slice's running maximum (rescaled when the maximum moves): gAr[sl, :, :, :D] =
     sum_j e_j B_j, and for ``expected`` gAx[sl] = sum_j e_j delta_j (B_j, 1) with e_j = exp(x_j - m_sl),
     delta_j = m_sl - x_j >= 0 (gAx may be a dummy for ``softmin``). ``merge`` combines the slices in order
-    and turns each slice's sums into its part of sum_j W_ij B_j (columns :D) and of sum_j W_ij (column D).
-    ``grads`` is the sender pass: per slice of receivers, gBs (S, nf, N, D) = sum_i W_ij A'_i. The caller
-    sums gAr and gBs over slices in slice order. With KL' = KL / kappa = A'_i . B_j + c'_i (A' = A /
+    and sums their parts of sum_j W_ij B_j (columns :D) and of sum_j W_ij (column D), in slice order, into
+    gAr[0]. ``grads`` is the sender pass: per slice of receivers, gBs (S, nf, N, D) = sum_i W_ij A'_i; the
+    caller sums gBs over slices in slice order. With KL' = KL / kappa = A'_i . B_j + c'_i (A' = A /
     (2 kappa), c' likewise) and kappa' = 1: W'_ij = W_ij, energy = kappa E', sum_i W_ij A'_i = (sum_i
     W_ij A_i) / (2 kappa). Per pair: two exponentials and three D-wide dot/axpy passes (three and five
     before the receiver sums moved into the statistics sweep).
@@ -304,7 +322,8 @@ def make_dense_kernels(
                 acc[o, d] = acc[o, d] * e + rw[0, d]
             m[o] = x
             s[o] = s[o] * e + one
-            t[o] = t[o] * e + kl
+            if expected:  # (softmin needs no mean KL: its t, and abar, stay 0)
+                t[o] = t[o] * e + kl
         else:
             for d in range(D):
                 acc[o, d] += e * rw[0, d]
@@ -313,8 +332,8 @@ def make_dense_kernels(
                 for d in range(D):
                     accx[o, d] += ed * rw[0, d]
                 px[o] += ed
+                t[o] += e * kl
             s[o] += e
-            t[o] += e * kl
 
     def owner(q):
         """The number of the thread's owner that is the agent q rows after its first owner (its owners are
@@ -379,7 +398,7 @@ def make_dense_kernels(
                 if j0 + row < j_end:
                     sX[row, r - row * D] = B[f, j0 + row, r - row * D]
             cuda.syncthreads()
-            nj = min(TS, j_end - j0)
+            nj = int32(min(TS, j_end - j0))  # (32-bit loop counters: fewer instructions per pair)
             if j0 < hi and j0 + nj > lo:  # a tile with the block's own agents: skip i == j
                 for jj in range(nj):
                     for d in range(D):  # the sender's row once into registers, for all OPT owners
@@ -405,8 +424,8 @@ def make_dense_kernels(
                     gAx[sl, f, i, D] = px[o]
 
     def merge(pm, ps, pt, kappa, f0, m, inv_s, abar, energy, gAr, gAx):
-        """Merge the slices' statistics in slice order; per-receiver energy kappa * A_kappa'; each slice's
-        weighted sums become its part of sum_j W_ij (B_j, 1)."""
+        """Merge the slices' statistics in slice order; per-receiver energy kappa * A_kappa'; the slices'
+        weighted sums become sum_j W_ij (B_j, 1) in gAr[0] (each slice's part added in slice order)."""
         i = cuda.grid(1)
         f = f0 + cuda.blockIdx.y
         if i >= pm.shape[2]:
@@ -430,7 +449,7 @@ def make_dense_kernels(
                 if sk > zero:
                     ap += math.exp(pm[sl, f, i] - mm) * (gAx[sl, f, i, D] + (mm - pm[sl, f, i]) * sk)
             ap *= inv
-        for sl in range(S):
+        for sl in range(S):  # the slices' parts of sum_j W_ij (B_j, 1), summed into slice 0 in slice order
             sk = ps[sl, f, i]
             if sk > zero:
                 w = math.exp(pm[sl, f, i] - mm) * inv  # this slice's exp(x - m_sl) -> beta
@@ -439,13 +458,16 @@ def make_dense_kernels(
             if expected:  # W_j = beta_j (1 + ap - delta_j), delta_j = m - x_j
                 sh = mm - pm[sl, f, i] if sk > zero else zero
                 w1 = w * (one + ap)
-                for d in range(D):
-                    gAr[sl, f, i, d] = w1 * gAr[sl, f, i, d] - w * (gAx[sl, f, i, d] + sh * gAr[sl, f, i, d])
-                gAr[sl, f, i, D] = w1 * sk - w * (gAx[sl, f, i, D] + sh * sk)
+                for d in range(D + 1):
+                    g = gAr[sl, f, i, d] if d < D else sk
+                    v = w1 * g - w * (gAx[sl, f, i, d] + sh * g)
+                    gAr[0, f, i, d] = v if sl == 0 else gAr[0, f, i, d] + v
             else:
                 for d in range(D):
-                    gAr[sl, f, i, d] *= w
-                gAr[sl, f, i, D] = w * sk
+                    v = w * gAr[sl, f, i, d]
+                    gAr[0, f, i, d] = v if sl == 0 else gAr[0, f, i, d] + v
+                v = w * sk
+                gAr[0, f, i, D] = v if sl == 0 else gAr[0, f, i, D] + v
 
     def send(own, rw, rc, rm, ri, ra, acc, kl, skip, n_own):
         """Receiver row rw (statistics rc, rm, ri, ra) meets owners o < n_own but ``skip`` (senders):
@@ -502,7 +524,7 @@ def make_dense_kernels(
                     si[r] = inv_s[f, k0 + r]
                     sa[r] = abar[f, k0 + r]
             cuda.syncthreads()
-            nk = min(TS, k_end - k0)
+            nk = int32(min(TS, k_end - k0))
             # Checked pairs: tiles with the block's own agents (skip i == j) and the last, partial block
             # (skip owners past the end, whose clamped loads would count a sender twice).
             checked = (r0 + k0 < hi and r0 + k0 + nk > lo) or b0 + NT * OPT > N
@@ -531,6 +553,9 @@ def make_dense_kernels(
     stats_cap, grads_cap = caps
     ks = compile_kernels(pyfuncs, cache=registers is None, registers={"stats": stats_cap, "grads": grads_cap})
     return ks | {"tile": TS, "threads": NT, "opt": OPT, "registers": caps}
+
+
+make_dense_kernels.cache_clear = _dense_kernels.cache_clear  # (a sweep's or a test's patched tables)
 
 
 @functools.cache

@@ -13,7 +13,8 @@ launch of ``partial_sum`` on ``parts`` with one block gives the result. Launch:
 at once (checks reduce every variable of a state or gradient): ``partial_max_abs[(blocks, n),
 REDUCE_THREADS](x0, ..., x5, parts)`` (grid row a reduces x_a into ``parts[a]``; x_a past n are not read),
 then ``final_max_abs[n, REDUCE_THREADS](parts, out, o0)`` writes row a's max to ``out[o0 + a]``: two
-launches for a whole state instead of two per variable.
+launches for a whole state instead of two per variable. ``fold_slices`` sums the slices of a pair pass's
+partial sums (S, n) into row 0, slice by slice (:func:`fold_slices`): one launch instead of S - 1.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "reduce_signatures",
     "device_sum",
     "max_abs",
+    "fold_slices",
 ]
 
 REDUCE_THREADS = 8 if SIMULATOR else 256  # a power of two (tree)
@@ -93,8 +95,21 @@ def make_reduce_kernels() -> dict:
         if t == 0:
             out[o0 + a] = red[0]
 
+    def fold(parts):
+        e = cuda.grid(1)
+        if e < parts.shape[1]:
+            acc = parts[0, e]
+            for s in range(1, parts.shape[0]):
+                acc += parts[s, e]
+            parts[0, e] = acc
+
     tree = device(tree)
-    pyfuncs = {"partial_sum": partial_sum, "partial_max_abs": partial_max_abs, "final_max_abs": final_max_abs}
+    pyfuncs = {
+        "partial_sum": partial_sum,
+        "partial_max_abs": partial_max_abs,
+        "final_max_abs": final_max_abs,
+        "fold": fold,
+    }
     return compile_kernels(pyfuncs)
 
 
@@ -106,6 +121,7 @@ def reduce_signatures(dtype: str) -> dict[str, str]:
         "partial_sum": f"void({x}, float64[::1])",
         "partial_max_abs": f"void({', '.join([x] * MAX_ABS_ARRAYS)}, float64[:, ::1])",
         "final_max_abs": "void(float64[:, ::1], float64[::1], int64)",
+        "fold": f"void({np.dtype(dtype).name}[:, ::1])",
     }
 
 
@@ -134,6 +150,18 @@ def device_sum(a):
         k[parts.shape[0], REDUCE_THREADS](launch_view(flat), launch_view(parts))
         k[1, REDUCE_THREADS](launch_view(parts), launch_view(out))
     return out.reshape(())
+
+
+def fold_slices(parts):
+    """Sum the slices of a real (S, ...) C-contiguous device array into ``parts[0]``, in slice order
+    (parts[0] + parts[1] + ... per element; the same bits as that loop of additions), in one launch; returns
+    parts[0]."""
+    S = parts.shape[0]
+    if S > 1 and parts[0].size:
+        flat = parts.reshape(S, -1)
+        k = make_reduce_kernels()["fold"]
+        k[-(-flat.shape[1] // REDUCE_THREADS), REDUCE_THREADS](launch_view(flat))
+    return parts[0]
 
 
 def max_abs(arrays) -> list[float]:

@@ -51,9 +51,10 @@ BASE = dict(lambda_prior=0.6, kappa_beta=0.7, kappa_gamma=1.3)
 @pytest.mark.parametrize("aggregator", ["expected", "softmin"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_dense_parity(aggregator, dtype):
-    # N = 11 with 4 threads x 2 owners per block: two owner blocks, two sender slices, a partial tile.
+    # N = 11 with 4 threads x 2 owners per block (float64): two owner blocks, two sender slices, a partial
+    # tile; float32, 4 x 3 owners: one partial owner block.
     cfg = vfesim.ModelConfig(K=3, aggregator=aggregator, **BASE)
-    assert kc.dense_splits(11)[0] == 2
+    assert kc.dense_splits(11, opt=kc.pair_opt(dtype))[0] == 2
     _assert_parity(cfg, _arrays(cfg, 11, dtype))
 
 
@@ -418,11 +419,11 @@ def test_dense_kernels_take_register_caps(monkeypatch, request):
     monkeypatch.setitem(kc.DENSE_REGISTERS, ("float64", 10), (96, 128))
     kc.make_dense_kernels.cache_clear()  # kernels made under the patched table go with it (below)
     request.addfinalizer(kc.make_dense_kernels.cache_clear)
-    default = kc.make_dense_kernels(10, "float64", "softmin", kc.PAIR_THREADS, kc.PAIR_OPT)
+    default = kc.make_dense_kernels(10, "float64", "softmin", kc.PAIR_THREADS, kc.pair_opt("float64"))
     assert default["registers"] == (96, 128) == kc.dense_registers(10, np.float64)
     assert kc.dense_registers(10, "float32") == kc.DENSE_REGISTERS.get(("float32", 10), (None, None))
     variant = kc.make_dense_kernels(
-        10, "float64", "softmin", kc.PAIR_THREADS, kc.PAIR_OPT, registers=(80, 80)
+        10, "float64", "softmin", kc.PAIR_THREADS, kc.pair_opt("float64"), registers=(80, 80)
     )
     assert variant["registers"] == (80, 80) and variant["stats"] is not default["stats"]
     rng = np.random.default_rng(1)

@@ -68,3 +68,22 @@ def test_max_abs_is_inf_for_any_non_finite_entry(bad, at):
 def test_sum_refuses_complex_arrays():
     with pytest.raises(TypeError, match="complex128"):
         red.device_sum(np.ones(3, np.complex128))
+
+
+@pytest.mark.parametrize("S", [1, 2, 5])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fold_slices_adds_in_slice_order(S, dtype):
+    """fold_slices: parts[0] + parts[1] + ... per element, the bits of that loop (a fixed order), in place
+    into slice 0; other slices untouched."""
+    rng = np.random.default_rng(S)
+    parts = rng.standard_normal((S, 3, red.REDUCE_THREADS + 3)) * 10.0 ** rng.integers(-8, 8, (S, 1, 1))
+    parts = parts.astype(dtype)
+    want = parts[0].copy()
+    for s in range(1, S):
+        want = want + parts[s]
+    rest = parts[1:].copy()
+    got = red.fold_slices(parts)
+    assert np.shares_memory(got, parts)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(parts[0], want)
+    np.testing.assert_array_equal(parts[1:], rest)

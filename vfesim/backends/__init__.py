@@ -55,7 +55,9 @@ class Backend:
     array_module(): the array module of its arrays (NumPy, or CuPy on a GPU).
     to_device(arrays) / to_host(arrays): dicts of arrays onto the backend's device and back to NumPy.
     pairwise_dense(A, B, c, kappa, aggregator) -> (E, gA, gB, gc); pairwise_sparse(A, B, c, index, mask,
-        kappa, aggregator) -> the same (the contract of :mod:`vfesim.pairwise.reference`).
+        kappa, aggregator) -> the same (the contract of :mod:`vfesim.pairwise.reference`, except that E
+        may be a 0-d float64 device array: a device backend's energy left unsynchronised, brought home
+        with the other terms by :func:`vfesim.arrays.host_floats`).
     pairwise_points(A, B, c, u, v, offsets, lists, rowmap, index, mask, kappa, aggregator) -> (E, gA, gB,
         gc, gu, gv): weighted pairs batched over grid points (field agents; the contract of
         :func:`vfesim.pairwise.weighted.pairwise_points_weighted`), None where the backend has none.

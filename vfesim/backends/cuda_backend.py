@@ -27,6 +27,7 @@ thread per agent) and this backend's family-free pair functions: dense pairs of 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -142,7 +143,7 @@ class _Plan(list):
         if not dense:
             self.add(kc.pairwise, "make_sparse_kernels", (D, dt, aggregator), sigs, "rows", "senders")
         elif streaming:
-            args = (D, dt, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+            args = (D, dt, aggregator, kc.PAIR_THREADS, kc.pair_opt(dt))
             self.add(kc.pairwise, "make_dense_kernels", args, sigs, "grads", "stats", "merge")
         else:
             rows = kc.block_kernel_signatures(1, dt)
@@ -198,7 +199,10 @@ def quantum_jobs(d: int, dtype: str, aggregator: str, dense: bool) -> list:
     plan = _Plan()
     stages = ("energy_backward", "energy_prep", "energy_features")
     plan.add(kc.quantum, "make_quantum_kernels", (d, cdt), kc.quantum_kernel_signatures(cdt), *stages)
-    plan.pairs(d * d, rdt, aggregator, dense, streaming=d * d <= STREAM_MAX_D)
+    streaming = d * d <= STREAM_MAX_D
+    plan.pairs(d * d, rdt, aggregator, dense, streaming=streaming)
+    if dense and streaming:  # the sender slices' sum (_dense_grads)
+        plan.add(kc.reduce, "make_reduce_kernels", (), kc.reduce.reduce_signatures(rdt), "fold")
     plan.reductions(rdt)
     return plan
 
@@ -269,7 +273,7 @@ class _Workspace:
         streaming = self.dense and mode == "kernels" and pairs
         # per slice and agent: two terms' gAr (D + 1), gBs (D), pm, ps, pt and, for "expected", gAx (D + 1)
         row_bytes = 2 * (3 * D + 5) * np.dtype(dtype).itemsize
-        self.S, self.chunk = kc.dense_splits(N, N, row_bytes) if streaming else (1, 0)
+        self.S, self.chunk = kc.dense_splits(N, N, row_bytes, kc.pair_opt(dtype)) if streaming else (1, 0)
         self.buf: dict[str, Any] = {}
         self.dev: dict[str, Any] = {}
         shapes = {
@@ -310,6 +314,8 @@ class _Workspace:
             a = xp.zeros(shape, dtype)
             self.buf[name] = a
             self.dev[name] = kc.as_device_view(a)
+        # The receiver sums, complete in slice 0 (the streaming kernels' merge sums the slices into it).
+        self.dev["gAr0"] = kc.as_device_view(self.buf["gAr"][:1])
         self.buf["G"][...] = xp.asarray(generators(irreps), dtype=dtype)
         self.params: tuple | None = None
 
@@ -529,7 +535,9 @@ class FusedStages:
                 )  # fmt: skip
                 b["energy"][f] *= b["kappa"][f]
         elif ws.dense:
-            k = self.pair_kern = kc.make_dense_kernels(D, dt, cfg.aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+            k = self.pair_kern = kc.make_dense_kernels(
+                D, dt, cfg.aggregator, kc.PAIR_THREADS, kc.pair_opt(dt)
+            )
             nt = k["threads"]
             nb = _cdiv(N, nt * k["opt"])
             gAx = ws.expected_sums(cfg.aggregator)
@@ -553,7 +561,7 @@ class FusedStages:
             k["senders"][(nblk, nf), blk](d["A"], d["W"], nbr["ptr"], nbr["row"], nbr["slot"], f0, d["gBs"])
         kern["adjoint"][self.per_agent](
             d["phi"], d["G"], d["R"], d["mu"], d["sigma"], self.jitter, d["nuc"], d["P"], d["Pnu"],
-            d["gAr"], d["gBs"], d["lam_w"], d["kappa"], f0, nf, d["g_mu"], d["g_sigma"], d["g_phi"],
+            d["gAr0"], d["gBs"], d["lam_w"], d["kappa"], f0, nf, d["g_mu"], d["g_sigma"], d["g_phi"],
         )  # fmt: skip
         if self.given_pairs:
             as_value = lambda E: self.xp.asarray(E, dtype=np.float64)  # noqa: E731 - a device scalar
@@ -639,8 +647,9 @@ def _device_updates(K: int):
     return Device(K)
 
 
-def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
-    """Sparse pairs (the contract of :func:`vfesim.pairwise.pairwise_sparse`) in the sparse kernels."""
+def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str, *, lazy: bool = False):
+    """Sparse pairs (the contract of :func:`vfesim.pairwise.pairwise_sparse`) in the sparse kernels;
+    ``lazy``: E as a 0-d device array (no synchronisation)."""
     xp = array_module()
     N, D = A.shape
     dt = A.dtype
@@ -661,7 +670,8 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     nblk = _cdiv(N, kc.BLOCK)
     k["rows"][(nblk, 1), kc.BLOCK](Ah, Bb, ch, nbr["index"], nbr["mask"], dk, 0, dW, de, dgA)
     k["senders"][(nblk, 1), kc.BLOCK](Ah, dW, nbr["ptr"], nbr["row"], nbr["slot"], 0, dgB)
-    E = kappa * float(kc.reduce.device_sum(energy[0]))
+    E = kc.reduce.device_sum(energy[0])
+    E = E * kappa if lazy else kappa * float(E)
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
 
 
@@ -675,11 +685,11 @@ def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None
     NR, D = Ah.shape[1:]
     N = Bb.shape[1]
     dt = Ah.dtype
-    k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+    k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.pair_opt(dt))
     nt = k["threads"]
     if splits is None:
         per_row = (D + 4 + (D + 1) * (aggregator == "expected")) * dt.itemsize  # gAr, pm, ps, pt (, gAx)
-        S, chunk_s = kc.dense_splits(NR, N, per_row, kc.PAIR_OPT, nt)
+        S, chunk_s = kc.dense_splits(NR, N, per_row, k["opt"], nt)
     else:
         S, chunk_s = kc.dense_slices(N, splits, nt)
     pm, ps, pt = (xp.empty((S, 1, NR), dt) for _ in range(3))
@@ -687,16 +697,14 @@ def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None
     gAr = xp.empty((S, 1, NR, D + 1), dt)
     gAx = xp.empty((S, 1, NR, D + 1) if aggregator == "expected" else (1, 1, 1, 1), dt)
     kap = xp.ones(1, dt)
-    v = kc.as_device_view
+    v = kc.launch_view  # (the arrays live until both launches are queued)
     dgA, dgx = v(gAr), v(gAx)
     nb_r = _cdiv(NR, nt * k["opt"])
     k["stats"][(nb_r, S, 1), nt](v(Ah), v(Bb), v(ch), r0, 0, chunk_s, v(pm), v(ps), v(pt), dgA, dgx)
     k["merge"][(_cdiv(NR, kc.BLOCK), 1), kc.BLOCK](
         v(pm), v(ps), v(pt), v(kap), 0, v(m), v(inv_s), v(abar), v(energy), dgA, dgx
     )
-    gA = gAr[0, 0]
-    for sl in range(1, S):  # the slices in order: a fixed summation order
-        gA = gA + gAr[sl, 0]
+    gA = gAr[0, 0]  # (merge summed the slices into slice 0, in slice order)
     return energy[0], gA[:, :-1], gA[:, -1], m, inv_s, abar
 
 
@@ -711,20 +719,17 @@ def _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0: int, aggregator: str, splits: i
     NR, D = Ah.shape[1:]
     NS = Bb.shape[1]
     dt = Ah.dtype
-    k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.PAIR_OPT)
+    k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.pair_opt(dt))
     nt = k["threads"]
     if splits is None:
-        S, chunk_r = kc.dense_splits(NS, NR, D * dt.itemsize, kc.PAIR_OPT, nt)
+        S, chunk_r = kc.dense_splits(NS, NR, D * dt.itemsize, k["opt"], nt)
     else:
         S, chunk_r = kc.dense_slices(NR, splits, nt)
     gBs = xp.empty((S, 1, NS, D), dt)
-    v = kc.as_device_view
+    v = kc.launch_view
     nb_s = _cdiv(NS, nt * k["opt"])
     k["grads"][(nb_s, S, 1), nt](v(Ah), v(Bb), v(ch), v(m), v(inv_s), v(abar), r0, 0, chunk_r, v(gBs))
-    gB = gBs[0, 0]
-    for sl in range(1, S):
-        gB = gB + gBs[sl, 0]
-    return gB
+    return kc.reduce.fold_slices(gBs)[0]  # the slices in order: a fixed summation order
 
 
 def _scaled(A, c, kappa: float):
@@ -746,13 +751,15 @@ def _dense_streaming(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
     return kappa * energy, 0.5 * gA, 0.5 * gc, kappa * gB
 
 
-def _pairwise_dense(A, B, c, kappa: float, aggregator: str):
+def _pairwise_dense(A, B, c, kappa: float, aggregator: str, *, lazy: bool = False):
     """Dense pairs (the contract of :func:`vfesim.pairwise.pairwise_dense`) on device arrays: the
-    streaming kernels for D <= STREAM_MAX_D (no N x N array), else row-blocked GEMMs."""
+    streaming kernels for D <= STREAM_MAX_D (no N x N array), else row-blocked GEMMs. ``lazy``: E as a
+    0-d device array (no synchronisation)."""
     if A.shape[1] > STREAM_MAX_D:
         return pairwise_dense_gemm(A, B, c, kappa, aggregator)
     erow, gA, gc, gB = _dense_streaming(A, c, B, 0, kappa, aggregator)
-    return float(kc.reduce.device_sum(erow)), gA, gB, gc
+    E = kc.reduce.device_sum(erow)
+    return E if lazy else float(E), gA, gB, gc
 
 
 def pairwise_dense_rows(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
@@ -813,6 +820,12 @@ def pairwise_dense_senders(A, c, m, inv_s, abar, B_s, s0: int, kappa: float, agg
     return kappa * gB.astype(np.float64)
 
 
+# The backend's pair functions: energies stay on the device (no synchronisation between the passes of an
+# evaluation; the assemblies bring all terms home in one transfer).
+_pairwise_dense_lazy = functools.partial(_pairwise_dense, lazy=True)
+_pairwise_sparse_lazy = functools.partial(_pairwise_sparse, lazy=True)
+
+
 def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
     """Launch density-matrix kernel ``name`` with N threads (vfesim.quantum.kernel_ops): one per agent, or
     per part of an agent's work (``energy_prep``: N = 3 x agents)."""
@@ -826,7 +839,12 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
 # (cuSOLVER's eigh).
 QUANTUM_KERNEL_MAX_D = 8
 QUANTUM_OPS = sized_ops(
-    kernel_ops(array_module, _quantum_launch, kc.as_device_view, (_pairwise_dense, _pairwise_sparse)),
+    kernel_ops(
+        array_module,
+        _quantum_launch,
+        kc.as_device_view,
+        (_pairwise_dense_lazy, _pairwise_sparse_lazy),
+    ),
     NUMPY_OPS,
     QUANTUM_KERNEL_MAX_D,
 )
@@ -913,8 +931,8 @@ BACKEND = Backend(
     array_module=array_module,
     to_device=to_device,
     to_host=to_host,
-    pairwise_dense=_pairwise_dense,
-    pairwise_sparse=_pairwise_sparse,
+    pairwise_dense=_pairwise_dense_lazy,
+    pairwise_sparse=_pairwise_sparse_lazy,
     updates=_device_updates,
     agent_ops={"gaussian": _stages, "quantum": QUANTUM_OPS},
     on_device=True,

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import pairwise as _np_pairwise
 from ..arrays import array_module as _xp
-from ..arrays import total as _total
+from ..arrays import host_floats, lazy_total
 from ..config import ModelConfig
 from ..groups import generators, phi_grad_from_R
 from .features import agent_features, features_vjp, frames
@@ -93,8 +93,8 @@ class StagedStages:
         self.grads = {k: xp.zeros_like(v) for k, v in arrays.items()}
 
     @staticmethod
-    def total(e) -> float:
-        return _total(e)
+    def total(e):
+        return lazy_total(e)
 
     def self_term(self, lam: float) -> float:
         a, S = self.arrays, self.S
@@ -126,7 +126,7 @@ class StagedStages:
 
     @staticmethod
     def collect(values: list) -> dict[str, float]:
-        return {name: float(v) for name, v in values}
+        return host_floats(dict(values))
 
     def result(self) -> dict[str, Any]:
         return self.grads

@@ -45,7 +45,7 @@ import numpy as np
 
 from .. import pairwise as _pairwise
 from ..arrays import array_module as _xp
-from ..arrays import total
+from ..arrays import host_floats, lazy_total
 from .config import QuantumConfig
 from .frames import frames, frames_vjp, spin_generators
 from .linalg import dagger, dd_exp, dd_log, dk, eigh, from_eig, herm, hmat, hvec, trace, traceless
@@ -162,8 +162,9 @@ class QuantumOps(NamedTuple):
         ``vjp(P, rho, out_bar, dt, dynamics)`` of :func:`.kernel_ops.kernel_step_vjp`, forward recomputed
         per agent), or None where ``channel_step`` is array code: rollouts then differentiate the array
         code's step from its tape (vfesim.quantum.rollout)
-    pairwise_dense, pairwise_sparse: the backend's pair kernels (:mod:`vfesim.pairwise` signatures) the
-        free energy takes when a caller names no others (rollouts, mirror steps); None: the array code
+    pairwise_dense, pairwise_sparse: the backend's pair kernels (:mod:`vfesim.pairwise` signatures; E may
+        be a 0-d device array, as :class:`vfesim.backends.Backend` allows) the free energy takes when a
+        caller names no others (rollouts, mirror steps); None: the array code
     """
 
     forward: Callable
@@ -294,10 +295,12 @@ def energy_and_gradient_arrays(
     nb = None if cfg.dense else neighbours
     weights = (cfg.lambda_self, cfg.lambda_belief, cfg.lambda_prior, cfg.lambda_obs)
     fw = ops.forward(arrays, weights)
-    terms = dict.fromkeys(TERMS, 0.0)
+    # Each term's value where it was computed (device sums stay on the device until one transfer at the
+    # end: no synchronisation between the passes), and its weight.
+    values, lams = {}, {}
     for name, lam in (("self", cfg.lambda_self), ("observation", cfg.lambda_obs)):
         if lam > 0:
-            terms[name] = lam * total(fw.energies[name])
+            values[name], lams[name] = lazy_total(fw.energies[name]), lam
     alignment = {
         "belief_align": (cfg.lambda_belief, cfg.kappa_beta),
         "prior_align": (cfg.lambda_prior, cfg.kappa_gamma),
@@ -305,13 +308,15 @@ def energy_and_gradient_arrays(
     cot = {}
     for name, (A, B, c) in fw.features.items():
         lam, kappa = alignment[name]
-        E, *cot[name] = _pairwise.pairwise_energy(
+        values[name], *cot[name] = _pairwise.pairwise_energy(
             A, B, c, kappa, cfg.aggregator, nb, dense=pairwise_dense, sparse=pairwise_sparse
         )
-        terms[name] = lam * E
+        lams[name] = lam
     grads = ops.backward(arrays, fw, weights, cot)
     grads["temperature"] = grads["temperature"].astype(arrays["temperature"].dtype, copy=False)
     grads["phi"] = grads["phi"].astype(arrays["phi"].dtype, copy=False)
+    terms = dict.fromkeys(TERMS, 0.0)
+    terms |= {name: lams[name] * v for name, v in host_floats(values).items()}
     terms["total"] = sum(terms[k] for k in TERMS)
     return terms, grads
 
