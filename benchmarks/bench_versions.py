@@ -5,9 +5,12 @@ versions in one run (e.g. before and after a refactor), each in its own process:
     PYTHONPATH=new python benchmarks/bench_versions.py --label after
 
 Default cases: backends numba and cuda (when a GPU is present), N in {4096, 65536}, K = 3, float32 and
-float64, the default config (self + belief alignment, dense). Prints one line per case: label, backend,
-N, K, dtype, median time (ms) of --repeat calls after a warm-up call, and the repeats. The inputs live
-where the backend wants them (NumPy for numba, CuPy for cuda), so transfers are not timed.
+float64, the default config (self + belief alignment, dense; ``--prior``: the prior alignment term too).
+``--quantum-d 4`` adds density-matrix agents of that d (self + belief terms, dense) in the complex dtype of
+each real one (complex64, complex128). Prints one line per case: label, backend, N, K (Gaussian) or d
+(density matrices, "d4"), dtype, median and least time (ms) of --repeat calls after a warm-up call, and the
+repeats. The inputs live where the backend wants them (NumPy for numba, CuPy for cuda), so transfers are
+not timed.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ def _sync(backend: str) -> None:
         cupy.cuda.Device().synchronize()
 
 
-def time_case(backend: str, N: int, K: int, dtype: str, repeat: int) -> tuple[float, int]:
-    cfg = vfesim.ModelConfig(K=K)
+COMPLEX = {"float32": "complex64", "float64": "complex128"}
+
+
+def time_case(backend: str, N: int, cfg, dtype: str, repeat: int) -> tuple[float, float, int]:
     state = vfesim.random_state(cfg, N, seed=0, dtype=dtype)
     be = get(backend)
     arrays = be.to_device({k: state[k].data for k in state.data_vars})
@@ -42,7 +47,7 @@ def time_case(backend: str, N: int, K: int, dtype: str, repeat: int) -> tuple[fl
         be.energy_and_gradient(arrays, cfg)
         _sync(backend)
         times.append(time.perf_counter() - t0)
-    return float(np.median(times)), len(times)
+    return float(np.median(times)), float(np.min(times)), len(times)
 
 
 def main() -> None:
@@ -53,25 +58,25 @@ def main() -> None:
     ap.add_argument("--k", nargs="*", type=int, default=[3])
     ap.add_argument("--dtypes", nargs="*", default=["float32", "float64"])
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--prior", action="store_true", help="Gaussian cases with the prior alignment term")
+    ap.add_argument("--quantum-d", nargs="*", type=int, default=[], help="density-matrix cases of these d")
     args = ap.parse_args()
     backends = args.backends
     if backends is None:
         from vfesim.backends import cuda_available
 
         backends = ["numba"] + (["cuda"] if cuda_available() else [])
-    print(
-        f"{'label':>8} {'backend':>7} {'N':>8} {'K':>3} {'dtype':>8} {'median_ms':>10} {'reps':>5}",
-        flush=True,
-    )
+    prior = 1.0 if args.prior else 0.0
+    cases = [(str(K), vfesim.ModelConfig(K=K, lambda_prior=prior), dt) for K in args.k for dt in args.dtypes]
+    cases += [(f"d{d}", vfesim.QuantumConfig(d=d), COMPLEX[dt]) for d in args.quantum_d for dt in args.dtypes]
+    cols = ("label", 8), ("backend", 7), ("N", 8), ("K", 3), ("dtype", 10), ("median_ms", 10), ("min_ms", 8)
+    print(" ".join(f"{c:>{w}}" for c, w in cols) + f" {'reps':>5}", flush=True)
     for backend in backends:
-        for K in args.k:
+        for name, cfg, dtype in cases:
             for N in args.n:
-                for dtype in args.dtypes:
-                    t, reps = time_case(backend, N, K, dtype, args.repeat)
-                    print(
-                        f"{args.label:>8} {backend:>7} {N:>8} {K:>3} {dtype:>8} {1e3 * t:>10.2f} {reps:>5}",
-                        flush=True,
-                    )
+                t, lo, reps = time_case(backend, N, cfg, dtype, args.repeat)
+                row = f"{args.label:>8} {backend:>7} {N:>8} {name:>3} {dtype:>10}"
+                print(f"{row} {1e3 * t:>10.2f} {1e3 * lo:>8.2f} {reps:>5}", flush=True)
 
 
 if __name__ == "__main__":
