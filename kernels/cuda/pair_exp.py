@@ -11,7 +11,11 @@ polynomial, about 18 double-precision operations). A table-driven exponential (2
 a degree-6 polynomial, 10 operations, within 1 ulp of ``math.exp``) made the pair kernels slower on an H100
 (density-matrix pairs, complex128, N = 65 536: 53.5 -> 59.6 ms per evaluation; Gaussian float64 K = 3:
 87 -> 101 ms): its shared-memory load sits in the middle of each exponential's dependent chain, which two
-resident warps per scheduler cannot hide.
+resident warps per scheduler cannot hide. A variant without memory access (2^(j/8) picked by selects, a
+degree-8 polynomial, 13 operations against 16, within 1 ulp) was slower still (62.3 against 52.7 ms;
+Gaussian 107 against 86 ms): its floor test, word access and selects cost more than the operations saved,
+where libdevice's exponential is one predicated sequence. Both are described in
+benchmarks/results/gpu_exp64_h100_stop31.txt.
 """
 
 from __future__ import annotations
