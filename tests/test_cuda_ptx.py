@@ -242,3 +242,12 @@ def test_reduce_kernels_compile_for_sm90(dtype, name):
     assert ".target sm_90" in ptx and re.search(r"\.entry\s", ptx)
     assert "bar.sync" in ptx and ".shared" in ptx
     assert re.search(r"\.f64\b", ptx)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fold_kernel_compiles_for_sm90(dtype):
+    """The slices' sum of the dense sender pass (vfesim_kernels.cuda.reduce.fold_slices), in the dtype."""
+    k = kc.reduce.make_reduce_kernels()
+    ptx, _ = kc.cuda.compile_ptx(k["_py"]["fold"], kc.reduce.reduce_signatures(dtype)["fold"], cc=(9, 0))
+    assert ".target sm_90" in ptx and re.search(r"\.entry\s", ptx)
+    assert bool(re.search(r"add(\.rn)?\.f64", ptx)) == (dtype == "float64")

@@ -27,7 +27,6 @@ thread per agent) and this backend's family-free pair functions: dense pairs of 
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -39,7 +38,7 @@ from vfesim_kernels import cuda as kc
 from vfesim_kernels import kernel_cache_dir
 from vfesim_kernels.pairwise_cpu import incoming_csr, range_error
 
-from ..arrays import host_array
+from ..arrays import host_array, host_floats
 from ..config import ModelConfig
 from ..gaussian.energy import NUMPY_AGENT_OPS, StagedStages
 from ..groups import generators
@@ -592,11 +591,10 @@ class FusedStages:
         """Energy values from device scalars with one device-to-host transfer (and synchronisation)."""
         if not values:
             return {}
-        stacked = self.xp.stack([v for _, v in values])
-        host = stacked if isinstance(stacked, np.ndarray) else stacked.get()
+        host = host_floats(dict(values))
         FIRST_USE.end(self.first_use, self.kern, self.pair_kern)
         self.first_use = None
-        return {name: float(v) for (name, _), v in zip(values, host.tolist(), strict=True)}
+        return host
 
     def result(self) -> dict:
         """Fresh copies of the gradients (the workspace is reused by the next evaluation)."""
@@ -647,9 +645,9 @@ def _device_updates(K: int):
     return Device(K)
 
 
-def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str, *, lazy: bool = False):
-    """Sparse pairs (the contract of :func:`vfesim.pairwise.pairwise_sparse`) in the sparse kernels;
-    ``lazy``: E as a 0-d device array (no synchronisation)."""
+def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
+    """Sparse pairs (the contract of :func:`vfesim.pairwise.pairwise_sparse`) in the sparse kernels, E as
+    a 0-d device array (no synchronisation)."""
     xp = array_module()
     N, D = A.shape
     dt = A.dtype
@@ -670,8 +668,7 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str, *, laz
     nblk = _cdiv(N, kc.BLOCK)
     k["rows"][(nblk, 1), kc.BLOCK](Ah, Bb, ch, nbr["index"], nbr["mask"], dk, 0, dW, de, dgA)
     k["senders"][(nblk, 1), kc.BLOCK](Ah, dW, nbr["ptr"], nbr["row"], nbr["slot"], 0, dgB)
-    E = kc.reduce.device_sum(energy[0])
-    E = E * kappa if lazy else kappa * float(E)
+    E = kc.reduce.device_sum(energy[0]) * kappa
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
 
 
@@ -751,15 +748,14 @@ def _dense_streaming(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
     return kappa * energy, 0.5 * gA, 0.5 * gc, kappa * gB
 
 
-def _pairwise_dense(A, B, c, kappa: float, aggregator: str, *, lazy: bool = False):
+def _pairwise_dense(A, B, c, kappa: float, aggregator: str):
     """Dense pairs (the contract of :func:`vfesim.pairwise.pairwise_dense`) on device arrays: the
-    streaming kernels for D <= STREAM_MAX_D (no N x N array), else row-blocked GEMMs. ``lazy``: E as a
-    0-d device array (no synchronisation)."""
+    streaming kernels for D <= STREAM_MAX_D (no N x N array; E as a 0-d device array, no
+    synchronisation), else row-blocked GEMMs."""
     if A.shape[1] > STREAM_MAX_D:
         return pairwise_dense_gemm(A, B, c, kappa, aggregator)
     erow, gA, gc, gB = _dense_streaming(A, c, B, 0, kappa, aggregator)
-    E = kc.reduce.device_sum(erow)
-    return E if lazy else float(E), gA, gB, gc
+    return kc.reduce.device_sum(erow), gA, gB, gc
 
 
 def pairwise_dense_rows(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
@@ -820,12 +816,6 @@ def pairwise_dense_senders(A, c, m, inv_s, abar, B_s, s0: int, kappa: float, agg
     return kappa * gB.astype(np.float64)
 
 
-# The backend's pair functions: energies stay on the device (no synchronisation between the passes of an
-# evaluation; the assemblies bring all terms home in one transfer).
-_pairwise_dense_lazy = functools.partial(_pairwise_dense, lazy=True)
-_pairwise_sparse_lazy = functools.partial(_pairwise_sparse, lazy=True)
-
-
 def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
     """Launch density-matrix kernel ``name`` with N threads (vfesim.quantum.kernel_ops): one per agent, or
     per part of an agent's work (``energy_prep``: N = 3 x agents)."""
@@ -839,12 +829,7 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
 # (cuSOLVER's eigh).
 QUANTUM_KERNEL_MAX_D = 8
 QUANTUM_OPS = sized_ops(
-    kernel_ops(
-        array_module,
-        _quantum_launch,
-        kc.as_device_view,
-        (_pairwise_dense_lazy, _pairwise_sparse_lazy),
-    ),
+    kernel_ops(array_module, _quantum_launch, kc.as_device_view, (_pairwise_dense, _pairwise_sparse)),
     NUMPY_OPS,
     QUANTUM_KERNEL_MAX_D,
 )
@@ -931,8 +916,8 @@ BACKEND = Backend(
     array_module=array_module,
     to_device=to_device,
     to_host=to_host,
-    pairwise_dense=_pairwise_dense_lazy,
-    pairwise_sparse=_pairwise_sparse_lazy,
+    pairwise_dense=_pairwise_dense,
+    pairwise_sparse=_pairwise_sparse,
     updates=_device_updates,
     agent_ops={"gaussian": _stages, "quantum": QUANTUM_OPS},
     on_device=True,
