@@ -369,12 +369,32 @@ def test_dense_kernels_honour_register_caps(monkeypatch):
     make = kc.make_dense_kernels
     monkeypatch.setattr(kc, "make_dense_kernels", lambda *a: make(*a, registers=caps))
     got = cb.BACKEND.pairwise_dense(A, B, c, 1.0, "softmin")
-    ks = make(D, dtype, "softmin", kc.PAIR_THREADS, kc.pair_opt(dtype), registers=caps)
+    ks = make(D, dtype, "softmin", registers=caps)
     for name, cap in zip(("stats", "grads"), caps, strict=True):
         assert max(ks[name].get_regs_per_thread().values()) <= cap, name
     assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-5)
     for x, y in zip(got[1:], want[1:], strict=True):
         np.testing.assert_allclose(cp.asnumpy(x), cp.asnumpy(y), rtol=1e-4, atol=1e-5 * float(abs(y).max()))
+
+
+@pytest.mark.parametrize("K", [8, 4])
+def test_tensor_core_products_keep_the_ptx_fragment_layout(K):
+    """The float64 mma.sync primitives of the pair kernels (kernels/cuda/warp.py) on the hardware: D = A B + C
+    with the fragment layouts written out in tests/reference/fragments.py (the simulator's emulation is
+    checked against the same maps)."""
+    from numba import cuda
+    from reference import fragments
+
+    A, B, C, want = fragments.products(K, seed=K)
+    out = cuda.to_device(np.full((16, 8), np.nan))
+    fragments.kernels()[K][1, 32](cuda.to_device(A), cuda.to_device(B), cuda.to_device(C), out)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-14, atol=1e-14)
+    v = np.random.default_rng(K).normal(size=32)
+    q = cuda.to_device(np.zeros((2, 32)))
+    fragments.kernels()["quads"][1, 32](cuda.to_device(v), q)
+    quads = v.reshape(8, 4)
+    np.testing.assert_array_equal(q.copy_to_host()[1], np.repeat(quads.max(axis=1), 4))
+    np.testing.assert_allclose(q.copy_to_host()[0], np.repeat(quads.sum(axis=1), 4), rtol=1e-15)
 
 
 AHEAD_SCRIPT = """

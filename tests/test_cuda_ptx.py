@@ -3,7 +3,8 @@
 The CUDA simulator runs untyped Python and accepts code that the compiler rejects; this test runs the
 real front end and NVVM (``numba-cuda[cu13]``). It also guards two performance properties of the dense
 pairwise kernels: float32 kernels contain no float64 arithmetic (a Python float literal in the per-pair
-math would silently promote), and at K = 3 the per-thread arrays stay in registers (no local memory).
+math would silently promote), and at K = 3 the per-thread arrays stay in registers (no local memory);
+the float64 dense kernels run their products on the tensor cores (mma.sync m16n8k8).
 """
 
 import functools
@@ -72,6 +73,9 @@ def test_kernel_compiles_for_sm90(K, dtype, fam, name):
             assert not re.search(r"\.f64\b", ptx), "float64 arithmetic in a float32 pairwise kernel"
         if K == 3:
             assert ".local" not in ptx, "per-thread arrays spilled to local memory at K = 3"
+        if dtype == "float64":  # the tensor-core kernels: the sm_90 shapes, not Ampere's m8n8k4
+            assert "mma.sync.aligned.m16n8k8.row.col.f64" in ptx
+            assert "m8n8k4" not in ptx
 
 
 def test_every_kernel_has_a_signature():

@@ -4,7 +4,8 @@
   math of :mod:`vfesim_kernels.pair_math` / per-agent scalars of :mod:`vfesim_kernels.agent_math` as
   device functions;
 - :mod:`.pairwise`: family-free pairwise kernels over feature rows (dense streaming, sparse, GEMM rows),
-  keyed by the feature width D;
+  keyed by the feature width D; :mod:`.pair_mma` the float64 dense ones on the tensor cores, from the
+  warp-level primitives of :mod:`.warp`;
 - :mod:`.checks`: input checks of a Gaussian state on the device (every variable's largest entry, the
   covariances' SPD verdicts and condition-number bounds) in one launch;
 - :mod:`.quantum`: density-matrix per-agent stages (Jacobi eigensolver, Daleckii–Krein adjoints), one
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ahead, checks, gaussian, quantum, reduce
+from . import ahead, checks, gaussian, pair_mma, quantum, reduce, warp
 from .core import (
     BLOCK,
     PAIR_OPTS,
@@ -44,8 +45,10 @@ from .gaussian import (
     make_block_kernels,
 )
 from .pairwise import (
+    DENSE_MMA,
     DENSE_REGISTERS,
     ROW_THREADS,
+    dense_layout,
     dense_registers,
     dense_slices,
     dense_splits,
@@ -62,6 +65,8 @@ __all__ = [
     "gaussian",
     "quantum",
     "reduce",
+    "pair_mma",
+    "warp",
     "SIMULATOR",
     "cuda",
     "as_device_view",
@@ -70,6 +75,8 @@ __all__ = [
     "feature_dim",
     "dense_slices",
     "dense_splits",
+    "dense_layout",
+    "DENSE_MMA",
     "dense_registers",
     "DENSE_REGISTERS",
     "make_agent_kernels",

@@ -54,9 +54,12 @@ from .core import (
     row_unit_energy_w,
 )
 from .pair_exp import PAIR_EXP
+from .pair_mma import make_mma_kernels, mma_layout
 
 __all__ = [
     "make_dense_kernels",
+    "dense_layout",
+    "DENSE_MMA",
     "dense_registers",
     "DENSE_REGISTERS",
     "make_sparse_kernels",
@@ -192,15 +195,15 @@ def dense_splits(
     n_owners: int,
     n_others: int | None = None,
     row_bytes: int = 0,
-    opt: int = 2,
+    per_block: int = 2 * PAIR_THREADS,
     threads: int = PAIR_THREADS,
 ) -> tuple[int, int]:
     """(S, chunk): the others axis (``n_others`` rows, default ``n_owners``) cut into S slices of ``chunk``
-    rows (a multiple of ``threads``) for a launch over ``n_owners`` owners, ``opt`` per thread (the
-    kernels' :func:`~.core.pair_opt`), whose slices each keep ``row_bytes`` per owner of partial sums (see
-    SPLIT_BLOCKS)."""
+    rows (a multiple of ``threads``) for a launch over ``n_owners`` owners, ``per_block`` per block of
+    ``threads`` threads (the kernels' :func:`dense_layout`), whose slices each keep ``row_bytes`` per owner
+    of partial sums (see SPLIT_BLOCKS)."""
     n_others = n_owners if n_others is None else n_others
-    S = -(-SPLIT_BLOCKS // -(-n_owners // (threads * opt)))
+    S = -(-SPLIT_BLOCKS // -(-n_owners // per_block))
     if not SIMULATOR:
         S = min(S, n_others // (4 * threads), split_budget(n_owners) // max(1, n_owners * row_bytes))
     return dense_slices(n_others, max(1, min(S, SPLIT_MAX)), threads)
@@ -242,13 +245,56 @@ def dense_registers(D: int, dtype) -> tuple:
     return DENSE_REGISTERS.get((np.dtype(dtype).name, D), (None, None))
 
 
+# Dtypes whose dense pairs run on the tensor cores (:mod:`.pair_mma`, float64 matrix products of 16 x 8
+# tiles), the others on the SIMT kernels of :func:`_dense_kernels`. float32 stays there: one tf32 product
+# keeps 10 bits (outside the 1e-4 contract), and three per product (hi/lo splits, within 4e-5 of numpy)
+# made whole calls slower on an H100 (density-matrix d = 4 complex64 at N = 65 536: 21.7 -> 25.0 ms;
+# Gaussian K = 3 float32 two terms 34.8 -> 45.6 ms; benchmarks/results/gpu_mma_h100_stop32.txt).
+DENSE_MMA = frozenset({"float64"})
+
+
+def dense_layout(D: int, dtype) -> tuple[int, int]:
+    """(threads, owners) per block of the dense kernels :func:`make_dense_kernels` picks for feature width D
+    and ``dtype`` (their ``threads`` and ``per_block``), known before they are made."""
+    if np.dtype(dtype).name in DENSE_MMA:
+        return mma_layout(D)
+    return PAIR_THREADS, PAIR_THREADS * pair_opt(dtype)
+
+
 def make_dense_kernels(
-    D: int, dtype: str, aggregator: str, threads: int = PAIR_THREADS, opt: int | None = None, registers=None
+    D: int,
+    dtype: str,
+    aggregator: str,
+    threads: int | None = None,
+    opt: int | None = None,
+    registers=None,
+    mma: bool | None = None,
 ):
-    """The dense streaming kernels of :func:`_dense_kernels` with ``opt`` owners per thread (None: the
-    dtype's :func:`~.core.pair_opt`)."""
+    """The dense streaming kernels ``stats``, ``merge``, ``grads`` (contract: :func:`_dense_kernels`) for
+    feature width D, ``dtype`` and ``aggregator``, with their launch layout: ``threads`` per block,
+    ``per_block`` owners per block. ``mma`` (None: ``dtype`` in DENSE_MMA): the float64 tensor-core
+    kernels of :mod:`.pair_mma`; otherwise the SIMT kernels with ``threads`` (PAIR_THREADS) and ``opt``
+    owners per thread (the dtype's :func:`~.core.pair_opt`) and register caps ``registers``."""
     dtype = np.dtype(dtype).name
+    mma = dtype in DENSE_MMA if mma is None else mma
+    if mma:
+        if dtype != "float64" or threads is not None or opt is not None or registers is not None:
+            raise ValueError(
+                f"the tensor-core dense kernels are float64 (got {dtype}), with their own layout and no "
+                "register caps"
+            )
+        return _mma_dense_kernels(D, aggregator)
+    threads = PAIR_THREADS if threads is None else threads
     return _dense_kernels(D, dtype, aggregator, threads, pair_opt(dtype) if opt is None else opt, registers)
+
+
+@functools.cache
+def _mma_dense_kernels(D: int, aggregator: str) -> dict:
+    """:func:`.pair_mma.make_mma_kernels` completed by the SIMT set's ``merge`` (the same statistics)."""
+    simt = _dense_kernels(D, "float64", aggregator, PAIR_THREADS, pair_opt("float64"), None)
+    ks = make_mma_kernels(D, aggregator)
+    py = ks["_py"] | {"merge": simt["_py"]["merge"]}
+    return ks | {"merge": simt["merge"], "_py": py, "registers": (None, None), "mma": True}
 
 
 @functools.cache
@@ -552,10 +598,16 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
     caps = dense_registers(D, dtype) if registers is None else registers
     stats_cap, grads_cap = caps
     ks = compile_kernels(pyfuncs, cache=registers is None, registers={"stats": stats_cap, "grads": grads_cap})
-    return ks | {"tile": TS, "threads": NT, "opt": OPT, "registers": caps}
+    layout = {"tile": TS, "threads": NT, "opt": OPT, "per_block": NT * OPT}
+    return ks | layout | {"registers": caps, "mma": False}
 
 
-make_dense_kernels.cache_clear = _dense_kernels.cache_clear  # (a sweep's or a test's patched tables)
+def _clear_dense_caches() -> None:
+    _dense_kernels.cache_clear()
+    _mma_dense_kernels.cache_clear()
+
+
+make_dense_kernels.cache_clear = _clear_dense_caches  # (a sweep's or a test's patched tables)
 
 
 @functools.cache

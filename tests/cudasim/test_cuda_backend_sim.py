@@ -51,11 +51,14 @@ BASE = dict(lambda_prior=0.6, kappa_beta=0.7, kappa_gamma=1.3)
 @pytest.mark.parametrize("aggregator", ["expected", "softmin"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_dense_parity(aggregator, dtype):
-    # N = 11 with 4 threads x 2 owners per block (float64): two owner blocks, two sender slices, a partial
-    # tile; float32, 4 x 3 owners: one partial owner block.
+    # float32 (SIMT kernels), N = 11 with 4 threads x 3 owners per block: a partial owner block, two sender
+    # slices, a partial tile. float64 (tensor-core kernels, one warp of 16 owners per block here), N = 37:
+    # three owner blocks, two sender slices, partial tiles.
     cfg = vfesim.ModelConfig(K=3, aggregator=aggregator, **BASE)
-    assert kc.dense_splits(11, opt=kc.pair_opt(dtype))[0] == 2
-    _assert_parity(cfg, _arrays(cfg, 11, dtype))
+    N = 37 if dtype == "float64" else 11
+    nt, per_block = kc.dense_layout(kc.feature_dim(3), dtype)
+    assert kc.dense_splits(N, N, 0, per_block, nt)[0] == 2
+    _assert_parity(cfg, _arrays(cfg, N, dtype))
 
 
 @pytest.mark.parametrize("aggregator", ["expected", "softmin"])
@@ -416,19 +419,17 @@ def test_receiver_sums_follow_a_moving_maximum(aggregator, order, N):
 def test_dense_kernels_take_register_caps(monkeypatch, request):
     """The dense kernels' register caps: the tuned table by default (cached on disk), or a variant's own
     (a sweep's); the same pairs either way."""
-    monkeypatch.setitem(kc.DENSE_REGISTERS, ("float64", 10), (96, 128))
+    monkeypatch.setitem(kc.DENSE_REGISTERS, ("float32", 10), (96, 128))
     kc.make_dense_kernels.cache_clear()  # kernels made under the patched table go with it (below)
     request.addfinalizer(kc.make_dense_kernels.cache_clear)
-    default = kc.make_dense_kernels(10, "float64", "softmin", kc.PAIR_THREADS, kc.pair_opt("float64"))
-    assert default["registers"] == (96, 128) == kc.dense_registers(10, np.float64)
-    assert kc.dense_registers(10, "float32") == kc.DENSE_REGISTERS.get(("float32", 10), (None, None))
-    variant = kc.make_dense_kernels(
-        10, "float64", "softmin", kc.PAIR_THREADS, kc.pair_opt("float64"), registers=(80, 80)
-    )
+    default = kc.make_dense_kernels(10, "float32", "softmin")
+    assert default["registers"] == (96, 128) == kc.dense_registers(10, np.float32)
+    assert kc.dense_registers(10, "float64") == kc.DENSE_REGISTERS.get(("float64", 10), (None, None))
+    variant = kc.make_dense_kernels(10, "float32", "softmin", registers=(80, 80))
     assert variant["registers"] == (80, 80) and variant["stats"] is not default["stats"]
     rng = np.random.default_rng(1)
-    A, B = rng.standard_normal((2, 40, 10))
-    c = rng.standard_normal(40)
+    A, B = rng.standard_normal((2, 40, 10)).astype(np.float32)
+    c = rng.standard_normal(40).astype(np.float32)
     want = cb.BACKEND.pairwise_dense(A, B, c, 0.7, "softmin")
     monkeypatch.setattr(
         kc, "make_dense_kernels", lambda *a, make=kc.make_dense_kernels: make(*a, registers=(80, 80))

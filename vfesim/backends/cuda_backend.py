@@ -142,7 +142,7 @@ class _Plan(list):
         if not dense:
             self.add(kc.pairwise, "make_sparse_kernels", (D, dt, aggregator), sigs, "rows", "senders")
         elif streaming:
-            args = (D, dt, aggregator, kc.PAIR_THREADS, kc.pair_opt(dt))
+            args = (D, dt, aggregator)
             self.add(kc.pairwise, "make_dense_kernels", args, sigs, "grads", "stats", "merge")
         else:
             rows = kc.block_kernel_signatures(1, dt)
@@ -272,7 +272,8 @@ class _Workspace:
         streaming = self.dense and mode == "kernels" and pairs
         # per slice and agent: two terms' gAr (D + 1), gBs (D), pm, ps, pt and, for "expected", gAx (D + 1)
         row_bytes = 2 * (3 * D + 5) * np.dtype(dtype).itemsize
-        self.S, self.chunk = kc.dense_splits(N, N, row_bytes, kc.pair_opt(dtype)) if streaming else (1, 0)
+        nt, per_block = kc.dense_layout(D, dtype)
+        self.S, self.chunk = kc.dense_splits(N, N, row_bytes, per_block, nt) if streaming else (1, 0)
         self.buf: dict[str, Any] = {}
         self.dev: dict[str, Any] = {}
         shapes = {
@@ -534,11 +535,9 @@ class FusedStages:
                 )  # fmt: skip
                 b["energy"][f] *= b["kappa"][f]
         elif ws.dense:
-            k = self.pair_kern = kc.make_dense_kernels(
-                D, dt, cfg.aggregator, kc.PAIR_THREADS, kc.pair_opt(dt)
-            )
+            k = self.pair_kern = kc.make_dense_kernels(D, dt, cfg.aggregator)
             nt = k["threads"]
-            nb = _cdiv(N, nt * k["opt"])
+            nb = _cdiv(N, k["per_block"])
             gAx = ws.expected_sums(cfg.aggregator)
             k["stats"][(nb, ws.S, nf), nt](
                 d["A"], d["B"], d["c"], 0, f0, ws.chunk, d["pm"], d["ps"], d["pt"], d["gAr"], gAx
@@ -682,11 +681,11 @@ def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None
     NR, D = Ah.shape[1:]
     N = Bb.shape[1]
     dt = Ah.dtype
-    k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.pair_opt(dt))
+    k = kc.make_dense_kernels(D, dt.name, aggregator)
     nt = k["threads"]
     if splits is None:
         per_row = (D + 4 + (D + 1) * (aggregator == "expected")) * dt.itemsize  # gAr, pm, ps, pt (, gAx)
-        S, chunk_s = kc.dense_splits(NR, N, per_row, k["opt"], nt)
+        S, chunk_s = kc.dense_splits(NR, N, per_row, k["per_block"], nt)
     else:
         S, chunk_s = kc.dense_slices(N, splits, nt)
     pm, ps, pt = (xp.empty((S, 1, NR), dt) for _ in range(3))
@@ -696,7 +695,7 @@ def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None
     kap = xp.ones(1, dt)
     v = kc.launch_view  # (the arrays live until both launches are queued)
     dgA, dgx = v(gAr), v(gAx)
-    nb_r = _cdiv(NR, nt * k["opt"])
+    nb_r = _cdiv(NR, k["per_block"])
     k["stats"][(nb_r, S, 1), nt](v(Ah), v(Bb), v(ch), r0, 0, chunk_s, v(pm), v(ps), v(pt), dgA, dgx)
     k["merge"][(_cdiv(NR, kc.BLOCK), 1), kc.BLOCK](
         v(pm), v(ps), v(pt), v(kap), 0, v(m), v(inv_s), v(abar), v(energy), dgA, dgx
@@ -716,15 +715,15 @@ def _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0: int, aggregator: str, splits: i
     NR, D = Ah.shape[1:]
     NS = Bb.shape[1]
     dt = Ah.dtype
-    k = kc.make_dense_kernels(D, dt.name, aggregator, kc.PAIR_THREADS, kc.pair_opt(dt))
+    k = kc.make_dense_kernels(D, dt.name, aggregator)
     nt = k["threads"]
     if splits is None:
-        S, chunk_r = kc.dense_splits(NS, NR, D * dt.itemsize, k["opt"], nt)
+        S, chunk_r = kc.dense_splits(NS, NR, D * dt.itemsize, k["per_block"], nt)
     else:
         S, chunk_r = kc.dense_slices(NR, splits, nt)
     gBs = xp.empty((S, 1, NS, D), dt)
     v = kc.launch_view
-    nb_s = _cdiv(NS, nt * k["opt"])
+    nb_s = _cdiv(NS, k["per_block"])
     k["grads"][(nb_s, S, 1), nt](v(Ah), v(Bb), v(ch), v(m), v(inv_s), v(abar), r0, 0, chunk_r, v(gBs))
     return kc.reduce.fold_slices(gBs)[0]  # the slices in order: a fixed summation order
 

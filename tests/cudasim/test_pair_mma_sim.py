@@ -1,0 +1,93 @@
+"""The float64 tensor-core pair kernels (kernels/cuda/pair_mma.py) and their warp primitives
+(kernels/cuda/warp.py) under the CUDA simulator: the fragment layouts against NumPy; the kernels against
+the SIMT kernels (an independent implementation of the same contract) and the all-pairs reference, over
+receiver ranges, sender slices, partial tiles, padded feature chunks and both aggregators."""
+
+import numpy as np
+import pytest
+from reference import fragments
+from vfesim_kernels import cuda as kc
+from vfesim_kernels.cuda import pair_mma
+from vfesim_kernels.cuda import pairwise as kp
+
+from vfesim.backends import cuda_backend as cb
+from vfesim.pairwise.reference import pairwise_dense
+
+
+@pytest.mark.parametrize("K", [8, 4])
+def test_products_keep_the_ptx_fragment_layout(K):
+    A, B, C, want = fragments.products(K)
+    out = np.full((16, 8), np.nan)
+    fragments.kernels()[K][1, 32](A, B, C, out)
+    np.testing.assert_allclose(out, want, rtol=1e-14, atol=1e-14)
+
+
+def test_quad_sum_and_max_cover_the_four_lanes_of_a_row():
+    v = np.random.default_rng(3).normal(size=32)
+    out = np.zeros((2, 32))
+    fragments.kernels()["quads"][1, 32](v, out)
+    quads = v.reshape(8, 4)
+    sums = (quads[:, 0] + quads[:, 1]) + (quads[:, 2] + quads[:, 3])
+    np.testing.assert_array_equal(out[0], np.repeat(sums, 4))
+    np.testing.assert_array_equal(out[1], np.repeat(quads.max(axis=1), 4))
+
+
+def test_float64_dense_pairs_take_the_tensor_core_kernels():
+    k = kc.make_dense_kernels(16, "float64", "softmin")
+    assert k["mma"] and (k["threads"], k["per_block"]) == kc.dense_layout(16, "float64")
+    assert not kc.make_dense_kernels(16, "float32", "softmin")["mma"]
+    assert pair_mma._chunks(16) == (2, 0, 2) and pair_mma._chunks(9) == (1, 1, 2)
+    assert pair_mma._chunks(13) == (2, 0, 2)  # (a last chunk of 5 features pads to 8)
+    with pytest.raises(ValueError, match="float64"):
+        kc.make_dense_kernels(16, "float32", "softmin", mma=True)
+    with pytest.raises(ValueError, match="register caps"):
+        kc.make_dense_kernels(16, "float64", "softmin", registers=(80, 80))
+
+
+def _features(N, D, seed):
+    rng = np.random.default_rng(seed)
+    A = 0.4 * rng.normal(size=(N, D))
+    B = 0.4 * rng.normal(size=(N, D))
+    c = rng.uniform(0.5, 2.0, N)
+    return A, B, c
+
+
+def _rows(A, c, B, r0, aggregator, mma):
+    kp_mma = kp.DENSE_MMA
+    try:
+        kp.DENSE_MMA = frozenset({"float64"}) if mma else frozenset()
+        return cb.pairwise_dense_rows(A, c, B, r0, 0.7, aggregator)
+    finally:
+        kp.DENSE_MMA = kp_mma
+
+
+@pytest.mark.parametrize(
+    "D, aggregator, r0, NR",
+    [
+        (16, "softmin", 0, 40),  # all receivers: 3 owner blocks (the last partial), 2 sender slices
+        (9, "expected", 0, 40),  # an m16n8k4 chunk for the ninth feature
+        (13, "softmin", 11, 21),  # a receiver range off the block grid: the pair i == j moves
+    ],
+)
+def test_tensor_core_pairs_equal_the_simt_kernels_and_the_reference(D, aggregator, r0, NR):
+    N = 40
+    A, B, c = _features(N, D, seed=D)
+    assert kc.dense_splits(NR, N, 0, *reversed(kc.dense_layout(D, "float64")))[0] == 2
+    got = _rows(A[r0 : r0 + NR], c[r0 : r0 + NR], B, r0, aggregator, mma=True)
+    simt = _rows(A[r0 : r0 + NR], c[r0 : r0 + NR], B, r0, aggregator, mma=False)
+    for x, y in zip(got, simt, strict=True):
+        assert np.isfinite(x).all()
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-14 * np.abs(y).max())
+    if NR == N:
+        E, gA, gB, gc = pairwise_dense(A, B, c, 0.7, aggregator)
+        erow, gA_r, gc_r, gB_c = got
+        np.testing.assert_allclose(float(erow.sum()), E, rtol=1e-12)
+        for x, y in [(gA_r, gA), (gc_r, gc), (gB_c, gB)]:
+            np.testing.assert_allclose(x, y, rtol=1e-11, atol=1e-13 * np.abs(y).max())
+
+
+def test_a_nan_feature_reaches_the_energies_it_touches():
+    A, B, c = _features(20, 16, seed=5)
+    B[7, 3] = np.nan  # sender 7: every receiver but 7 meets it
+    erow, gA, gc, gB = _rows(A, c, B, 0, "softmin", mma=True)
+    assert np.isnan(np.delete(erow, 7)).all() and np.isfinite(erow[7])
