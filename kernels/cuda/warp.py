@@ -12,7 +12,7 @@ lane // 4 and q = lane % 4, lane (g, q) holds
 ``dmma_k4(a0, a1, b0, c0, c1, c2, c3)``: the same for K = 4 (``m16n8k4``; a_0, a_1 and b_0 as above).
 
 These layouts were checked against NumPy on an H100 (benchmarks/results/gpu_dmma_h100_stop32.txt), where
-both shapes run at 55-65 TFLOP/s against ~19 for the older m8n8k4. Each product is a float64 fused
+both shapes run at 51-65 TFLOP/s against 30-31 for Ampere's m8n8k4. Each product is a float64 fused
 multiply-add; the tensor cores' order within a row is their own but fixed: the same bits run to run.
 
 ``quad_sum(v)`` / ``quad_max(v)``: the sum (v_0 + v_1) + (v_2 + v_3) (resp. the maximum) over the lanes
