@@ -48,7 +48,8 @@ BLOCK = 8 if SIMULATOR else 128
 # owners: the density-matrix pairs (D = 16, complex64) at N = 16 384 3.40-3.80 -> 2.78-3.12 ms, at 65 536
 # 22.4-22.6 -> 21.9-22.3 ms, Gaussian K = 3 (D = 10, two terms) at 65 536 35.0-35.2 -> 34.4-34.7 ms; 4 owners
 # (200 registers at D = 16, 2 blocks per SM) were slower. float64 keeps 2: 3 owners made the complex128 pairs
-# at 65 536 53.5 -> 61 ms and Gaussian float64 87 -> 92 ms.
+# at 65 536 53.5 -> 61 ms and Gaussian float64 87 -> 92 ms. (float64 dense pairs now default to the
+# tensor-core kernels of vfesim_kernels.cuda.pair_mma; these serve them with ``mma=False``.)
 PAIR_THREADS = 4 if SIMULATOR else 128
 PAIR_OPTS = {"float32": 3, "float64": 2}
 

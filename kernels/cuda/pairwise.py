@@ -18,6 +18,8 @@ Sparse pairs: fixed-width neighbour lists, receivers and (through a CSC reverse 
 Weighted pairs batched over grid points (field agents, :func:`make_points_kernels`): one thread per
 receiver row, then one per sender row through the reverse index of the neighbour lists.
 Long features (the GEMM path): :func:`make_gemm_row_kernel`, one block per receiver row of a logit slab.
+float64 dense pairs run the same contract on the tensor cores (:mod:`.pair_mma`; :data:`DENSE_MMA`); the
+kernels below serve float32 (and float64 on request, ``mma=False``).
 Every sum runs in a fixed order, so results are bitwise reproducible on one device.
 """
 
@@ -217,8 +219,9 @@ def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]
     return max(1, -(-N // chunk)), chunk
 
 
-# Register caps (max_registers) of the dense kernels, (dtype, D) -> (stats, grads); absent or None: the
-# compiler's choice. Kept here, in the kernels' source file: changing it invalidates their disk cache. ptxas
+# Register caps (max_registers) of the SIMT dense kernels, (dtype, D) -> (stats, grads); absent or None: the
+# compiler's choice (the tensor-core float64 kernels take none). Kept here, in the kernels' source file:
+# changing it invalidates their disk cache. ptxas
 # (sm_90, 128 threads) gives D = 10 float32 stats 124 / grads 128 registers, float64 161 / 160, D = 16 float32
 # 122 / 122, float64 233 / 216 (4 blocks of 128 threads per SM at 128 registers, 3 at 161, 2 above 168); stop
 # 27 measured the caps below on the kernels before their per-pair work was interleaved across owners (stop
