@@ -158,19 +158,21 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
                         if col < D:
                             out[sl, f, i, col] = acc[gr, nc, 2 * hh + e]
 
-    def stats(A, B, c, r0, f0, chunk, pm, ps, pt, gAr, gAx):
-        """Receiver pass over one slice of senders (the contract of the SIMT ``stats``)."""
+    def coords(f0, chunk, n_others):
+        """(lane, g, q, term f, slice, the warp's first owner, the slice's others begin .. end) of this
+        thread."""
         tid = cuda.threadIdx.x
         lane = tid % 32
-        g = lane // 4
-        q = lane % 4
-        f = f0 + cuda.blockIdx.z
+        base = cuda.blockIdx.x * PB + (tid // 32) * (16 * G)
         sl = cuda.blockIdx.y
+        begin = sl * chunk
+        return lane, lane // 4, lane % 4, f0 + cuda.blockIdx.z, sl, base, begin, min(n_others, begin + chunk)
+
+    def stats(A, B, c, r0, f0, chunk, pm, ps, pt, gAr, gAx):
+        """Receiver pass over one slice of senders (the contract of the SIMT ``stats``)."""
         NR = A.shape[1]
         N = B.shape[1]
-        base = cuda.blockIdx.x * PB + (tid // 32) * (16 * G)  # the warp's first owner (local index)
-        j_begin = sl * chunk
-        j_end = min(N, j_begin + chunk)
+        lane, g, q, f, sl, base, j_begin, j_end = coords(f0, chunk, N)  # (base: a receiver's local index)
         own = cuda.local.array((G, KL, 4), dt)
         acc = cuda.local.array((G, NC, 4), dt)
         accx = cuda.local.array((G, NC, 4), dt)
@@ -270,17 +272,9 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
 
     def grads(A, B, c, m, inv_s, abar, r0, f0, chunk, gBs):
         """Sender pass over one slice of receivers (the contract of the SIMT ``grads``)."""
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        g = lane // 4
-        q = lane % 4
-        f = f0 + cuda.blockIdx.z
-        sl = cuda.blockIdx.y
         NR = A.shape[1]
         N = B.shape[1]
-        base = cuda.blockIdx.x * PB + (tid // 32) * (16 * G)  # the warp's first owner (sender)
-        k_begin = sl * chunk
-        k_end = min(NR, k_begin + chunk)
+        lane, g, q, f, sl, base, k_begin, k_end = coords(f0, chunk, NR)  # (base: a sender)
         own = cuda.local.array((G, KL, 4), dt)
         acc = cuda.local.array((G, NC, 4), dt)
         kl = cuda.local.array((G, 4), dt)  # per tile: the lane's KL' and weights
@@ -300,7 +294,7 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
         for k0 in range(k_begin, k_end, TS):
             cuda.syncthreads()
             load(A, f, k0, k_end, sL, sA)
-            for r in range(tid, TS, NT):
+            for r in range(cuda.threadIdx.x, TS, NT):
                 ok = k0 + r < k_end
                 sc[r] = c[f, k0 + r] if ok else zero
                 sm[r] = m[f, k0 + r] if ok else zero
@@ -324,6 +318,7 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
         for gr in range(G):
             store_rows(gBs, sl, f, base + 16 * gr, acc, gr, g, q, N)
 
+    coords = device(coords)
     clear = device(clear)
     load = device(load)
     load_owners = device(load_owners)
