@@ -41,6 +41,7 @@ from pathlib import Path
 import cupy as cp
 import numpy as np
 from vfesim_kernels import cuda as kc
+from vfesim_kernels.cuda import pairwise as kp
 
 import vfesim
 from vfesim.backends import cuda_backend as cb
@@ -170,19 +171,23 @@ def check_baseline(K: int, dtype: str = "float64", N: int = 256) -> dict:
 
 
 def tune(out_rows):
-    """Threads per block x owners per thread of the dense kernels at N = 65536, K = 3."""
+    """Threads per block x owners per thread of the SIMT dense kernels at N = 65536, K = 3 (float64 too:
+    its tensor-core kernels are set aside for the sweep)."""
     N, K = 65536, 3
-    keep = (kc.PAIR_THREADS, dict(kc.PAIR_OPTS))
-    for dtype in DTYPES:
-        for threads in (128, 256):
-            for opt in (1, 2, 3, 4):
-                kc.PAIR_THREADS, kc.PAIR_OPTS[dtype] = threads, opt
-                t, reps, _, _ = bench_cuda(N, K, dtype, config(K, "belief"))
-                row = dict(kind="tune", N=N, K=K, dtype=dtype, threads=threads, opt=opt, t_s=t, reps=reps)
-                out_rows.append(row)
-                log(f"tune {dtype} threads={threads} opt={opt}: {t * 1e3:.2f} ms")
-    kc.PAIR_THREADS = keep[0]
-    kc.PAIR_OPTS.update(keep[1])
+    keep = (kp.PAIR_THREADS, dict(kc.PAIR_OPTS), kp.DENSE_MMA)
+    kp.DENSE_MMA = frozenset()
+    try:
+        for dtype in DTYPES:
+            for threads in (128, 256):
+                for opt in (1, 2, 3, 4):
+                    kp.PAIR_THREADS, kc.PAIR_OPTS[dtype] = threads, opt  # (read where the kernels are made)
+                    t, reps, _, _ = bench_cuda(N, K, dtype, config(K, "belief"))
+                    row = dict(kind="tune", N=N, K=K, dtype=dtype, threads=threads, opt=opt, t_s=t, reps=reps)
+                    out_rows.append(row)
+                    log(f"tune {dtype} threads={threads} opt={opt}: {t * 1e3:.2f} ms")
+    finally:
+        kp.PAIR_THREADS, kp.DENSE_MMA = keep[0], keep[2]
+        kc.PAIR_OPTS.update(keep[1])
 
 
 # Register caps (stats, grads) of the dense pair kernels tried by --tune-registers: each a resident block

@@ -1,6 +1,6 @@
 """Dense streaming pair kernels in float64 on the tensor cores: the contract of
-:func:`vfesim_kernels.cuda.pairwise.make_dense_kernels` (same launches, arguments and outputs), with each
-warp's pair work as 16 x 8 tiles of float64 matrix products (:mod:`.warp`).
+:func:`vfesim_kernels.cuda.pairwise.make_dense_kernels` (same arguments and outputs; their own threads and
+owners per block), with each warp's pair work as 16 x 8 tiles of float64 matrix products (:mod:`.warp`).
 
 Per pair, the SIMT kernels spend about 49 double-precision operations per pass: the logit's D-wide dot
 product, the D-wide update of the owner's weighted sums, and the exponential between them. Both D-wide
@@ -19,11 +19,13 @@ moves between lanes. Feature columns are padded with zeros.
 
 ``stats`` keeps the online log-sum-exp per owner row: the row's maximum over each tile of 8 others by two
 shuffles, the sums rescaled when it moves (at most once per tile, rarely after the first tiles), one
-exponential per pair. The pair i == j and others past the slice's end get logit -inf (weight 0; their
-rows are zeros in shared memory). ``expected`` adds the sums of e (m - x) (B, 1) and e KL: one more
-product per tile and feature chunk. ``grads`` needs no maximum: the weights come from the receivers'
-merged statistics. Each step runs for all of a warp's groups before the next (independent products and
-exponentials in flight). Every sum runs in a fixed order: bitwise reproducible on one device.
+exponential per pair. The pair i == j and others past the slice's end get logit -inf, weight 0 (the rows
+past the end are zeros in shared memory; the row j = i is not, so a NaN or infinite feature of agent i
+also reaches its own sums, as 0 * NaN: such a state's energy is NaN either way). ``expected`` adds the
+sums of e (m - x) (B, 1) and e KL: one more product per tile and feature chunk. ``grads`` needs no
+maximum: the weights come from the receivers' merged statistics. Each step runs for all of a warp's
+groups before the next (independent products and exponentials in flight). Every sum runs in a fixed
+order: bitwise reproducible on one device.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import numpy as np
 
 from .core import AGG_CODES, SHARED_BYTES, SIMULATOR, compile_kernels, cuda, device, pair_weight_e
 from .pair_exp import PAIR_EXP
-from .warp import dmma_k4, dmma_k8, quad_max, quad_sum
+from .warp import dmma_k4, dmma_k8, fmax, quad_max, quad_sum
 
 __all__ = ["make_mma_kernels", "mma_layout", "MMA_WARPS"]
 
@@ -218,13 +220,15 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
                         xs[gr, i] = -k if j < j_end and j != i_lo + 8 * (i // 2) else ninf
                 for gr in range(G):
                     for hh in range(2):
-                        tm[gr, hh] = quad_max(max(xs[gr, 2 * hh], xs[gr, 2 * hh + 1]))
+                        tm[gr, hh] = quad_max(fmax(xs[gr, 2 * hh], xs[gr, 2 * hh + 1]))
                 for gr in range(G):
                     for hh in range(2):
                         mo = m[gr, hh]
                         if tm[gr, hh] > mo:  # the row's maximum moves: rescale (exp(-inf) = 0 at first)
                             sc = ex(mo - tm[gr, hh])
-                            if expected and s[gr, hh] > zero:  # every delta so far grows by the shift
+                            # every delta so far grows by the shift; a row-wide test (the lane's own s is 0
+                            # where its senders so far underflowed, while acc holds the row's sums)
+                            if expected and mo != ninf:
                                 sh = tm[gr, hh] - mo
                                 for nc in range(NC):
                                     for e in range(2 * hh, 2 * hh + 2):

@@ -202,8 +202,8 @@ def dense_splits(
 ) -> tuple[int, int]:
     """(S, chunk): the others axis (``n_others`` rows, default ``n_owners``) cut into S slices of ``chunk``
     rows (a multiple of ``threads``) for a launch over ``n_owners`` owners, ``per_block`` per block of
-    ``threads`` threads (the kernels' :func:`dense_layout`), whose slices each keep ``row_bytes`` per owner
-    of partial sums (see SPLIT_BLOCKS)."""
+    ``threads`` threads (the kernels' :func:`dense_layout`; default: the SIMT kernels at 2 owners per
+    thread), whose slices each keep ``row_bytes`` per owner of partial sums (see SPLIT_BLOCKS)."""
     n_others = n_owners if n_others is None else n_others
     S = -(-SPLIT_BLOCKS // -(-n_owners // per_block))
     if not SIMULATOR:
@@ -307,7 +307,7 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
     Receivers are a contiguous range of the agents: A (nf, NR, D), c (nf, NR) hold receivers r0 ..
     r0 + NR - 1 (global indices; r0 = 0, NR = N for all pairs), B (nf, N, D) every sender. Launch (S
     slices of the other side, ``chunk_s`` senders and ``chunk_r`` receivers per slice, nf terms,
-    nb(n) = ceil(n / (threads * opt))):
+    nb(n) = ceil(n / per_block), per_block = threads * opt here):
       stats[(nb(NR), S, nf), threads](A, B, c, r0, f0, chunk_s, pm, ps, pt, gAr, gAx)
       merge[(ceil(NR / BLOCK), nf), BLOCK](pm, ps, pt, kappa, f0, m, inv_s, abar, energy, gAr, gAx)
       grads[(nb(N), S, nf), threads](A, B, c, m, inv_s, abar, r0, f0, chunk_r, gBs)

@@ -16,7 +16,8 @@ both shapes run at 51-65 TFLOP/s against 30-31 for Ampere's m8n8k4. Each product
 multiply-add; the tensor cores' order within a row is their own but fixed: the same bits run to run.
 
 ``quad_sum(v)`` / ``quad_max(v)``: the sum (v_0 + v_1) + (v_2 + v_3) (resp. the maximum) over the lanes
-4g .. 4g + 3, returned to each of them, by two butterfly shuffles.
+4g .. 4g + 3, returned to each of them, by two butterfly shuffles. ``fmax(a, b)``: the larger of a and b,
+ignoring a NaN (IEEE maxNum, the device's ``max``; quad_max takes it too), on either target.
 
 Under the CUDA simulator (no warp shuffles, no PTX), the same contracts are kept through a shared-memory
 scratch and one block barrier per call: every thread publishes its operands, then reads those it needs.
@@ -31,7 +32,7 @@ from numba import float64, types
 
 from .core import SIMULATOR, cuda, device
 
-__all__ = ["dmma_k8", "dmma_k4", "quad_sum", "quad_max", "SIM_THREADS_MAX"]
+__all__ = ["dmma_k8", "dmma_k4", "fmax", "quad_sum", "quad_max", "SIM_THREADS_MAX"]
 
 # Threads per block the simulator's scratch holds.
 SIM_THREADS_MAX = 128
@@ -83,12 +84,21 @@ if SIMULATOR:
         sc, k = _publish(a0, a1, a0, a1, b0, b0)
         return _mma(sc, k, 4, c0, c1, c2, c3)
 
+    def _fmax(a, b):
+        if a != a:
+            return b
+        if b != b:
+            return a
+        return max(a, b)
+
+    _fmax = device(_fmax)
+
     def _quad(v, is_max):
         t = cuda.threadIdx.x
         r = t - t % 4
         sc, k = _publish(v, v, v, v, v, v)
         if is_max:
-            return max(max(sc[k, r, 0], sc[k, r + 1, 0]), max(sc[k, r + 2, 0], sc[k, r + 3, 0]))
+            return _fmax(_fmax(sc[k, r, 0], sc[k, r + 1, 0]), _fmax(sc[k, r + 2, 0], sc[k, r + 3, 0]))
         return (sc[k, r, 0] + sc[k, r + 1, 0]) + (sc[k, r + 2, 0] + sc[k, r + 3, 0])
 
     _publish = device(_publish)
@@ -150,8 +160,12 @@ else:
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
         return max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
 
+    def _fmax(a, b):
+        return max(a, b)  # (numba's float max on the device: libdevice fmax, which ignores a NaN)
+
 
 dmma_k8 = device(_dmma_k8)
 dmma_k4 = device(_dmma_k4)
 quad_sum = device(_quad_sum)
 quad_max = device(_quad_max)
+fmax = _fmax if SIMULATOR else device(_fmax)

@@ -396,7 +396,8 @@ def test_receiver_sums_follow_a_moving_maximum(aggregator, order, N):
     """The receiver pass sums sender rows weighted relative to a running maximum, rescaled when it moves.
     Logits spread over ~400 (weights from 1 down to e^-400, none overflowing) and senders in an order that
     moves every receiver's maximum at each sender ("rising"), never ("falling") or at random, over
-    several sender slices (N = 16) or blocks (N = 37): equal to the all-pairs reference (float64)."""
+    one (N = 16) or two sender slices and three owner blocks (N = 37, the float64 tensor-core kernels' layout
+    here): equal to the all-pairs reference (float64)."""
     from vfesim.pairwise.reference import pairwise_dense
 
     rng = np.random.default_rng(7)
@@ -407,7 +408,8 @@ def test_receiver_sums_follow_a_moving_maximum(aggregator, order, N):
     rank = {"rising": np.arange(N)[::-1], "falling": np.arange(N), "random": rng.permutation(N)}[order]
     B[:, 0] = 400.0 * rank / N  # small B[0] = large logit: "rising" meets ever larger logits
     c = rng.uniform(1.0, 2.0, N)
-    assert kc.dense_splits(N)[0] == (2 if N == 16 else 1)
+    nt, per_block = kc.dense_layout(D, "float64")
+    assert kc.dense_splits(N, N, 0, per_block, nt)[0] == (1 if N == 16 else 2)
     E, gA, gB, gc = pairwise_dense(A, B, c, kappa, aggregator)
     erow, gA_r, gc_r, gB_c = cb.pairwise_dense_rows(A, c, B, 0, kappa, aggregator)
     for got, want in [(gA_r, gA), (gc_r, gc), (gB_c, gB)]:

@@ -91,3 +91,37 @@ def test_a_nan_feature_reaches_the_energies_it_touches():
     B[7, 3] = np.nan  # sender 7: every receiver but 7 meets it
     erow, gA, gc, gB = _rows(A, c, B, 0, "softmin", mma=True)
     assert np.isnan(np.delete(erow, 7)).all() and np.isfinite(erow[7])
+
+
+def test_expected_sums_follow_a_maximum_that_moves_past_underflowed_senders():
+    """Senders 0 and 1 (one lane's pair of the first tile) sit 2000 below the others: their weights are 0,
+    so that lane's own partial sum stays 0 while the row's maximum moves in the next tile; every lane
+    still rescales its part of the row's sums (the SIMT kernels and the reference agree)."""
+    N = 16
+    A = np.zeros((N, 2))
+    A[:, 0] = 1.0
+    B = np.zeros((N, 2))
+    B[:, 1] = np.linspace(0.1, 1.0, N)
+    B[:2, 0] = 2000.0  # KL' = A . B / 2 + c: logit -1000 against the others'
+    B[8:, 0] = -5.0  # the second tile of 8 senders: a larger logit, the maximum moves
+    c = np.zeros(N)
+    got = _rows(A, c, B, 0, "expected", mma=True)
+    simt = _rows(A, c, B, 0, "expected", mma=False)
+    E, gA, gB, gc = pairwise_dense(A, B, c, 0.7, "expected")
+    for x, y in zip(got, simt, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-14 * np.abs(y).max())
+    np.testing.assert_allclose(got[1], gA, rtol=1e-11, atol=1e-13 * np.abs(gA).max())
+
+
+def test_a_nan_logit_beside_a_large_maximum_stays_nan():
+    """A NaN logit first in its lane's pair, in the tile where the row's maximum jumps by 800: the maximum
+    ignores it (as the device's max does) and it reaches the energy as NaN, not an overflow."""
+    N = 16
+    A = np.zeros((N, 2))
+    A[:, 0] = 1.0
+    B = np.zeros((N, 2))
+    B[:, 1] = 0.3
+    B[8:, 0] = -1600.0
+    B[8, 0] = np.nan
+    got = _rows(A, np.zeros(N), B, 0, "softmin", mma=True)[0]
+    assert np.isnan(np.delete(got, 8)).all() and np.isfinite(got[8])
