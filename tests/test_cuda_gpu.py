@@ -397,6 +397,32 @@ def test_tensor_core_products_keep_the_ptx_fragment_layout(K):
     np.testing.assert_allclose(q.copy_to_host()[0], np.repeat(quads.sum(axis=1), 4), rtol=1e-15)
 
 
+@pytest.mark.parametrize("aggregator", ["expected", "softmin"])
+def test_tensor_core_pairs_with_underflowed_senders(aggregator):
+    """float64 dense pairs (the tensor-core kernels) where senders 0 and 1 of every 16 sit 1500 below the
+    others in every receiver's logits: weights exactly 0 for one lane's pair of senders in every other
+    tile of 8, so its partial sums stay 0 while its rows' maxima move (a rescaling keyed to the lane's own
+    sum missed them, 5 % off in gA). Equal to the all-pairs reference; tests/cudasim/test_pair_mma_sim.py
+    checks the same logic under the simulator."""
+    import cupy as cp
+
+    from vfesim.backends import cuda_backend as cb
+    from vfesim.pairwise.reference import pairwise_dense
+
+    rng = np.random.default_rng(11)
+    N, D, kappa = 700, 16, 0.7
+    A = 0.3 * rng.standard_normal((N, D))
+    A[:, 0] = 1.0
+    B = 0.3 * rng.standard_normal((N, D))
+    B[np.arange(N) % 16 < 2, 0] += 2100.0  # KL' = (A . B + c) / (2 kappa): +1500 for those senders
+    c = rng.uniform(0.5, 2.0, N)
+    want = pairwise_dense(A, B, c, kappa, aggregator)
+    got = cb.BACKEND.pairwise_dense(cp.asarray(A), cp.asarray(B), cp.asarray(c), kappa, aggregator)
+    assert float(got[0]) == pytest.approx(want[0], rel=1e-10)
+    for x, y in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_allclose(cp.asnumpy(x), y, rtol=1e-10, atol=1e-12 * np.abs(y).max())
+
+
 AHEAD_SCRIPT = """
 import json, sys
 from importlib import import_module
