@@ -125,3 +125,28 @@ def test_a_nan_logit_beside_a_large_maximum_stays_nan():
     B[8, 0] = np.nan
     got = _rows(A, np.zeros(N), B, 0, "softmin", mma=True)[0]
     assert np.isnan(np.delete(got, 8)).all() and np.isfinite(got[8])
+
+
+@pytest.mark.parametrize("aggregator", ["softmin", "expected"])
+def test_two_groups_and_two_warps_per_block(monkeypatch, request, aggregator):
+    """The device's layout in miniature: two groups of 16 owners per warp and two warps sharing each tile
+    of senders (the simulator otherwise runs one of each); two owner blocks, two sender slices."""
+
+    def clear():
+        kc.make_dense_kernels.cache_clear()
+        pair_mma.make_mma_kernels.cache_clear()
+
+    monkeypatch.setattr(pair_mma, "_groups", lambda D: 2)
+    monkeypatch.setattr(pair_mma, "MMA_WARPS", 2)
+    clear()
+    request.addfinalizer(clear)
+    N, D = 80, 16
+    assert kc.dense_layout(D, "float64") == (64, 64)
+    assert kc.dense_splits(N, N, 0, 64, 64)[0] == 2
+    A, B, c = _features(N, D, seed=3)
+    got = _rows(A, c, B, 0, aggregator, mma=True)
+    E, gA, gB, gc = pairwise_dense(A, B, c, 0.7, aggregator)
+    erow, gA_r, gc_r, gB_c = got
+    np.testing.assert_allclose(float(erow.sum()), E, rtol=1e-12)
+    for x, y in [(gA_r, gA), (gc_r, gc), (gB_c, gB)]:
+        np.testing.assert_allclose(x, y, rtol=1e-11, atol=1e-13 * np.abs(y).max())
