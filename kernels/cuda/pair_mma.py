@@ -64,10 +64,10 @@ def mma_layout(D: int) -> tuple[int, int]:
     return 32 * MMA_WARPS, 16 * _groups(D) * MMA_WARPS
 
 
-def _tile_rows(D: int, itemsize: int) -> int:
+def _tile_rows(D: int) -> int:
     """Other rows per shared tile (a multiple of 8): both operand copies and four scalars per row fit."""
     k8, k4, nc = _chunks(D)
-    per_row = ((k8 + k4) * 8 + nc * 8 + 4) * itemsize
+    per_row = ((k8 + k4) * 8 + nc * 8 + 4) * 8  # (float64)
     return int(max(8, min(128, SHARED_BYTES // per_row) // 8 * 8))
 
 
@@ -77,7 +77,6 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
     :func:`vfesim_kernels.cuda.pairwise.make_dense_kernels`, with ``threads`` and ``per_block`` from
     :func:`mma_layout`; its ``merge`` completes them)."""
     dt = np.float64
-    mma8, mma4 = dmma_k8, dmma_k4
     zero = dt(0.0)
     ninf = dt(-np.inf)
     one = dt(1.0)
@@ -88,7 +87,7 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
     KL = K8 + K4
     G = _groups(D)
     NT, PB = mma_layout(D)
-    TS = _tile_rows(D, np.dtype(dt).itemsize)
+    TS = _tile_rows(D)
     T8 = TS // 8
 
     def clear(sL, sA):
@@ -133,18 +132,18 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
             a0, a1, a2, a3 = own[gr, kc, 0], own[gr, kc, 1], own[gr, kc, 2], own[gr, kc, 3]
             b0, b1 = sL[t, kc, 0, lane], sL[t, kc, 1, lane]
             if kc % 2:
-                y0, y1, y2, y3 = mma8(a0, a1, a2, a3, b0, b1, y0, y1, y2, y3)
+                y0, y1, y2, y3 = dmma_k8(a0, a1, a2, a3, b0, b1, y0, y1, y2, y3)
             else:
-                x0, x1, x2, x3 = mma8(a0, a1, a2, a3, b0, b1, x0, x1, x2, x3)
+                x0, x1, x2, x3 = dmma_k8(a0, a1, a2, a3, b0, b1, x0, x1, x2, x3)
         if K4:
-            y0, y1, y2, y3 = mma4(own[gr, K8, 0], own[gr, K8, 1], sL[t, K8, 0, lane], y0, y1, y2, y3)
+            y0, y1, y2, y3 = dmma_k4(own[gr, K8, 0], own[gr, K8, 1], sL[t, K8, 0, lane], y0, y1, y2, y3)
         return x0 + y0, x1 + y1, x2 + y2, x3 + y3
 
     def accumulate(acc, gr, e, sA, t, lane):
         """acc[gr] += E . others of tile t, lane (g, q)'s weights e[gr, i] those of owner row g + 8 (i //
         2) and other 2q + i % 2 (along k: others 2q, then 2q + 1, four lanes apart)."""
         for nc in range(NC):
-            acc[gr, nc, 0], acc[gr, nc, 1], acc[gr, nc, 2], acc[gr, nc, 3] = mma8(
+            acc[gr, nc, 0], acc[gr, nc, 1], acc[gr, nc, 2], acc[gr, nc, 3] = dmma_k8(
                 e[gr, 0], e[gr, 2], e[gr, 1], e[gr, 3], sA[t, nc, 0, lane], sA[t, nc, 1, lane],
                 acc[gr, nc, 0], acc[gr, nc, 1], acc[gr, nc, 2], acc[gr, nc, 3],
             )  # fmt: skip

@@ -91,8 +91,6 @@ if SIMULATOR:
             return a
         return max(a, b)
 
-    _fmax = device(_fmax)
-
     def _quad(v, is_max):
         t = cuda.threadIdx.x
         r = t - t % 4
@@ -168,4 +166,4 @@ dmma_k8 = device(_dmma_k8)
 dmma_k4 = device(_dmma_k4)
 quad_sum = device(_quad_sum)
 quad_max = device(_quad_max)
-fmax = _fmax if SIMULATOR else device(_fmax)
+fmax = device(_fmax)
