@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["array_module", "host_array", "is_host", "max_abs", "total"]
+__all__ = ["array_module", "host_array", "is_host", "max_abs", "total", "lazy_total", "host_floats"]
 
 
 def array_module(a):
