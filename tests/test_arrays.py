@@ -27,6 +27,25 @@ def test_max_abs(bad):
     assert arrays.max_abs([]) == []
 
 
+def test_agent_minor_layout():
+    """agent_minor: the same values, the agent axis of stride one element, copied only when needed;
+    empty_agent_minor allocates so; elementwise results keep the layout; max_abs reads such arrays."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 3, 2)) + 1j * rng.standard_normal((6, 3, 2))
+    for axis in (0, 1, 2):
+        m = arrays.agent_minor(x, axis)
+        assert np.array_equal(m, x) and m.strides[axis] == x.itemsize
+        assert arrays.agent_minor(m, axis) is not m and np.shares_memory(arrays.agent_minor(m, axis), m)
+        e = arrays.empty_agent_minor(np, x.shape, np.float32, axis)
+        assert e.shape == x.shape and e.dtype == np.float32 and e.strides[axis] == 4
+    m = arrays.agent_minor(x)
+    assert (2 * m + 1).strides == m.strides
+    assert arrays.max_abs([m]) == [max(np.abs(x.real).max(), np.abs(x.imag).max())]
+    bad = m.copy(order="K")
+    bad[4, 1, 0] = complex(0, np.nan)
+    assert arrays.max_abs([bad]) == [math.inf]
+
+
 def test_host_array_and_module():
     x = np.ones(3)
     assert arrays.host_array(x) is x and arrays.is_host(x) and arrays.array_module(x) is np

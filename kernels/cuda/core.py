@@ -33,6 +33,8 @@ __all__ = [
 
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
 if SIMULATOR:
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _FakeCUDAArray
+
     _DeviceNDArray = ()
 else:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DeviceNDArray
@@ -141,9 +143,20 @@ def as_device_view(a):
     stream, so a device-wide wait per wrap (numba's default) would only stall the host. The package's
     CUDA work assumes those streams: CuPy work on a non-blocking stream (or numba's per-thread default
     stream) is not ordered with its kernels."""
-    if SIMULATOR or isinstance(a, (np.ndarray, _DeviceNDArray)):
+    if SIMULATOR:
+        return _simulator_view(a)
+    if isinstance(a, (np.ndarray, _DeviceNDArray)):
         return a
     return cuda.as_cuda_array(a, sync=False)
+
+
+def _simulator_view(a):
+    """Under the simulator, a strided NumPy array (neither C nor F contiguous: an agent-minor one) wrapped
+    as the simulator's device array, which its kernels then read and write in place: the simulator
+    copies a plain NumPy argument to a contiguous buffer and refuses a strided one."""
+    if isinstance(a, np.ndarray) and a.ndim and not (a.flags.c_contiguous or a.flags.f_contiguous):
+        return _FakeCUDAArray(a)
+    return a
 
 
 # Descriptors of CuPy arrays for one launch, by (pointer, shape, strides, dtype): CuPy's memory pool hands
@@ -158,7 +171,9 @@ def launch_view(a):
     launch does not pay numba's wrapping (tens of microseconds per array). The caller keeps the array
     alive until the launch is queued; CuPy's pool reuses a freed block only in stream order, after the
     kernel that reads it. (UVA: device pointers are unique across the process's GPUs.)"""
-    if SIMULATOR or isinstance(a, (np.ndarray, _DeviceNDArray)):
+    if SIMULATOR:
+        return _simulator_view(a)
+    if isinstance(a, (np.ndarray, _DeviceNDArray)):
         return a
     key = (a.data.ptr, a.shape, a.strides, a.dtype.char)
     v = _LAUNCH_VIEWS.get(key)

@@ -131,9 +131,18 @@ def _blocks(n: int) -> int:
 
 
 def _flat(a, xp):
+    """The real entries of ``a`` (complex: real and imaginary parts) as one C-contiguous vector, in C
+    order of ``a`` (a copy where ``a`` is not C-contiguous)."""
     v = xp.ascontiguousarray(a)
     v = v.view(v.real.dtype) if xp.iscomplexobj(v) else v
     return v.reshape(-1)
+
+
+def _memory_flat(a, xp):
+    """:func:`_flat` in memory order instead: a view wherever ``a``'s entries fill one block in some order
+    of its axes (C, F, agent-minor layouts), for reductions whose result does not depend on the order."""
+    t = a.transpose(sorted(range(a.ndim), key=lambda k: -abs(a.strides[k])))
+    return _flat(t, xp)
 
 
 def device_sum(a):
@@ -168,7 +177,7 @@ def max_abs(arrays) -> list[float]:
     """max |x| of each device array as a host float (+inf where an entry is NaN or Inf, 0 when empty;
     complex arrays over their real and imaginary parts), with one device-to-host transfer for all: two
     launches per run of up to MAX_ABS_ARRAYS consecutive arrays of one real dtype."""
-    flats = [_flat(a, _xp(a)) for a in arrays]
+    flats = [_memory_flat(a, _xp(a)) for a in arrays]
     if not flats:
         return []
     xp = _xp(flats[0])

@@ -3,7 +3,14 @@
 
 import numpy as np
 import pytest
-from quantum_stages import ALL_WEIGHTS, POISONED, assert_stages_match, channel_case, stage_inputs
+from quantum_stages import (
+    ALL_WEIGHTS,
+    POISONED,
+    assert_stages_match,
+    channel_case,
+    stage_inputs,
+    stage_outputs,
+)
 
 import vfesim
 from vfesim.backends.cuda_backend import QUANTUM_OPS
@@ -34,15 +41,51 @@ def test_cuda_kernels_match_numpy_stages(d, dtype, rtol):
     assert_stages_match(QUANTUM_OPS, stage_inputs(d, dtype, N=6), rtol)
 
 
+@pytest.mark.parametrize("agent_minor", [False, True])
 @pytest.mark.parametrize("weights", ALL_WEIGHTS)
-def test_cuda_kernels_with_terms_off(weights):
+def test_cuda_kernels_with_terms_off(weights, agent_minor):
     """Every set of terms on, the kernels' buffers starting as NaN (tests/quantum_stages.Poisoned): they
-    read only what they wrote and match the array code."""
+    read only what they wrote and match the array code, in either layout."""
     from vfesim.backends.cuda_backend import _quantum_launch
     from vfesim.quantum.kernel_ops import kernel_ops
 
-    poisoned = kernel_ops(lambda: POISONED, _quantum_launch)
+    poisoned = kernel_ops(lambda: POISONED, _quantum_launch, agent_minor=agent_minor)
     assert_stages_match(poisoned, stage_inputs(2, "complex128", N=5, seed=3), 1e-12, weights)
+
+
+def _is_agent_minor(a, axis=0):
+    return np.moveaxis(np.asarray(a), axis, -1).flags.c_contiguous
+
+
+@pytest.mark.parametrize("coupling", ["C1", "C2"])
+def test_agent_minor_layout_gives_the_row_major_bits(coupling):
+    """The backend's layout (agent axis fastest in memory: vfesim.arrays.agent_minor) against row-major
+    arrays, with the same kernels: every output of the free energy's passes, the channel step and its
+    adjoint bitwise equal; the step's states and the adjoint's cotangents come out agent-minor, and a
+    step from such a state takes it without a copy."""
+    from vfesim.backends.cuda_backend import _quantum_launch
+    from vfesim.quantum.kernel_ops import kernel_ops
+
+    assert QUANTUM_OPS.step_vjp(3).agent_minor
+    rows, minor = (kernel_ops(lambda: np, _quantum_launch, agent_minor=m) for m in (False, True))
+    v = stage_inputs(3, "complex128", N=7, seed=4)
+    want, got = stage_outputs(rows, v), stage_outputs(minor, v)
+    for k, b in want.items():
+        assert np.array_equal(got[k], b, equal_nan=True), k
+    P, rho, dyn = channel_case(3, "complex128", coupling, "energy", "soft", N=7)
+    out_r, out_m = rows.channel_step(P, rho, 0.3, dyn), minor.channel_step(P, rho, 0.3, dyn)
+    assert _is_agent_minor(out_m) and not _is_agent_minor(out_r)
+    assert np.array_equal(out_m, out_r)
+    again = minor.channel_step(P, out_m, 0.3, dyn)
+    assert np.array_equal(again, rows.channel_step(P, out_r, 0.3, dyn))
+    rng = np.random.default_rng(5)
+    ob = rng.normal(size=rho.shape) + 1j * rng.normal(size=rho.shape)
+    b_r = rows.step_vjp(3)(P, out_r, ob, 0.3, dyn)
+    b_m = minor.step_vjp(3)(P, out_m, ob, 0.3, dyn)
+    assert _is_agent_minor(b_m["bar"]) and _is_agent_minor(b_m["H_bar"])
+    assert b_r.keys() == b_m.keys()
+    for k, b in b_r.items():
+        assert np.array_equal(b_m[k], b), k
 
 
 def test_cuda_sparse_complex64_matches_numpy():

@@ -39,6 +39,21 @@ def test_max_abs_matches_numpy(n):
     assert got == [np.abs(x).max(), max(np.abs(z.real).max(), np.abs(z.imag).max()), np.abs(x32).max()]
 
 
+def test_max_abs_of_agent_minor_arrays():
+    """Arrays laid out agent-minor (vfesim.arrays.agent_minor: a strided view over one block) and a
+    transposed one reduce over their memory, no copy needed; the results are numpy's."""
+    from vfesim.arrays import agent_minor
+
+    rng = np.random.default_rng(3)
+    z = rng.standard_normal((7, 3, 3)) + 1j * rng.standard_normal((7, 3, 3))
+    zm = agent_minor(z)
+    assert not zm.flags.c_contiguous and np.array_equal(zm, z)
+    assert np.shares_memory(red._memory_flat(zm, np), zm)
+    x = rng.standard_normal((5, 4)).T
+    got = red.max_abs([zm, x, agent_minor(z.real, axis=1)])
+    assert got == [max(np.abs(z.real).max(), np.abs(z.imag).max()), np.abs(x).max(), np.abs(z.real).max()]
+
+
 def test_max_abs_of_many_arrays_of_mixed_dtypes_and_lengths():
     # runs of one dtype share launches (at most MAX_ABS_ARRAYS arrays each); every result lands in place
     rng = np.random.default_rng(5)

@@ -824,11 +824,17 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
     ks[name][_cdiv(N, kc.BLOCK), kc.BLOCK](*views)
 
 
-# One thread per agent up to d = 8 (each matrix in local memory); above, the batched CuPy stages
-# (cuSOLVER's eigh).
+# One thread per agent up to d = 8 (each matrix in local memory, the agents' arrays agent-minor: a warp's
+# accesses coalesce); above, the batched CuPy stages (cuSOLVER's eigh).
 QUANTUM_KERNEL_MAX_D = 8
 QUANTUM_OPS = sized_ops(
-    kernel_ops(array_module, _quantum_launch, kc.as_device_view, (_pairwise_dense, _pairwise_sparse)),
+    kernel_ops(
+        array_module,
+        _quantum_launch,
+        kc.as_device_view,
+        (_pairwise_dense, _pairwise_sparse),
+        agent_minor=True,
+    ),
     NUMPY_OPS,
     QUANTUM_KERNEL_MAX_D,
 )

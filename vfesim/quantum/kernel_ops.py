@@ -5,9 +5,16 @@ kernels of :mod:`vfesim_kernels.quantum_cpu` or the CUDA kernels of
 :func:`kernel_ops` allocates the outputs with the backend's array module (``array_module()``, asked at
 each call: a backend module imports without its device) and hands every operation to a
 ``launch(name, N, d, dtype, *args)`` of the backend over N threads (one per agent, or per part of an
-agent's work: ``energy_prep`` takes 3 N); the arguments are C-contiguous arrays in the kernels' dtypes
-(complex matrices, real vectors of the matching precision) and Python scalars (int64 term flags, float64
-weights and tolerances).
+agent's work: ``energy_prep`` takes 3 N); the arguments are arrays in the kernels' dtypes (complex
+matrices, real vectors of the matching precision) and Python scalars (int64 term flags, float64 weights
+and tolerances).
+
+Layout: C-contiguous by default (one thread per agent on a CPU core walks its own rows). With
+``agent_minor=True`` (the GPU) every per-agent array the kernels read or write, except the feature rows
+the pair kernels take, is :func:`vfesim.arrays.agent_minor`: the agent axis fastest in memory, so the
+threads of a warp touch consecutive addresses (the kernels index ``x[n, r, c]`` either way; only the
+strides differ, and the results are bitwise the same). The channel step returns its states so laid out,
+and takes them back without a copy.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..arrays import agent_minor as _minor
+from ..arrays import empty_agent_minor
 from .channels import incoming_slots
 from .energy import Forward, QuantumOps, floor_eps, terms_on
 from .evolve import resident, window
@@ -47,21 +56,38 @@ def _real(dtype) -> np.dtype:
     return np.finfo(np.dtype(dtype)).dtype
 
 
+def _arranger(array_module: Callable, minor: bool):
+    """(c, empty): ``c(a, axis=0)`` the array the kernels take for ``a`` (agent axis ``axis``): agent-minor
+    or C-contiguous, a writable copy of a read-only NumPy array (the CUDA simulator, and numba for host
+    arrays, copies every argument back after a launch); ``empty(shape, dtype, axis=0)`` a new one."""
+
+    def c(a, axis=0):
+        xp = array_module()
+        a = _minor(xp.asarray(a), axis) if minor else xp.ascontiguousarray(a)
+        return a.copy(order="K") if isinstance(a, np.ndarray) and not a.flags.writeable else a
+
+    def empty(shape, dtype, axis=0):
+        xp = array_module()
+        return empty_agent_minor(xp, shape, dtype, axis) if minor else xp.empty(shape, dtype)
+
+    return c, empty
+
+
 def kernel_ops(
-    array_module: Callable, launch: Callable, view: Callable = lambda a: a, pairwise: tuple = (None, None)
+    array_module: Callable,
+    launch: Callable,
+    view: Callable = lambda a: a,
+    pairwise: tuple = (None, None),
+    agent_minor: bool = False,
 ) -> QuantumOps:
     """A :class:`QuantumOps` whose passes run ``launch`` on arrays of ``array_module()``: the free energy's
     per-agent forward pass in two kernels (``energy_prep`` over 3 N threads, ``energy_features``), its
     backward pass in one (``energy_backward``), and ``step_vjp`` :func:`kernel_step_vjp` for every d.
     ``view(a)``: the form of an array the launcher takes fastest (a device view wrapped once); the channel
     steps keep the views of a run's constants. ``pairwise``: the backend's (pairwise_dense,
-    pairwise_sparse) for the free energy of rollouts and mirror steps."""
-
-    def c(a):
-        a = array_module().ascontiguousarray(a)
-        # A read-only NumPy input (e.g. a SparseNeighbours' index) is copied: the CUDA simulator (and numba
-        # for host arrays) copies every argument back after a launch.
-        return a.copy() if isinstance(a, np.ndarray) and not a.flags.writeable else a
+    pairwise_sparse) for the free energy of rollouts and mirror steps. ``agent_minor``: the layout of the
+    module docstring."""
+    c, empty = _arranger(array_module, agent_minor)
 
     def forward(arrays, weights):
         xp = array_module()
@@ -72,11 +98,12 @@ def kernel_ops(
         phi = c(arrays["phi"].astype(rdt, copy=False))
         on = tuple(int(f) for f in terms_on(weights))
         y = c(xp.asarray(arrays["outcome"]).astype(np.int64, copy=False)) if on[3] else xp.zeros(1, np.int64)
-        J = c(xp.asarray(spin_generators(d), rho.dtype))
-        x, W, logx, sigma, logsig, V, U, Vf = (xp.empty_like(rho) for _ in range(8))
-        s, l, p, k = (xp.empty((N, d), rdt) for _ in range(4))
+        J = xp.array(spin_generators(d), rho.dtype)  # a writable copy (see _arranger)
+        x, W, logx, sigma, logsig, V, U, Vf = (empty((N, d, d), rho.dtype) for _ in range(8))
+        s, l, p, k = (empty((N, d), rdt) for _ in range(4))
         xlx = xp.empty(N, rdt)
         e = xp.empty((2, N), rdt)  # self, observation
+        # the pair kernels' feature rows: row-major in either layout
         A, B = xp.empty((2, N, d * d), rdt), xp.empty((2, N, d * d), rdt)  # belief, prior
         cf = xp.empty((2, N), rdt)
         eps = float(floor_eps(rho.dtype))
@@ -104,8 +131,8 @@ def kernel_ops(
             if name in cot:
                 for buf, g in zip((gA, gB, gc), cot[name], strict=True):
                     buf[i] = g
-        g_rho, g_H = xp.empty_like(x), xp.empty_like(x)
-        g_T, g_phi = xp.empty(N, rdt), xp.empty((N, 3), rdt)
+        g_rho, g_H = empty((N, d, d), x.dtype), empty((N, d, d), x.dtype)
+        g_T, g_phi = xp.empty(N, rdt), empty((N, 3), rdt)
         lams = tuple(float(w) for w in weights)
         launch(
             "energy_backward", N, d, x.dtype, H, T, y, J, *on, *lams, eps, gA, gB, gc, *cached, g_rho, g_H,
@@ -117,17 +144,17 @@ def kernel_ops(
         xp = array_module()
         rho = c(rho)
         args, (gmin, gmin_v) = _step_args(xp, c, view, P, rho, dt, dyn)
-        out = xp.empty_like(rho)
+        out = empty(rho.shape, rho.dtype)
         if senders is None:
-            xt = _sender_states(launch, xp, view, P, rho, dyn, args[2])
+            xt = _sender_states(launch, xp, empty, view, P, rho, dyn, args[2])
         else:  # a chunk of a population: the window's senders are other agents (their states, frames)
-            xt = _chunk_sender_states(launch, xp, c, view, P, rho, dyn, senders)
+            xt = _chunk_sender_states(launch, xp, c, empty, view, P, rho, dyn, senders)
         launch("channel_step", rho.shape[0], rho.shape[-1], rho.dtype, rho, xt, *args, out, gmin_v)
         if dyn.gate != "none":
             _refuse_non_positive(xp, gmin <= 0, gmin)
         return out
 
-    step_vjp = kernel_step_vjp(array_module, launch, view)
+    step_vjp = kernel_step_vjp(array_module, launch, view, agent_minor)
     return QuantumOps(forward, backward, channel_step, lambda d: step_vjp, *pairwise)
 
 
@@ -166,8 +193,8 @@ def _step_args(xp, c, view, P, rho, dt, dyn):
     index, mask = window(P, xp)
     rdt = _real(rho.dtype)
     args = (
-        const("index view", index, lambda: index),
-        const("mask view", mask, lambda: mask),
+        const("index view", index, lambda: c(index)),
+        const("mask view", mask, lambda: c(mask)),
         *(
             const(k, getattr(P, k), lambda k=k: c(getattr(P, k)))
             for k in ("U", "eps_c", "lam", "V", "sigma", "l")
@@ -188,25 +215,25 @@ def _coupled(P, dyn) -> bool:
     return dyn.coupling != "none" and P.index.shape[1] > 0
 
 
-def _sender_states(launch, xp, view, P, rho, dyn, U):
+def _sender_states(launch, xp, empty, view, P, rho, dyn, U):
     """The senders' normalised states in their own frames (the ``sender_states`` kernel, frames ``U`` as
     :func:`_step_args` passes them) for the coupling window of a step from ``rho``; without a coupling
     window, rho itself (the kernels do not read it)."""
     if not _coupled(P, dyn):
         return rho
-    _, xt = _buffer(P, xp, view, ("xt", rho.dtype.str), lambda: xp.empty_like(rho))
+    _, xt = _buffer(P, xp, view, ("xt", rho.dtype.str), lambda: empty(rho.shape, rho.dtype))
     N, d = rho.shape[0], rho.shape[-1]
     launch("sender_states", N, d, rho.dtype, rho, U, xt)
     return xt
 
 
-def _chunk_sender_states(launch, xp, c, view, P, rho, dyn, senders):
+def _chunk_sender_states(launch, xp, c, empty, view, P, rho, dyn, senders):
     """:func:`_sender_states` of senders that are not the stepped agents: ``senders`` = (their states
     (n_s, d, d), their frames (n_s, d, d)), the rows the coupling window ``P.index`` names."""
     if not _coupled(P, dyn):
         return rho
     S, U_s = (c(a) for a in senders)
-    xt = xp.empty_like(S)
+    xt = empty(S.shape, S.dtype)
     launch("sender_states", S.shape[0], S.shape[-1], S.dtype, S, view(U_s), view(xt))
     return xt
 
@@ -219,18 +246,27 @@ def _refuse_non_positive(xp, bad, gmin) -> None:
         )
 
 
-def kernel_accumulators(xp, n: int, w: int, d: int, dtype) -> dict:
+def kernel_accumulators(xp, n: int, w: int, d: int, dtype, agent_minor: bool = False) -> dict:
     """Zero accumulators of the kernels' step adjoint (:func:`kernel_step_vjp` adds into them): ``H``,
     ``sigma``, ``logsig``, ``U`` (n, d, d) complex, ``gamma``, ``gamma_th`` (n,) real, ``eps_c`` (n, w)
-    real, as views of three arrays (under ``"_kernel"``) the kernel takes whole."""
+    real, as views of three arrays (under ``"_kernel"``) the kernel takes whole; ``agent_minor``: the
+    layout of the module docstring (the adjoint's own, ``vjp.agent_minor``)."""
     rdt = _real(dtype)
-    m, r, sw = xp.zeros((4, n, d, d), dtype), xp.zeros((2, n), rdt), xp.zeros((3, n, w), rdt)
+
+    def zeros(shape, dt):
+        a = empty_agent_minor(xp, shape, dt, axis=1) if agent_minor else xp.empty(shape, dt)
+        a[...] = 0
+        return a
+
+    m, r, sw = zeros((4, n, d, d), dtype), xp.zeros((2, n), rdt), zeros((3, n, w), rdt)
     acc = dict(H=m[0], sigma=m[1], logsig=m[2], U=m[3], gamma=r[0], gamma_th=r[1], eps_c=sw[1])
     acc["_kernel"] = (m, r, sw)
     return acc
 
 
-def kernel_step_vjp(array_module: Callable, launch: Callable, view: Callable = lambda a: a) -> Callable:
+def kernel_step_vjp(
+    array_module: Callable, launch: Callable, view: Callable = lambda a: a, agent_minor: bool = False
+) -> Callable:
     """The adjoint of one Jacobi channel step by the kernels (``channel_step_vjp``, forward recomputed per
     agent, then ``incoming`` for the C1 senders): ``vjp(P, rho, out_bar, dt, dynamics, gap_tol=1e-9,
     acc=None) -> dict``: ``bar`` (N, d, d), the cotangent of the states before the step (each agent's own
@@ -240,34 +276,29 @@ def kernel_step_vjp(array_module: Callable, launch: Callable, view: Callable = l
     the coupling, dL = Re tr(U_bar^dag dU)), gamma, gamma_th, eps_c); without ``acc`` into zeros returned
     as ``H_bar``, ``sigma_bar``, ``logsig_bar``, ``U_bar``, ``gamma_bar``, ``gamma_th_bar``,
     ``eps_c_bar``. The array code gets the same from ``vfesim.quantum.rollout._update_terms`` with
-    ``channels.add_incoming`` (senders' parts) and ``channels.transports_vjp`` (transports to frames)."""
+    ``channels.add_incoming`` (senders' parts) and ``channels.transports_vjp`` (transports to frames).
+    ``agent_minor``: the layout of the module docstring (also ``vjp.agent_minor``, for accumulators)."""
+    c, empty = _arranger(array_module, agent_minor)
 
     def vjp(P, rho, out_bar, dt, dyn, gap_tol=1e-9, acc=None):
         xp = array_module()
-
-        def c(a):
-            a = xp.ascontiguousarray(a)
-            return a.copy() if isinstance(a, np.ndarray) and not a.flags.writeable else a
-
         rho = c(rho)
         N, d = rho.shape[:2]
         w = P.index.shape[1]
         rdt = _real(rho.dtype)
         fresh = acc is None
         if fresh:
-            acc = kernel_accumulators(xp, N, w, d, rho.dtype)
+            acc = kernel_accumulators(xp, N, w, d, rho.dtype, agent_minor)
         if "_views" not in acc:
             acc["_views"] = tuple(view(a) for a in acc["_kernel"])
         accm, racc, sw = acc["_views"]
         args, (gmin, gmin_v) = _step_args(xp, c, view, P, rho, dt, dyn)
-        xt = _sender_states(launch, xp, view, P, rho, dyn, args[2])
+        xt = _sender_states(launch, xp, empty, view, P, rho, dyn, args[2])
         slots = 1 + (w if dyn.coupling == "C2" else 0)  # tape: the C2 channels' inputs, the unitary's input
-        _, xs = _buffer(
-            P, xp, view, ("xs", rho.dtype.str, slots), lambda: xp.empty((N, slots, d, d), rho.dtype)
-        )
+        _, xs = _buffer(P, xp, view, ("xs", rho.dtype.str, slots), lambda: empty((N, slots, d, d), rho.dtype))
         gam = resident(P, xp, "gam", P.gamma, lambda: view(xp.stack([P.gamma, P.gamma_th]).astype(rdt)))
-        mats = xp.empty((2, N, d, d), rho.dtype)  # x_bar, Bt
-        scal = xp.empty((N, 6), rdt)
+        mats = empty((2, N, d, d), rho.dtype, axis=1)  # x_bar, Bt
+        scal = empty((N, 6), rdt)
         # The kernel flags (1, 2) only under the energy basis or the gate: otherwise one zero buffer serves.
         checked = dyn.dephasing_basis == "energy" or dyn.gate != "none"
         flag = (
@@ -284,9 +315,7 @@ def kernel_step_vjp(array_module: Callable, launch: Callable, view: Callable = l
             flag,
         )  # fmt: skip
         if dyn.coupling == "C1" and w:
-            ins = resident(
-                P, xp, "slots", P.index, lambda: view(xp.asarray(incoming_slots(P.index, P.mask, N)))
-            )
+            ins = resident(P, xp, "slots", P.index, lambda: view(c(incoming_slots(P.index, P.mask, N))))
             m_acc, _, sw_acc = acc["_kernel"]
             launch("incoming", N, d, rho.dtype, rho, U, ins, sw_acc[0], mats[1], mats[0], m_acc[3])
         if dyn.dephasing_basis == "energy" and bool((flag == 1).any()):
@@ -305,6 +334,7 @@ def kernel_step_vjp(array_module: Callable, launch: Callable, view: Callable = l
                 out[f"{k}_bar"] = acc[k]
         return out
 
+    vjp.agent_minor = agent_minor
     return vjp
 
 

@@ -202,16 +202,17 @@ def _born_add(bar, rho, obs, weight: float):
     return bar
 
 
-def _zeros_acc(P: Prepared, xp, cdt, kernel: bool = False):
-    """Zero cotangent accumulators of a reverse sweep; with ``kernel``, those the kernels' step adjoint adds
-    into (:func:`.kernel_ops.kernel_accumulators`) and no transports' (the frames' come directly)."""
+def _zeros_acc(P: Prepared, xp, cdt, kernel=None):
+    """Zero cotangent accumulators of a reverse sweep; with a ``kernel`` step adjoint, those it adds into
+    (:func:`.kernel_ops.kernel_accumulators`, in its layout) and no transports' (the frames' come
+    directly)."""
     n, d = P.lam.shape
     w = P.index.shape[1]
     rdt = P.lam.dtype
-    if kernel:
+    if kernel is not None:
         from .kernel_ops import kernel_accumulators
 
-        acc = kernel_accumulators(xp, n, w, d, cdt)
+        acc = kernel_accumulators(xp, n, w, d, cdt, getattr(kernel, "agent_minor", False))
         acc.update(T=xp.zeros(n, rdt), phi=xp.zeros((n, 3), rdt), theta=0.0, tau=0.0)
         return acc
     return {
@@ -499,7 +500,7 @@ def rollout(
     if not grad:
         return RolloutResult(total, terms, None, final, stats)
 
-    acc = _zeros_acc(P, xp, rho.dtype, kernel=kernel is not None)
+    acc = _zeros_acc(P, xp, rho.dtype, kernel=kernel)
     slots = (
         xp.asarray(incoming_slots(P.index, P.mask, n)) if kernel is None and dyn.order == "jacobi" else None
     )
