@@ -24,8 +24,11 @@ The same operations as the NumPy stages of ``vfesim.quantum`` (the vectorised re
 
 Every ``*_agent`` function handles agent ``n`` of its batched arguments (``energy_prep_agent``: part
 ``t // N`` of agent ``t % N``), so a CPU kernel loops it over agents (parts) and a CUDA kernel runs it once
-per thread. Real scalars are evaluated in float64 where a float
-literal promotes them; results are stored in the arrays' dtypes.
+per thread. The O(d^3) work (matrix products, Jacobi rotations, eigen-reconstructions) runs in the
+arrays' precision: accumulators start as ``X.dtype.type(0)`` and rotation scalars are cast to it (a float
+literal would promote complex64 work to complex128). O(d^2) scalars (divided differences, coupling
+weights, traces) are evaluated in float64 where a float literal promotes them; results are stored in the
+arrays' dtypes.
 """
 
 import math
@@ -50,6 +53,7 @@ def jacobi_eigh(A, w, V, tol2):
     Sweeps stop when the squared off-diagonal norm is at most ``tol2`` times the squared Frobenius norm.
     """
     d = A.shape[0]
+    R = w.dtype.type  # the rotations in the matrices' precision (float32 for complex64)
     for r in range(d):
         for c in range(d):
             V[r, c] = 0.0
@@ -70,12 +74,12 @@ def jacobi_eigh(A, w, V, tol2):
                 if g == 0.0:
                     continue
                 e = apq / g
-                tau = (A[q, q].real - A[p, p].real) / (2.0 * g)
+                tau = (A[q, q].real - A[p, p].real) / (R(2.0) * g)
                 at = abs(tau)
-                t = 0.5 / at if at > _TAU_BIG else 1.0 / (at + math.sqrt(1.0 + tau * tau))
+                t = R(0.5) / at if at > _TAU_BIG else R(1.0) / (at + math.sqrt(R(1.0) + tau * tau))
                 if tau < 0.0:
                     t = -t
-                c = 1.0 / math.sqrt(1.0 + t * t)
+                c = R(1.0) / math.sqrt(R(1.0) + t * t)
                 s = t * c
                 se = s * e
                 sec = s * e.conjugate()
@@ -124,7 +128,7 @@ def from_eig(V, f, out):
     d = V.shape[0]
     for r in range(d):
         for c in range(d):
-            acc = 0.0 * V[0, 0]
+            acc = V.dtype.type(0)
             for k in range(d):
                 acc += V[r, k] * f[k] * V[c, k].conjugate()
             out[r, c] = acc
@@ -135,7 +139,7 @@ def mm(X, Y, out):
     d = X.shape[0]
     for r in range(d):
         for c in range(d):
-            acc = 0.0 * X[0, 0]
+            acc = X.dtype.type(0)
             for k in range(d):
                 acc += X[r, k] * Y[k, c]
             out[r, c] = acc
@@ -146,7 +150,7 @@ def mm_add(X, Y, out):
     d = X.shape[0]
     for r in range(d):
         for c in range(d):
-            acc = 0.0 * X[0, 0]
+            acc = X.dtype.type(0)
             for k in range(d):
                 acc += X[r, k] * Y[k, c]
             out[r, c] += acc
@@ -157,7 +161,7 @@ def mm_dl(X, Y, out):
     d = X.shape[0]
     for r in range(d):
         for c in range(d):
-            acc = 0.0 * X[0, 0]
+            acc = X.dtype.type(0)
             for k in range(d):
                 acc += X[k, r].conjugate() * Y[k, c]
             out[r, c] = acc
@@ -168,7 +172,7 @@ def mm_dr(X, Y, out):
     d = X.shape[0]
     for r in range(d):
         for c in range(d):
-            acc = 0.0 * X[0, 0]
+            acc = X.dtype.type(0)
             for k in range(d):
                 acc += X[r, k] * Y[c, k].conjugate()
             out[r, c] = acc
@@ -292,9 +296,10 @@ def frames_agent(phi, J, n, U, k, V, A, tol2):
     jacobi_eigh(A, kn, Vn, tol2)
     for r in range(d):
         for c in range(d):
-            acc = 0.0 * Vn[0, 0]
+            acc = Vn.dtype.type(0)
             for j in range(d):
-                acc += Vn[r, j] * complex(math.cos(kn[j]), -math.sin(kn[j])) * Vn[c, j].conjugate()
+                z = Vn.dtype.type(complex(math.cos(kn[j]), -math.sin(kn[j])))
+                acc += Vn[r, j] * z * Vn[c, j].conjugate()
             U[n, r, c] = acc
 
 
@@ -485,7 +490,7 @@ def _push_diag(W, Dg, out):
     d = W.shape[0]
     for r in range(d):
         for c in range(d):
-            acc = 0.0 * W[0, 0]
+            acc = W.dtype.type(0)
             for k in range(d):
                 acc += W[r, k] * Dg[k, k].real * W[c, k].conjugate()
             out[r, c] = acc
@@ -601,7 +606,7 @@ def _propagator(lam, V, n, t, newton, Ut, T1, T2):
             Ut[r, c] = 0.0
     for k in range(d):  # one phase per eigenvalue; each entry sums k = 0 .. d - 1 in the dtype's precision
         ph = -lam[n, k] * t
-        z = complex(math.cos(ph), math.sin(ph))
+        z = Ut.dtype.type(complex(math.cos(ph), math.sin(ph)))
         for r in range(d):
             vz = V[n, r, k] * z
             for c in range(d):
@@ -901,7 +906,7 @@ def channel_step_vjp_agent(
     t_bar = 0.0
     for r in range(d):  # Re tr(H i C), C = y_bar y - y y_bar, H = V diag(lam) V^dagger
         for c in range(d):
-            hrc = 0.0 * V[n, 0, 0]
+            hrc = V.dtype.type(0)
             for k in range(d):
                 hrc += V[n, r, k] * lam[n, k] * V[n, c, k].conjugate()
             z = hrc * (T1[c, r] - T2[c, r])

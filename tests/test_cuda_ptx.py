@@ -11,6 +11,7 @@ import functools
 import os
 import re
 
+import numpy as np
 import pytest
 from conftest import needs_numba_cuda
 
@@ -186,6 +187,43 @@ def test_quantum_kernel_compiles_for_sm90(dtype, name):
     ptx = kc.cuda.compile_ptx(ks["_py"][name], kc.quantum_kernel_signatures(dtype)[name], cc=(9, 0))[0]
     assert ".target sm_90" in ptx
     assert re.search(r"\.entry\s", ptx), "no kernel entry point"
+    if dtype == "complex64":  # the O(d^3) work in float32 (a float literal would promote it: quantum_math)
+        ops = r"\n\s*(?:fma|mul|add|sub|div|sqrt|neg)\.[a-z.]*"
+        f32, f64 = (len(re.findall(ops + t, ptx)) for t in ("f32", "f64"))
+        assert f64 < f32 / 2, f"{name}: {f64} float64 operations against {f32} float32"
+
+
+@pytest.mark.parametrize("dtype", ["complex128", "complex64"])
+def test_quantum_kernel_signatures_are_the_launched_types(dtype):
+    """The signatures (ahead-of-time compilation, this file's PTX) are the argument types the cuda
+    backend's kernel_ops launches with (agent-minor layouts): a signature that drifted would have a first
+    launch compile again instead of loading the ahead-compiled kernel."""
+    import numba
+    from numba.core import sigutils
+    from quantum_stages import channel_case, stage_inputs, stage_outputs
+
+    from vfesim.quantum.kernel_ops import kernel_ops
+
+    launched = {}
+
+    def record(name, N, d, dt, *args):
+        launched[name] = tuple(numba.typeof(a) for a in args)
+
+    ops = kernel_ops(lambda: np, record, agent_minor=True)
+    stage_outputs(ops, stage_inputs(4, dtype, N=6))
+    P, rho, dyn = channel_case(4, dtype, "C1", "computational", "none", N=9)
+    out = ops.channel_step(P, rho, 0.1, dyn)
+    ops.step_vjp(4)(P, out, out, 0.1, dyn)
+    sigs = kc.quantum_kernel_signatures(dtype)
+    assert set(launched) == set(sigs)
+    for name, types in launched.items():
+        want = sigutils.normalize_signature(sigs[name])[0]
+        assert len(want) == len(types), name
+        for k, (t, w) in enumerate(zip(types, want, strict=True)):
+            if isinstance(w, numba.types.Array):
+                assert (t.dtype, t.ndim, t.layout) == (w.dtype, w.ndim, w.layout), (name, k, t, w)
+            else:
+                assert t == w, (name, k, t, w)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -140,37 +140,40 @@ def points_kernel_signatures(dtype: str) -> dict[str, str]:
 
 
 def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
-    """Signature strings of the density-matrix kernels (:func:`make_quantum_kernels`) for a complex dtype."""
+    """Signature strings of the density-matrix kernels (:func:`make_quantum_kernels`) for a complex dtype,
+    as the cuda backend launches them: per-agent arrays agent-minor (``vfesim.arrays.agent_minor``: a
+    matrix batch (N, d, d) of layout "A", a (N, k) table Fortran-ordered), the pair kernels' feature rows
+    and the (2, N) / (3, d, d) arrays C-contiguous."""
     c = "complex64" if np.dtype(dtype) == np.complex64 else "complex128"
     f = "float32" if c == "complex64" else "float64"
-    c3 = f"{c}[:, :, ::1]"
-    c4 = f"{c}[:, :, :, ::1]"
-    r1, r2, r3 = f"{f}[::1]", f"{f}[:, ::1]", f"{f}[:, :, ::1]"
+    m, m4, J = f"{c}[:, :, :]", f"{c}[:, :, :, :]", f"{c}[:, :, ::1]"  # agent matrices, tapes; J
+    r1, t2, r2, r3 = f"{f}[::1]", f"{f}[::1, :]", f"{f}[:, ::1]", f"{f}[:, :, ::1]"  # t2: (N, k) tables
+    i2, b2 = "int64[::1, :]", "boolean[::1, :]"
     return {
         "energy_prep": (
-            f"void({c3}, {c3}, {r1}, {r2}, {c3}, int64, int64, int64, float64, float64, {c3}, {r2}, {c3}, "
-            f"{c3}, {r1}, {c3}, {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {c3})"
+            f"void({m}, {m}, {r1}, {t2}, {J}, int64, int64, int64, float64, float64, {m}, {t2}, {m}, "
+            f"{m}, {r1}, {m}, {m}, {t2}, {t2}, {m}, {m}, {t2}, {m})"
         ),
         "energy_features": (
-            f"void(int64[::1], int64, int64, int64, int64, {c3}, {c3}, {r1}, {c3}, {c3}, {r2}, {r2}, {c3}, "
+            f"void(int64[::1], int64, int64, int64, int64, {m}, {m}, {r1}, {m}, {m}, {t2}, {t2}, {m}, "
             f"{r2}, {r3}, {r3}, {r2})"
         ),
         "energy_backward": (
-            f"void({c3}, {r1}, int64[::1], {c3}, int64, int64, int64, int64, float64, float64, float64, "
-            f"float64, float64, {r3}, {r3}, {r2}, {c3}, {r2}, {c3}, {c3}, {c3}, {c3}, {r2}, {r2}, {c3}, "
-            f"{c3}, {r2}, {c3}, {c3}, {c3}, {r1}, {r2})"
+            f"void({m}, {r1}, int64[::1], {J}, int64, int64, int64, int64, float64, float64, float64, "
+            f"float64, float64, {r3}, {r3}, {r2}, {m}, {t2}, {m}, {m}, {m}, {m}, {t2}, {t2}, {m}, "
+            f"{m}, {t2}, {m}, {m}, {m}, {r1}, {t2})"
         ),
-        "sender_states": f"void({c3}, {c3}, {c3})",
+        "sender_states": f"void({m}, {m}, {m})",
         "channel_step": (
-            f"void({c3}, {c3}, int64[:, ::1], boolean[:, ::1], {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {r1}, "
-            f"{r1}, int64[::1], float64, float64, float64, float64, float64, {c3}, {r1})"
+            f"void({m}, {m}, {i2}, {b2}, {m}, {t2}, {t2}, {m}, {m}, {t2}, {r1}, "
+            f"{r1}, int64[::1], float64, float64, float64, float64, float64, {m}, {r1})"
         ),
         "channel_step_vjp": (
-            f"void({c3}, {c3}, int64[:, ::1], boolean[:, ::1], {c3}, {r2}, {r2}, {c3}, {c3}, {r2}, {r1}, "
-            f"{r1}, {r2}, int64[::1], float64[::1], {c3}, {c4}, {c4}, {c4}, {f}[:, :, ::1], {r2}, {r2}, "
+            f"void({m}, {m}, {i2}, {b2}, {m}, {t2}, {t2}, {m}, {m}, {t2}, {r1}, "
+            f"{r1}, {r2}, int64[::1], float64[::1], {m}, {m4}, {m4}, {m4}, {f}[:, :, :], {r2}, {t2}, "
             f"{r1}, int64[::1])"
         ),
-        "incoming": f"void({c3}, {c3}, int64[:, ::1], {r2}, {c3}, {c3}, {c3})",
+        "incoming": f"void({m}, {m}, {i2}, {t2}, {m}, {m}, {m})",
     }
 
 
