@@ -219,33 +219,35 @@ def hmat_load(v, scale, X):
             i += 1
 
 
-def dd_log(a, b):
+def dd_log(a, b, R):
     """log^[1](a, b) for a, b > 0: 2 atanh(delta) / (delta (a + b)) for |delta| < 1/2 with
-    delta = (a - b) / (a + b) (1/a at a tie), else (log a - log b) / (a - b)."""
+    delta = (a - b) / (a + b) (1/a at a tie), else (log a - log b) / (a - b). R: the real type (the
+    divided differences' precision, that of a and b)."""
     tot = a + b
     delta = (a - b) / tot
     if abs(delta) < 0.5:
-        ratio = 1.0 if delta == 0.0 else math.atanh(delta) / delta
-        return 2.0 * ratio / tot
+        ratio = R(1.0) if delta == 0.0 else math.atanh(delta) / delta
+        return R(2.0) * ratio / tot
     return (math.log(a) - math.log(b)) / (a - b)
 
 
-def dd_exp(la, lb, pa, pb):
+def dd_exp(la, lb, pa, pb, R):
     """exp^[1] at log-values la, lb (pa = e^la, pb = e^lb): sqrt(pa pb) sinh(x) / x, x = (la - lb) / 2, for
-    |la - lb| < 1, else (pa - pb) / (la - lb)."""
+    |la - lb| < 1, else (pa - pb) / (la - lb). R: the real type."""
     dl = la - lb
     if abs(dl) < 1.0:
-        x = 0.5 * dl
-        sinhc = 1.0 if x == 0.0 else math.sinh(x) / x
+        x = R(0.5) * dl
+        sinhc = R(1.0) if x == 0.0 else math.sinh(x) / x
         return math.sqrt(pa * pb) * sinhc
     return (pa - pb) / dl
 
 
-def dd_expi_conj(ka, kb):
-    """conj of f^[1](ka, kb) for f(k) = exp(-i k): i exp(i (ka + kb) / 2) sinc((ka - kb) / 2)."""
-    y = 0.5 * (ka - kb)
-    sc = 1.0 if y == 0.0 else math.sin(y) / y
-    th = 0.5 * (ka + kb)
+def dd_expi_conj(ka, kb, R):
+    """conj of f^[1](ka, kb) for f(k) = exp(-i k): i exp(i (ka + kb) / 2) sinc((ka - kb) / 2). R: the real
+    type (the result is complex128: callers cast it to their matrices' type)."""
+    y = R(0.5) * (ka - kb)
+    sc = R(1.0) if y == 0.0 else math.sin(y) / y
+    th = R(0.5) * (ka + kb)
     return complex(-math.sin(th) * sc, math.cos(th) * sc)
 
 
@@ -343,7 +345,7 @@ def dk_log(sn, Wn, E, out, T1, T2):
     pull_back(Wn, E, T1, T2)
     for r in range(d):
         for c in range(d):
-            T2[r, c] = T2[r, c] * dd_log(sn[r], sn[c])
+            T2[r, c] = T2[r, c] * dd_log(sn[r], sn[c], sn.dtype.type)
     push_forward(Wn, T2, T1, out)
 
 
@@ -353,7 +355,7 @@ def dk_exp(ln, pn, Vn, E, out, T1, T2):
     pull_back(Vn, E, T1, T2)
     for r in range(d):
         for c in range(d):
-            T2[r, c] = T2[r, c] * dd_exp(ln[r], ln[c], pn[r], pn[c])
+            T2[r, c] = T2[r, c] * dd_exp(ln[r], ln[c], pn[r], pn[c], ln.dtype.type)
     push_forward(Vn, T2, T1, out)
 
 
@@ -364,7 +366,7 @@ def frames_vjp(U_bar, kn, Vn, J, out, T1, T2, T3):
     pull_back(Vn, U_bar, T1, T2)
     for r in range(d):
         for c in range(d):
-            T2[r, c] = T2[r, c] * dd_expi_conj(kn[r], kn[c])
+            T2[r, c] = T2[r, c] * T2.dtype.type(dd_expi_conj(kn[r], kn[c], kn.dtype.type))
     push_forward(Vn, T2, T1, T3)
     for a in range(3):
         acc = 0.0
@@ -895,7 +897,7 @@ def channel_step_vjp_agent(
     pull_back(V[n], T2, T1, S)  # S = Y^
     for r in range(d):
         for c in range(d):
-            f = dd_expi_conj(lam[n, c] * t, lam[n, r] * t).conjugate()
+            f = dd_expi_conj(lam[n, c] * t, lam[n, r] * t, lam.dtype.type).conjugate()
             S[r, c] = 2.0 * t * S[r, c] * f
     push_forward(V[n], S, T1, T2)
     for r in range(d):
