@@ -13,8 +13,9 @@
 Problem (the issue's target): Jacobi steps of N agents with C1 coupling over a causal window of w = 8
 (``--window``) senders (eps0 = 0.3, ell = 1.618), the unitary step from one eigh of H_i per rollout,
 computational-basis dephasing (gamma = 0.2) and a Born loss with every agent observed at every step; dt =
-0.09. "step": one synchronous step (evolve's inner step, arrays in, arrays out). "rollout": T = 100 steps
-(``--T``) with the exact adjoint (:func:`vfesim.quantum.rollout` with the backend's QuantumOps, uniform
+0.09. "step": one synchronous step (evolve's inner step, arrays in, arrays out) from a state one step in
+(laid out as a rollout holds its states: agent-minor on the GPU). "rollout": T = 100 steps (``--T``)
+with the exact adjoint (:func:`vfesim.quantum.rollout` with the backend's QuantumOps, uniform
 checkpointing, s = ceil(sqrt T)); includes the per-rollout eigh of H, frames and transports; "adjoint"
 says which step adjoint it ran ("kernels" or the array code's "tape"), "forward_steps" how many forward
 steps it ran (the loss pass and the replays; ``--store-all`` adds "rollout_all_s", the same rollout with
@@ -151,8 +152,8 @@ def bench(
     cfg, st, dyn, sched = problem(N, d, dtype, xp, T=T, window=window)
     arrays = {k: st[k].data for k in st.data_vars}
     P = prepare(arrays, cfg, dyn)
-    rho = arrays["rho"]
     ops = backend_ops(backend)
+    rho = step(P, arrays["rho"], DT, dyn, ops=ops)[0]  # a state as a rollout holds it (the backend's layout)
     vjp = ops.step_vjp(d)
     t_step, n_step = timeit(lambda: step(P, rho, DT, dyn, ops=ops), xp)
     b_step, b_roll = traffic(N, d, dtype, T, window)
