@@ -252,13 +252,10 @@ def kernel_accumulators(xp, n: int, w: int, d: int, dtype, agent_minor: bool = F
     real, as views of three arrays (under ``"_kernel"``) the kernel takes whole; ``agent_minor``: the
     layout of the module docstring (the adjoint's own, ``vjp.agent_minor``)."""
     rdt = _real(dtype)
-
-    def zeros(shape, dt):
-        a = empty_agent_minor(xp, shape, dt, axis=1) if agent_minor else xp.empty(shape, dt)
-        a[...] = 0
-        return a
-
-    m, r, sw = zeros((4, n, d, d), dtype), xp.zeros((2, n), rdt), zeros((3, n, w), rdt)
+    _, empty = _arranger(lambda: xp, agent_minor)
+    m, r, sw = empty((4, n, d, d), dtype, axis=1), xp.zeros((2, n), rdt), empty((3, n, w), rdt, axis=1)
+    m[...] = 0
+    sw[...] = 0
     acc = dict(H=m[0], sigma=m[1], logsig=m[2], U=m[3], gamma=r[0], gamma_th=r[1], eps_c=sw[1])
     acc["_kernel"] = (m, r, sw)
     return acc
