@@ -452,3 +452,39 @@ def test_cuda_tasks_take_turns_on_the_device():
 
     assert [task(1), task(2, inner="cuda"), task(3, "cuda"), task(4, "numba")] == [1, 2, 3, 4]
     assert seen == [True, False, False, True]
+
+
+def test_task_warnings_keep_each_threads_record():
+    """Two tasks in threads of one process: A silences warnings, B records them; A leaves while B is
+    inside. Unserialised, A's exit would restore the process's warning state under B (B's warning lost,
+    as a chunk's ConditioningWarning once was); task_warnings makes B wait for A."""
+    import threading
+    import time
+    import warnings
+
+    from vfesim.backends.dask_backend import task_warnings
+
+    a_in, b_trying, a_out = threading.Event(), threading.Event(), threading.Event()
+    got = {}
+
+    def a():
+        with task_warnings(record=False):
+            a_in.set()
+            b_trying.wait(5)
+            time.sleep(0.1)  # unserialised, B is inside by now
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        b_trying.set()
+        with task_warnings(record=True) as caught:
+            a_out.wait(5)
+            warnings.warn("from b", UserWarning, stacklevel=2)
+        got["b"] = [str(w.message) for w in caught]
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got["b"] == ["from b"]

@@ -53,6 +53,7 @@ else threads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -181,6 +182,22 @@ class Recorded:
 def _shift_warning(w: warnings.WarningMessage, r0: int) -> Recorded:
     """A warning recorded in a task, agent indices made global."""
     return Recorded(w.category, _AGENT.sub(lambda m: f"[agent={int(m.group(1)) + r0}]", str(w.message)))
+
+
+# warnings.catch_warnings swaps process-wide state (the filters, showwarning): two tasks in threads of one
+# process (the threaded scheduler, a worker's thread pool) recording or silencing warnings at once would
+# restore each other's state on exit, and a warning raised in between would be lost or land in the other
+# task's list. Every task that catches warnings does it through task_warnings, under one lock.
+_WARNINGS_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def task_warnings(record: bool):
+    """``warnings.catch_warnings`` for a task, serialised across the process's threads: ``record=True``
+    yields the list of every warning raised inside (filter "always"), ``False`` silences them."""
+    with _WARNINGS_LOCK, warnings.catch_warnings(record=record) as caught:
+        warnings.simplefilter("always" if record else "ignore")
+        yield caught
 
 
 # Tasks with inner "cuda" run one at a time per worker process: the scheduler's threads share the one GPU
@@ -350,8 +367,7 @@ def _features_task(arrays: dict, cfg, population, r0: int, validate: bool, inner
         # The chunk where its kernels run, validated there (on a GPU worker: the device checks).
         arrays = _task_arrays(arrays, backend.array_module())
         if validate:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            with task_warnings(record=True) as caught:
                 validate_state(arrays, cfg)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             family_of(cfg).energy_and_gradient(arrays, cfg, backend)
@@ -965,8 +981,7 @@ def auto_chunk(cfg, n_agents: int, arrays: dict) -> int:
         return field_chunk(cfg, n_agents, arrays, TASK_WORK, AGENT_WORK)
     probe = {k: np.asarray(v[:1]) for k, v in arrays.items()}
     rec = _Record()
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with np.errstate(all="ignore"), task_warnings(record=False):
         chunk_cfg = cfg if cfg.dense else cfg.replace(neighbours="dense")
         family.energy_and_gradient(probe, chunk_cfg, _chunk_backend(rec, chunk_cfg))
     D = max((t[0].shape[1] for t in rec.terms), default=1)

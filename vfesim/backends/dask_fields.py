@@ -26,7 +26,6 @@ centre. No task holds an N x N x P array: a pair task holds its chunk's rows, th
 
 from __future__ import annotations
 
-import warnings
 from functools import partial
 
 import dask
@@ -132,7 +131,7 @@ def _assembly(arrays, cfg, centres, lists, r0: int, pairs):
 
 def _features_task(arrays, cfg, centres, lists, r0: int, validate: bool):
     """Step 1: ([per term: the recorded rows], recorded warnings)."""
-    from .dask_backend import ChunkError, _shift_warning
+    from .dask_backend import ChunkError, _shift_warning, task_warnings
 
     arrays = _own(arrays)
     caught: list = []
@@ -140,8 +139,7 @@ def _features_task(arrays, cfg, centres, lists, r0: int, validate: bool):
         if validate:
             from ..fields.state import validate_state
 
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            with task_warnings(record=True) as caught:
                 validate_state(arrays, _task_cfg(cfg))
         rec = _Record()
         _assembly(arrays, cfg, centres, lists, r0, rec)

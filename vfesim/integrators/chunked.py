@@ -216,15 +216,13 @@ def _init_task(c, arrays, r0: int):
     """Log-Cholesky coordinates of one chunk's covariances, and the covariances rebuilt from them (the
     host init's ``theta_to_sigma(sigma_to_theta(Sigma))``); the chunk is validated first (errors only:
     the restore that follows validates again and reports warnings with global agents)."""
-    import warnings
 
-    from ..backends.dask_backend import ChunkError
+    from ..backends.dask_backend import ChunkError, task_warnings
     from ..gaussian.geometry import sigma_to_theta
 
     arrays = _own(arrays)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with task_warnings(record=False):
             validate_state(arrays, c.cfg)
     except StateError as e:
         raise ChunkError.wrap(e, r0) from None
