@@ -46,6 +46,19 @@ def test_agent_minor_layout():
     assert arrays.max_abs([bad]) == [math.inf]
 
 
+def test_memory_flat_views_dense_blocks_only():
+    """memory_flat: a view of the entries in memory order, indexed by the array's strides in entries, for
+    C, F and agent-minor layouts; None for a strided view with gaps."""
+    x = np.arange(60.0).reshape(5, 4, 3) * (1 + 2j)
+    for a in (x, np.asfortranarray(x), arrays.agent_minor(x), arrays.agent_minor(x, 2)):
+        flat, st = arrays.memory_flat(a)
+        assert flat.ndim == 1 and np.shares_memory(flat, a) and flat.size == a.size
+        for idx in ((0, 0, 0), (4, 3, 2), (2, 1, 0), (3, 0, 2)):
+            assert flat[np.dot(idx, st)] == a[idx]
+    assert arrays.memory_flat(x[::2]) is None and arrays.memory_flat(x[:, :, 1:]) is None
+    assert arrays.memory_flat(x[::-1]) is None
+
+
 def test_host_array_and_module():
     x = np.ones(3)
     assert arrays.host_array(x) is x and arrays.is_host(x) and arrays.array_module(x) is np

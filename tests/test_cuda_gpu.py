@@ -488,3 +488,44 @@ def test_a_first_run_launches_only_kernels_compiled_ahead(tmp_path, K, dtype, pa
     assert report["failed"] == [] and report["compiled"] == first["jobs"], first
     assert first["unplanned"] == [] and second["unplanned"] == [], runs
     assert second["reports"][0]["compiled"] == 0 and second["compiled"] == 0 and second["loaded"] > 0, second
+
+
+def test_fast_launches_give_numba_launch_bits(monkeypatch):
+    """The cached launches of vfesim_kernels.cuda.launch against numba's own launch: a density-matrix
+    rollout with its gradient and a Gaussian energy and gradient give the same bits, and the cached path
+    ran (compiled kernels recorded for it)."""
+    import cupy as cp
+    from vfesim_kernels.cuda import launch as L
+
+    from vfesim.backends import cuda_backend as cb
+    from vfesim.quantum import QuantumDynamics, Schedule, rollout
+    from vfesim.quantum.channels import causal_window
+    from vfesim.quantum.state import make_state
+
+    n, d, T = 96, 4, 4
+    rng = np.random.default_rng(5)
+    qcfg = vfesim.QuantumConfig(d=d, lambda_belief=0.5)
+    host = vfesim.random_state(qcfg, n, seed=4)
+    dev = make_state(
+        qcfg, *(cp.asarray(host[k].values) for k in ("rho", "hamiltonian", "temperature", "phi"))
+    )
+    qd = QuantumDynamics(coupling_strength=0.4, neighbours=causal_window(n, 8), dephasing_rate=0.3)
+    sched = Schedule(qd, 0.2, T, rng.integers(-1, d, size=(T, n)))
+    gcfg = vfesim.ModelConfig(K=3, **BASE)
+    garrays = _arrays(gcfg, 700, "float32")
+
+    def results():
+        r = rollout(dev, qcfg, sched, loss={"born": 1.0, "free_energy": 0.3}, ops=cb.QUANTUM_OPS)
+        t, g = cb.energy_and_gradient(cb.to_device(garrays), gcfg)
+        out = [np.float64(r.loss), *(np.asarray(t[k]) for k in sorted(t))]
+        out += [cp.asnumpy(v) if hasattr(v, "get") else np.asarray(v) for _, v in sorted(r.grads.items())]
+        return out + [cb.to_host(g)[k] for k in sorted(g)]
+
+    results()  # first launches: numba's (compiles, binds), recorded for the cached path
+    fast = results()
+    assert L.FAST_LAUNCH and sum(k is not None for _, k in L._KERNELS.values()) >= 8
+    monkeypatch.setattr(L, "FAST_LAUNCH", False)
+    slow = results()
+    assert len(fast) == len(slow)
+    for a, b in zip(fast, slow, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()

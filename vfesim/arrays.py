@@ -108,6 +108,17 @@ def agent_minor(a, axis: int = 0):
     return xp.moveaxis(moved, -1, axis)
 
 
+def memory_flat(a):
+    """(flat, strides): a 1-D view of the entries of ``a`` in memory order and ``a``'s strides in entries,
+    so that ``a[i, j, ...]`` is ``flat[i * strides[0] + j * strides[1] + ...]``; None where ``a``'s entries
+    do not fill one block in some order of its axes (C, F and agent-minor layouts do)."""
+    xp = array_module(a)
+    t = a.transpose(sorted(range(a.ndim), key=lambda k: -abs(a.strides[k])))
+    if not t.flags.c_contiguous or any(s < 0 for s in a.strides):
+        return None
+    return xp.reshape(t, -1), tuple(s // a.itemsize for s in a.strides)
+
+
 def empty_agent_minor(xp, shape: tuple, dtype, axis: int = 0):
     """An uninitialised array of module ``xp`` laid out as :func:`agent_minor` gives (agent axis
     ``axis``)."""

@@ -10,6 +10,7 @@
   covariances' SPD verdicts and condition-number bounds) in one launch;
 - :mod:`.quantum`: density-matrix per-agent stages (Jacobi eigensolver, Daleckii–Krein adjoints), one
   thread per agent;
+- :mod:`.launch`: launches that keep each argument's kernel form (numba re-derives it every launch);
 - :mod:`.ahead`: compiling the kernels a computation will launch ahead of it, in parallel processes;
 - :mod:`.reduce`: whole-array sums and max |x| (numba kernels instead of CuPy's CUB reductions, which
   NVRTC compiles in every first-ever process);
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ahead, checks, gaussian, pair_mma, quantum, reduce, warp
+from . import ahead, checks, gaussian, launch, pair_mma, quantum, reduce, warp
 from .core import (
     BLOCK,
     PAIR_OPTS,
@@ -62,6 +63,7 @@ from .quantum import make_quantum_kernels
 __all__ = [
     "ahead",
     "checks",
+    "launch",
     "gaussian",
     "quantum",
     "reduce",

@@ -28,7 +28,8 @@ import math
 import numpy as np
 from numba import float64
 
-from .core import _NB, BLOCK, SIMULATOR, compile_kernels, cuda, device, launch_view
+from .core import _NB, BLOCK, SIMULATOR, compile_kernels, cuda, device
+from .launch import launch
 
 __all__ = [
     "SPD_OK",
@@ -240,6 +241,5 @@ def state_checks(vectors, S1, S2, tol: float):
     out = cupy.asarray(out_initial())
     blockwise, blocks, threads = check_launch(n, K)
     k = make_check_kernels(K, np.dtype(S1.dtype).name, blockwise)["state"]
-    views = [launch_view(a) for a in (*rows, *mats, code, bound, out)]  # the arrays live until queued
-    k[blocks, threads](*views[:6], S1.dtype.type(tol), *views[6:])
+    launch(k, blocks, threads, *rows, *mats, S1.dtype.type(tol), code, bound, out)
     return out.get(), code, bound

@@ -25,7 +25,8 @@ import math
 import numpy as np
 from numba import float64
 
-from .core import SIMULATOR, compile_kernels, cuda, device, launch_view
+from .core import SIMULATOR, compile_kernels, cuda, device
+from .launch import launch
 
 __all__ = [
     "REDUCE_THREADS",
@@ -156,8 +157,8 @@ def device_sum(a):
     if flat.shape[0]:  # always two launches: a result never depends on how many blocks the first took
         k = make_reduce_kernels()["partial_sum"]
         parts = xp.empty(_blocks(flat.shape[0]), np.float64)
-        k[parts.shape[0], REDUCE_THREADS](launch_view(flat), launch_view(parts))
-        k[1, REDUCE_THREADS](launch_view(parts), launch_view(out))
+        launch(k, parts.shape[0], REDUCE_THREADS, flat, parts)
+        launch(k, 1, REDUCE_THREADS, parts, out)
     return out.reshape(())
 
 
@@ -169,7 +170,7 @@ def fold_slices(parts):
     if S > 1 and parts[0].size:
         flat = parts.reshape(S, -1)
         k = make_reduce_kernels()["fold"]
-        k[-(-flat.shape[1] // REDUCE_THREADS), REDUCE_THREADS](launch_view(flat))
+        launch(k, -(-flat.shape[1] // REDUCE_THREADS), REDUCE_THREADS, flat)
     return parts[0]
 
 
@@ -191,10 +192,10 @@ def max_abs(arrays) -> list[float]:
         if longest:
             nb = _blocks(longest)
             parts = xp.empty((len(run), nb), np.float64)
-            xs = [launch_view(f) for f in run]
+            xs = list(run)
             xs += xs[:1] * (MAX_ABS_ARRAYS - len(run))  # fillers: rows past len(run) are not launched
-            k["partial_max_abs"][(nb, len(run)), REDUCE_THREADS](*xs, launch_view(parts))
-            k["final_max_abs"][len(run), REDUCE_THREADS](launch_view(parts), launch_view(out), i)
+            launch(k["partial_max_abs"], (nb, len(run)), REDUCE_THREADS, *xs, parts)
+            launch(k["final_max_abs"], len(run), REDUCE_THREADS, parts, out, i)
         i += len(run)
     return [float(v) for v in (out if xp is np else out.get())]
 

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from vfesim_kernels import cuda as kc
 from vfesim_kernels import kernel_cache_dir
+from vfesim_kernels.cuda.launch import launch as _launch
 from vfesim_kernels.pairwise_cpu import incoming_csr, range_error
 
 from ..arrays import host_array, host_floats
@@ -494,8 +495,16 @@ class FusedStages:
 
     def self_term(self, lam: float):
         d = self.ws.dev
-        self.kern["self_kl"][self.per_agent](
-            d["mu"], d["sigma"], self.jitter, self.dtype.type(lam), d["e_self"], d["g_mu"], d["g_sigma"]
+        _launch(
+            self.kern["self_kl"],
+            *self.per_agent,
+            d["mu"],
+            d["sigma"],
+            self.jitter,
+            self.dtype.type(lam),
+            d["e_self"],
+            d["g_mu"],
+            d["g_sigma"],
         )
         return kc.reduce.device_sum(self.ws.buf["e_self"])
 
@@ -508,7 +517,7 @@ class FusedStages:
         terms = [("belief_align", "prior_align").index(a[0]) for a in active]  # slots, ascending
         f0, nf = terms[0], len(terms)
         nblk, blk = self.nblk, kc.BLOCK
-        kern["prep"][self.per_agent](
+        _launch(kern["prep"], *self.per_agent,
             d["phi"], d["G"], max(cfg.irreps), d["mu"], d["sigma"], self.jitter, f0, nf,
             d["R"], d["lam"], d["P"], d["nu"], d["ld"],
         )  # fmt: skip
@@ -519,7 +528,7 @@ class FusedStages:
             for f in terms:
                 b["nubar"][f] = self.xp.asarray(self.centre[("mu_q", "mu_p")[f]], dtype=self.dtype)
         grid = (N, nf) if self.block else (nblk, nf)
-        kern["features"][grid, self.nt](
+        _launch(kern["features"], grid, self.nt,
             d["lam"], d["P"], d["nu"], d["nubar"], d["ld"], d["feat_scale"], f0,
             d["A"], d["B"], d["c"], d["nuc"], d["Pnu"],
         )  # fmt: skip
@@ -539,25 +548,61 @@ class FusedStages:
             nt = k["threads"]
             nb = _cdiv(N, k["per_block"])
             gAx = ws.expected_sums(cfg.aggregator)
-            k["stats"][(nb, ws.S, nf), nt](
-                d["A"], d["B"], d["c"], 0, f0, ws.chunk, d["pm"], d["ps"], d["pt"], d["gAr"], gAx
+            _launch(
+                k["stats"],
+                (nb, ws.S, nf),
+                nt,
+                d["A"],
+                d["B"],
+                d["c"],
+                0,
+                f0,
+                ws.chunk,
+                d["pm"],
+                d["ps"],
+                d["pt"],
+                d["gAr"],
+                gAx,
             )
-            k["merge"][(nblk, nf), blk](
+            _launch(k["merge"], (nblk, nf), blk,
                 d["pm"], d["ps"], d["pt"], d["kappa"], f0, d["m"], d["inv_s"], d["abar"], d["energy"],
                 d["gAr"], gAx,
             )  # fmt: skip
-            k["grads"][(nb, ws.S, nf), nt](
-                d["A"], d["B"], d["c"], d["m"], d["inv_s"], d["abar"], 0, f0, ws.chunk, d["gBs"]
+            _launch(
+                k["grads"],
+                (nb, ws.S, nf),
+                nt,
+                d["A"],
+                d["B"],
+                d["c"],
+                d["m"],
+                d["inv_s"],
+                d["abar"],
+                0,
+                f0,
+                ws.chunk,
+                d["gBs"],
             )
         else:
             k = self.pair_kern = kc.make_sparse_kernels(D, dt, cfg.aggregator)
             nbr = _neighbour_lists(cfg.neighbours).dev
-            k["rows"][(nblk, nf), blk](
+            _launch(k["rows"], (nblk, nf), blk,
                 d["A"], d["B"], d["c"], nbr["index"], nbr["mask"], d["kappa"], f0,
                 d["W"], d["energy"], d["gAr"],
             )  # fmt: skip
-            k["senders"][(nblk, nf), blk](d["A"], d["W"], nbr["ptr"], nbr["row"], nbr["slot"], f0, d["gBs"])
-        kern["adjoint"][self.per_agent](
+            _launch(
+                k["senders"],
+                (nblk, nf),
+                blk,
+                d["A"],
+                d["W"],
+                nbr["ptr"],
+                nbr["row"],
+                nbr["slot"],
+                f0,
+                d["gBs"],
+            )
+        _launch(kern["adjoint"], *self.per_agent,
             d["phi"], d["G"], d["R"], d["mu"], d["sigma"], self.jitter, d["nuc"], d["P"], d["Pnu"],
             d["gAr0"], d["gBs"], d["lam_w"], d["kappa"], f0, nf, d["g_mu"], d["g_sigma"], d["g_phi"],
         )  # fmt: skip
@@ -665,8 +710,8 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     kap = xp.ones(1, dt)
     dW, de, dgA, dgB, dk = (kc.as_device_view(a) for a in (W, energy, gAr, gBs, kap))
     nblk = _cdiv(N, kc.BLOCK)
-    k["rows"][(nblk, 1), kc.BLOCK](Ah, Bb, ch, nbr["index"], nbr["mask"], dk, 0, dW, de, dgA)
-    k["senders"][(nblk, 1), kc.BLOCK](Ah, dW, nbr["ptr"], nbr["row"], nbr["slot"], 0, dgB)
+    _launch(k["rows"], (nblk, 1), kc.BLOCK, Ah, Bb, ch, nbr["index"], nbr["mask"], dk, 0, dW, de, dgA)
+    _launch(k["senders"], (nblk, 1), kc.BLOCK, Ah, dW, nbr["ptr"], nbr["row"], nbr["slot"], 0, dgB)
     E = kc.reduce.device_sum(energy[0]) * kappa
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
 
@@ -693,12 +738,10 @@ def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None
     gAr = xp.empty((S, 1, NR, D + 1), dt)
     gAx = xp.empty((S, 1, NR, D + 1) if aggregator == "expected" else (1, 1, 1, 1), dt)
     kap = xp.ones(1, dt)
-    v = kc.launch_view  # (the arrays live until both launches are queued)
-    dgA, dgx = v(gAr), v(gAx)
     nb_r = _cdiv(NR, k["per_block"])
-    k["stats"][(nb_r, S, 1), nt](v(Ah), v(Bb), v(ch), r0, 0, chunk_s, v(pm), v(ps), v(pt), dgA, dgx)
-    k["merge"][(_cdiv(NR, kc.BLOCK), 1), kc.BLOCK](
-        v(pm), v(ps), v(pt), v(kap), 0, v(m), v(inv_s), v(abar), v(energy), dgA, dgx
+    _launch(k["stats"], (nb_r, S, 1), nt, Ah, Bb, ch, r0, 0, chunk_s, pm, ps, pt, gAr, gAx)
+    _launch(
+        k["merge"], (_cdiv(NR, kc.BLOCK), 1), kc.BLOCK, pm, ps, pt, kap, 0, m, inv_s, abar, energy, gAr, gAx
     )
     gA = gAr[0, 0]  # (merge summed the slices into slice 0, in slice order)
     return energy[0], gA[:, :-1], gA[:, -1], m, inv_s, abar
@@ -722,9 +765,8 @@ def _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0: int, aggregator: str, splits: i
     else:
         S, chunk_r = kc.dense_slices(NR, splits, nt)
     gBs = xp.empty((S, 1, NS, D), dt)
-    v = kc.launch_view
     nb_s = _cdiv(NS, k["per_block"])
-    k["grads"][(nb_s, S, 1), nt](v(Ah), v(Bb), v(ch), v(m), v(inv_s), v(abar), r0, 0, chunk_r, v(gBs))
+    _launch(k["grads"], (nb_s, S, 1), nt, Ah, Bb, ch, m, inv_s, abar, r0, 0, chunk_r, gBs)
     return kc.reduce.fold_slices(gBs)[0]  # the slices in order: a fixed summation order
 
 
@@ -820,8 +862,7 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
     per part of an agent's work (``energy_prep``: N = 3 x agents)."""
     ks = kc.make_quantum_kernels(d, np.dtype(dtype).name)
     FIRST_USE.begin(("quantum", d, np.dtype(dtype).str), f"density-matrix agents, d={d}, {np.dtype(dtype)}")
-    views = [kc.launch_view(a) if hasattr(a, "shape") else a for a in args]
-    ks[name][_cdiv(N, kc.BLOCK), kc.BLOCK](*views)
+    kc.launch.launch(ks[name], _cdiv(N, kc.BLOCK), kc.BLOCK, *args)
 
 
 # One thread per agent up to d = 8 (each matrix in local memory, the agents' arrays agent-minor: a warp's
@@ -902,12 +943,12 @@ def _pairwise_points(A, B, c, u, v, offsets, lists, rowmap, index, mask, kappa: 
     dAh, dB, dch, du, dv, dstats = (v_(a) for a in (Ah, Bc, ch, uc, vc, stats))
     kap = dt.type(kappa)
     if MR:
-        k["rows"][_cdiv(MR, kc.BLOCK), kc.BLOCK](
+        _launch(k["rows"], _cdiv(MR, kc.BLOCK), kc.BLOCK,
             dAh, dB, dch, du, dv, lay["point"], lay["lists"], lay["rowmap"], lay["index"], lay["mask"], kap,
             dstats, v_(erow), v_(gA), v_(gc), v_(gu),
         )  # fmt: skip
     if MS and MR:
-        k["senders"][_cdiv(MS, kc.BLOCK), kc.BLOCK](
+        _launch(k["senders"], _cdiv(MS, kc.BLOCK), kc.BLOCK,
             dAh, dB, dch, du, dv, lay["s_point"], lay["s_agent"], lay["r_rowmap"], lay["ptr"],
             lay["src_list"], kap, dstats, v_(gB), v_(gv),
         )  # fmt: skip
@@ -985,12 +1026,33 @@ def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: s
     kap = xp.ones(1, dt)
     v = kc.as_device_view
     dW, dgB, lists = v(W), v(gBs), nbr.dev
-    k["rows"][(_cdiv(NR, kc.BLOCK), 1), kc.BLOCK](
-        Ah, Bb, ch, lists["index"], lists["mask"], v(kap), 0, dW, v(energy), v(gAr)
+    _launch(
+        k["rows"],
+        (_cdiv(NR, kc.BLOCK), 1),
+        kc.BLOCK,
+        Ah,
+        Bb,
+        ch,
+        lists["index"],
+        lists["mask"],
+        v(kap),
+        0,
+        dW,
+        v(energy),
+        v(gAr),
     )
     if NS:
-        k["senders"][(_cdiv(NS, kc.BLOCK), 1), kc.BLOCK](
-            Ah, dW, lists["ptr"], lists["row"], lists["slot"], 0, dgB
+        _launch(
+            k["senders"],
+            (_cdiv(NS, kc.BLOCK), 1),
+            kc.BLOCK,
+            Ah,
+            dW,
+            lists["ptr"],
+            lists["row"],
+            lists["slot"],
+            0,
+            dgB,
         )
     erow = (kappa * energy[0]).astype(np.float64)
     return erow, 0.5 * gAr[0, 0, :, :-1], 0.5 * gAr[0, 0, :, -1], (kappa * gBs[0, 0]).astype(np.float64)

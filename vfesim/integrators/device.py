@@ -32,11 +32,13 @@ class Device:
 
     def __init__(self, K: int):
         from vfesim_kernels import update_cuda as uc
+        from vfesim_kernels.cuda.launch import launch
 
         from ..backends import cuda_backend as cb
 
         cb.kc.ahead.finish()  # update kernels a first energy left compiling in workers: bound, not rebuilt
         self.uc = uc
+        self.launch = launch
         self.cb = cb
         self.xp = cb.array_module()
         self.sim = self.xp is np
@@ -74,14 +76,12 @@ class Device:
 
     # --- launches ------------------------------------------------------------------------------
     def _launch(self, name: str, n: int, *args) -> None:
-        v = self.uc.device_view
-        args = tuple(v(a) if hasattr(a, "shape") else a for a in args)
         key, first = (name, args[0].dtype), None
         if key not in self.launched:  # first use: announced; later launches skip the bookkeeping
             self.launched.add(key)
             what = f"{name} update, K={self.K}, {args[0].dtype}"
             first = self.cb.FIRST_USE.begin(("update", what), what)
-        self.k[name][self.uc.launch_blocks(n), self.uc.BLOCK](*args)
+        self.launch(self.k[name], self.uc.launch_blocks(n), self.uc.BLOCK, *args)
         self.cb.FIRST_USE.end(first, {name: self.k[name]})
 
     def gradient_flow(self, arrays, direc, eta_dev, mode: int, fields: tuple[str, ...]) -> dict:
