@@ -71,6 +71,7 @@ def test_unknown_arguments_take_numbas_launch(monkeypatch):
     monkeypatch.setattr(L, "FAST_LAUNCH", True)
     for odd in (np.zeros(3), 1j):
         k = _Dispatcher()
-        L.launch(k, 4, 32, odd, 2.0)
+        L.launch(k, 4, 32, odd, 2.0, np.float32(0.5))
         ((config, args),) = k.calls
-        assert config == (4, 32) and args[0] is odd and args[1] == 2.0
+        assert config == (4, 32) and args[0] is odd and args[1:] == (2.0, np.float32(0.5))
+        assert type(args[2]) is np.float32

@@ -96,8 +96,9 @@ def _scalar(v):
 
 
 def _views(args) -> list:
-    """numba's launch arguments: arrays as :func:`.core.launch_view` gives them, scalars as they are."""
-    return [launch_view(a) if hasattr(a, "shape") else a for a in args]
+    """numba's launch arguments: arrays as :func:`.core.launch_view` gives them, scalars (NumPy's too) as
+    they are."""
+    return [a if isinstance(a, np.generic) or not hasattr(a, "shape") else launch_view(a) for a in args]
 
 
 def _config(griddim, blockdim):
