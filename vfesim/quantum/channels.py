@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..arrays import array_module as _xp
+from ..arrays import host_array
 from ..config import SparseNeighbours, resolve_neighbours
 from .linalg import dagger, diag_part, herm, pinch, trace
 
@@ -213,10 +214,15 @@ def coupling_strengths(eps0: float, ell: float, dist, mask):
 
 def coupling_strengths_vjp(eps_bar, eps0: float, ell: float, dist, mask) -> tuple[float, float]:
     """(eps0_bar, ell_bar) from eps_bar (N, w): d eps/d eps0 = exp(-dist/ell), d eps/d ell = eps dist/ell^2
-    (masked slots contribute nothing)."""
-    eps_bar = np.where(mask, np.asarray(eps_bar), 0.0)
-    decay = np.exp(-np.asarray(dist) / ell)
-    return float((eps_bar * decay).sum()), float((eps_bar * eps0 * decay * np.asarray(dist)).sum() / ell**2)
+    (masked slots contribute nothing). Computed where eps_bar lives (dist and mask go there), two floats
+    back."""
+    xp = _xp(eps_bar)
+    dist = xp.asarray(np.asarray(host_array(dist), np.float64))
+    eps_bar = xp.where(xp.asarray(np.asarray(host_array(mask), bool)), eps_bar, 0.0)
+    decay = eps_bar * xp.exp(-dist / ell)
+    sums = xp.stack([decay.sum(dtype=np.float64), (decay * dist).sum(dtype=np.float64)])
+    e0_bar, d_bar = (float(v) for v in host_array(sums))
+    return e0_bar, d_bar * eps0 / ell**2
 
 
 def transports(U, index):
@@ -230,25 +236,25 @@ def transports_vjp(M_bar, U, index):
     xp = _xp(U)
     Uj = U[xp.asarray(index)]
     U_bar = (M_bar @ Uj).sum(axis=1)
-    return add_incoming(U_bar, dagger(M_bar) @ U[:, None], incoming_slots(index, None, U.shape[0]))
+    return add_incoming(U_bar, dagger(M_bar) @ U[:, None], incoming_slots(index, None, U.shape[0], xp))
 
 
-def incoming_slots(index, mask, n_agents: int):
+def incoming_slots(index, mask, n_agents: int, xp=np):
     """The transpose of a window (index, mask) (N, w) (mask None: every slot): per agent j the flat slots
     n w + k with index[n, k] == j (under mask), ordered by receiver n then slot k, padded with N w
-    (a zero row :func:`add_incoming` appends) -> (n_agents, m) int64 host array, m the largest in-degree
-    (at least 1)."""
-    index = np.asarray(index.get() if hasattr(index, "get") else index, np.int64)
-    flat = np.arange(index.size, dtype=np.int64)
+    (a zero row :func:`add_incoming` appends) -> (n_agents, m) int64 array of ``xp`` (made there: on a
+    GPU the sort takes a fraction of the host's time), m the largest in-degree (at least 1)."""
+    index = xp.asarray(np.asarray(host_array(index), np.int64))
+    flat = xp.arange(index.size, dtype=np.int64)
     if mask is not None:
-        flat = flat[np.asarray(mask.get() if hasattr(mask, "get") else mask, bool).ravel()]
+        flat = flat[xp.asarray(np.asarray(host_array(mask), bool)).ravel()]
     senders = index.ravel()[flat]
-    order = np.argsort(senders, kind="stable")
+    order = xp.argsort(senders, kind="stable")
     senders, flat = senders[order], flat[order]
-    count = np.bincount(senders, minlength=n_agents)
-    start = np.concatenate([[0], np.cumsum(count)[:-1]])
-    rank = np.arange(senders.size) - start[senders]
-    out = np.full((n_agents, max(1, int(count.max(initial=0)))), index.size, np.int64)
+    count = xp.bincount(senders, minlength=n_agents)
+    start = xp.cumsum(count) - count
+    rank = xp.arange(senders.size, dtype=np.int64) - start[senders]
+    out = xp.full((n_agents, max(1, int(count.max()) if count.size else 0)), index.size, np.int64)
     out[senders, rank] = flat
     return out
 

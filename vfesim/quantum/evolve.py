@@ -171,7 +171,7 @@ class Prepared(NamedTuple):
     index: np.ndarray  # (N, w) coupling window
     mask: np.ndarray  # (N, w)
     dist: np.ndarray  # (N, w)
-    M: Any  # (N, w, d, d) transports U_i U_j^dag
+    M: Any  # (N, w, d, d) transports U_i U_j^dag, or a function making them (:func:`transports_of`)
     eps_c: Any  # (N, w) coupling strengths
     gamma: Any  # (N,) dephasing rates
     gamma_th: Any  # (N,) thermal rates
@@ -189,6 +189,18 @@ def resident(P: Prepared, xp, key, source, make, tag=None):
     if hit is None or hit[1] != tag:
         hit = P.consts[k] = (source, tag, make())
     return hit[2]
+
+
+def transports_of(P: Prepared):
+    """The transports U_i U_j^dag (N, w, d, d) of P, made on first use and kept in P's caches: the array
+    code's steps read them; the kernels form each from the frames, so a kernel run never makes them (at
+    N = 65 536, w = 8, complex128: 134 MB and a batched product per run)."""
+    if not callable(P.M):
+        return P.M
+    hit = P.consts.get("transports")
+    if hit is None:
+        hit = P.consts["transports"] = P.M()
+    return hit
 
 
 def window(P: Prepared, xp) -> tuple[Any, Any]:
@@ -224,7 +236,7 @@ def prepare(arrays: dict[str, Any], qcfg: QuantumConfig, dyn: QuantumDynamics) -
         raise ConfigError("positions", f"has {dyn.positions.shape[0]} rows for {n} agents")
     dist = pair_distances(index, mask, dyn.positions)
     eps_c = xp.asarray(coupling_strengths(dyn.coupling_strength, dyn.coupling_length, dist, mask), lam.dtype)
-    M = transports(U, xp.asarray(index))
+    M = lambda: transports(U, xp.asarray(index))  # noqa: E731 - made on first use (transports_of)
     rdt = lam.dtype
     gamma = _per_agent("dephasing_rate", dyn.dephasing_rate, n, xp, rdt)
     gamma_th = _per_agent("thermal_rate", dyn.thermal_rate, n, xp, rdt)
@@ -243,7 +255,7 @@ def agent_update(P: Prepared, sel, x0, R, dt: float, dyn: QuantumDynamics, keep:
     x = x0
     w = R.shape[1]
     if dyn.coupling != "none" and w:
-        M = P.M[sel]
+        M = transports_of(P)[sel]
         eps_c = P.eps_c[sel]
         sig = M @ normalised(R) @ dagger(M)
         for k in range(w):

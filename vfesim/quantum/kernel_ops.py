@@ -312,7 +312,7 @@ def kernel_step_vjp(
             flag,
         )  # fmt: skip
         if dyn.coupling == "C1" and w:
-            ins = resident(P, xp, "slots", P.index, lambda: view(c(incoming_slots(P.index, P.mask, N))))
+            ins = resident(P, xp, "slots", P.index, lambda: view(c(incoming_slots(P.index, P.mask, N, xp))))
             m_acc, _, sw_acc = acc["_kernel"]
             launch("incoming", N, d, rho.dtype, rho, U, ins, sw_acc[0], mats[1], mats[0], m_acc[3])
         if dyn.dephasing_basis == "energy" and bool((flag == 1).any()):

@@ -76,7 +76,7 @@ from .channels import (
 )
 from .config import QuantumConfig
 from .energy import NUMPY_OPS, QuantumOps, energy_and_gradient_arrays, floor_eps
-from .evolve import Prepared, QuantumDynamics, normalised, prepare, senders, step, window
+from .evolve import Prepared, QuantumDynamics, normalised, prepare, senders, step, transports_of, window
 from .flows import mirror_descent_step, mirror_descent_step_vjp
 from .frames import frames_vjp, spin_generators
 from .linalg import dagger, herm, traceless
@@ -319,7 +319,7 @@ def _update_terms(P: Prepared, sel, R, tape, out_bar, dt: float, dyn: QuantumDyn
     R_bar = xp.zeros_like(R)
     w = R.shape[1]
     if dyn.coupling != "none" and w:
-        M, eps_c = P.M[sel], P.eps_c[sel]
+        M, eps_c = transports_of(P)[sel], P.eps_c[sel]
         Rn = normalised(R)
         trR = R.diagonal(axis1=-2, axis2=-1).sum(axis=-1).real[..., None, None].astype(R.dtype)
         sig = M @ Rn @ dagger(M)
@@ -558,9 +558,7 @@ def rollout(
         return RolloutResult(total, terms, None, final, stats)
 
     acc = _zeros_acc(P, xp, rho.dtype, kernel=kernel)
-    slots = (
-        xp.asarray(incoming_slots(P.index, P.mask, n)) if kernel is None and dyn.order == "jacobi" else None
-    )
+    slots = incoming_slots(P.index, P.mask, n, xp) if kernel is None and dyn.order == "jacobi" else None
     dt_bar = [0.0] * T
     bar = xp.zeros_like(rho)
     if w_F:
@@ -617,7 +615,7 @@ def rollout(
         T_bar = T_bar + w_F * Fgrads["temperature"]
         phi_bar = phi_bar + w_F * Fgrads["phi"]
     e0_bar, ell_bar = coupling_strengths_vjp(
-        acc["eps_c"].get() if hasattr(acc["eps_c"], "get") else acc["eps_c"],
+        acc["eps_c"],
         dyn.coupling_strength,
         dyn.coupling_length,
         P.dist,
