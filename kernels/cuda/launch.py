@@ -59,8 +59,13 @@ _STREAM: list = []
 
 
 def _device_id() -> int:
-    import cupy
+    """The current device's number (CuPy's, a cheap call; numba's where CuPy is missing)."""
+    try:
+        import cupy
+    except ImportError:  # pragma: no cover - the cuda backend needs CuPy
+        from .core import cuda
 
+        return cuda.get_current_device().id
     return cupy.cuda.runtime.getDevice()
 
 

@@ -99,13 +99,14 @@ def kernel_ops(
         on = tuple(int(f) for f in terms_on(weights))
         y = c(xp.asarray(arrays["outcome"]).astype(np.int64, copy=False)) if on[3] else xp.zeros(1, np.int64)
         J = xp.array(spin_generators(d), rho.dtype)  # a writable copy (see _arranger)
-        x, W, logx, sigma, logsig, V, U, Vf = (empty((N, d, d), rho.dtype) for _ in range(8))
-        s, l, p, k = (empty((N, d), rdt) for _ in range(4))
-        xlx = xp.empty(N, rdt)
-        e = xp.empty((2, N), rdt)  # self, observation
+        # One allocation per kind (fewer host calls per pass); each part is laid out as an allocation of
+        # its own would be.
+        x, W, logx, sigma, logsig, V, U, Vf = empty((8, N, d, d), rho.dtype, axis=1)
+        s, l, p, k = empty((4, N, d), rdt, axis=1)
+        reals = xp.empty((5, N), rdt)
+        xlx, e, cf = reals[0], reals[1:3], reals[3:5]  # e: self, observation; cf: belief, prior
         # the pair kernels' feature rows: row-major in either layout
-        A, B = xp.empty((2, N, d * d), rdt), xp.empty((2, N, d * d), rdt)  # belief, prior
-        cf = xp.empty((2, N), rdt)
+        A, B = xp.empty((2, 2, N, d * d), rdt)  # each (belief, prior)
         eps = float(floor_eps(rho.dtype))
         fs, fb, fp, fo = on
         prep = (x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf)
@@ -125,13 +126,13 @@ def kernel_ops(
         x = cached[0]
         N, d = x.shape[:2]
         rdt = _real(x.dtype)
-        gA, gB = xp.empty((2, N, d * d), rdt), xp.empty((2, N, d * d), rdt)  # belief, prior
+        gA, gB = xp.empty((2, 2, N, d * d), rdt)  # each (belief, prior)
         gc = xp.empty((2, N), rdt)
         for i, name in enumerate(_SLOTS):
             if name in cot:
                 for buf, g in zip((gA, gB, gc), cot[name], strict=True):
                     buf[i] = g
-        g_rho, g_H = empty((N, d, d), x.dtype), empty((N, d, d), x.dtype)
+        g_rho, g_H = empty((2, N, d, d), x.dtype, axis=1)
         g_T, g_phi = xp.empty(N, rdt), empty((N, 3), rdt)
         lams = tuple(float(w) for w in weights)
         launch(
