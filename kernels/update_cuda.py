@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict
 
 import numpy as np
 from numba import cuda, float64
@@ -30,7 +29,7 @@ from . import update_math as _um
 from .cuda.core import compile_kernels
 from .cuda.core import device as _device
 
-__all__ = ["SIMULATOR", "BLOCK", "device_view", "make_update_kernels", "kernel_signatures", "launch_blocks"]
+__all__ = ["SIMULATOR", "BLOCK", "make_update_kernels", "kernel_signatures", "launch_blocks"]
 
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
 _numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False  # small grids at small N are deliberate
@@ -50,34 +49,6 @@ _theta_to_sigma_agent = _f.theta_to_sigma_agent
 
 def launch_blocks(n: int) -> int:
     return max(1, -(-n // BLOCK))
-
-
-# Device views by (pointer, shape, strides, dtype). A view does not own or keep alive its memory, so an
-# entry is valid for whichever live array has that key (a pool block reused with the same layout
-# included); integrator outputs of one step are the next step's inputs, so most launches hit the cache.
-_VIEWS: OrderedDict = OrderedDict()
-VIEW_CACHE = 256
-
-
-def device_view(a):
-    """A numba device view of a CuPy array (cached, see _VIEWS); NumPy arrays (simulator) as they are.
-
-    ``sync=False``: CuPy and these kernels share the legacy default stream, so a launch is ordered
-    after the array's producer anyway; numba's default would synchronise the host on every argument.
-    """
-    if SIMULATOR or isinstance(a, np.ndarray):
-        return a
-    cai = a.__cuda_array_interface__
-    key = (cai["data"][0], cai["shape"], cai["strides"], cai["typestr"])
-    v = _VIEWS.get(key)
-    if v is None:
-        v = cuda.from_cuda_array_interface(cai, owner=None, sync=False)
-        _VIEWS[key] = v
-        if len(_VIEWS) > VIEW_CACHE:
-            _VIEWS.popitem(last=False)
-    else:
-        _VIEWS.move_to_end(key)
-    return v
 
 
 @functools.cache

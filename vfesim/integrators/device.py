@@ -55,7 +55,6 @@ class Device:
             self.host_flag = cupyx.empty_pinned((1,), np.int32)
             self.host_flag[0] = 0
             self.event = self.xp.cuda.Event(block=False, disable_timing=True)
-        self._flag_view = uc.device_view(self.flag)
 
     # --- placement -----------------------------------------------------------------------------
     def put(self, a: Any):
