@@ -36,15 +36,15 @@ except ImportError:  # the simulator, or another numba-cuda: numba's launch
     AVAILABLE = False
 FAST_LAUNCH = AVAILABLE and not SIMULATOR
 
-# Scalars the fast path packs: Python type -> (NumPy dtype of numba's type, ctypes type). bool before int.
+# Scalars the fast path packs: Python type -> the ctypes type numba packs its numba type in (None: as is).
 _SCALARS = {
-    bool: (np.dtype(np.bool_), None),
-    int: (np.dtype(np.int64), ctypes.c_int64),
-    float: (np.dtype(np.float64), ctypes.c_double),
-    np.float64: (np.dtype(np.float64), ctypes.c_double),
-    np.float32: (np.dtype(np.float32), ctypes.c_float),
-    np.int64: (np.dtype(np.int64), ctypes.c_int64),
-    np.int32: (np.dtype(np.int32), ctypes.c_int32),
+    bool: None,
+    int: ctypes.c_int64,
+    float: ctypes.c_double,
+    np.float64: ctypes.c_double,
+    np.float32: ctypes.c_float,
+    np.int64: ctypes.c_int64,
+    np.int32: ctypes.c_int32,
 }
 _SCALAR_TYPES: dict = {}  # Python type -> numba type (filled on first use, from numba's typeof)
 
@@ -91,13 +91,14 @@ def _array(a):
 
 def _scalar(v):
     """(numba type, parameter run) of a scalar the fast path packs, or None."""
-    kind = _SCALARS.get(type(v))
-    if kind is None:
+    kind = type(v)
+    if kind not in _SCALARS:
         return None
-    ty = _SCALAR_TYPES.get(type(v))
+    ty = _SCALAR_TYPES.get(kind)
     if ty is None:
-        ty = _SCALAR_TYPES[type(v)] = _typeof(v, _Purpose.argument)
-    return ty, ((v,) if kind[1] is None else (kind[1](v),))
+        ty = _SCALAR_TYPES[kind] = _typeof(v, _Purpose.argument)
+    pack = _SCALARS[kind]
+    return ty, ((v,) if pack is None else (pack(v),))
 
 
 def _views(args) -> list:
