@@ -14,6 +14,7 @@ __all__ = [
     "host_floats",
     "agent_minor",
     "empty_agent_minor",
+    "memory_flat",
 ]
 
 

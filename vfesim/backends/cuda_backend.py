@@ -702,16 +702,15 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     make = lambda: ((index, mask), _Neighbours(host(index), host(mask), N))
     nbr = _lru(_neighbours, (id(index), id(mask)), make, MAX_LISTS)[1].dev
     k = kc.make_sparse_kernels(D, dt.name, aggregator)
-    Ah, Bb, ch = (kc.as_device_view(xp.ascontiguousarray(a[None])) for a in (A * scale, B, c * scale))
+    Ah, Bb, ch = (xp.ascontiguousarray(a[None]) for a in (A * scale, B, c * scale))
     W = xp.zeros((1, N, index.shape[1]), dt)
     energy = xp.zeros((1, N), dt)
     gAr = xp.zeros((1, 1, N, D + 1), dt)
     gBs = xp.zeros((1, 1, N, D), dt)
     kap = xp.ones(1, dt)
-    dW, de, dgA, dgB, dk = (kc.as_device_view(a) for a in (W, energy, gAr, gBs, kap))
     nblk = _cdiv(N, kc.BLOCK)
-    _launch(k["rows"], (nblk, 1), kc.BLOCK, Ah, Bb, ch, nbr["index"], nbr["mask"], dk, 0, dW, de, dgA)
-    _launch(k["senders"], (nblk, 1), kc.BLOCK, Ah, dW, nbr["ptr"], nbr["row"], nbr["slot"], 0, dgB)
+    _launch(k["rows"], (nblk, 1), kc.BLOCK, Ah, Bb, ch, nbr["index"], nbr["mask"], kap, 0, W, energy, gAr)
+    _launch(k["senders"], (nblk, 1), kc.BLOCK, Ah, W, nbr["ptr"], nbr["row"], nbr["slot"], 0, gBs)
     E = kc.reduce.device_sum(energy[0]) * kappa
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
 
@@ -872,7 +871,6 @@ QUANTUM_OPS = sized_ops(
     kernel_ops(
         array_module,
         _quantum_launch,
-        kc.as_device_view,
         (_pairwise_dense, _pairwise_sparse),
         agent_minor=True,
     ),
@@ -934,23 +932,21 @@ def _pairwise_points(A, B, c, u, v, offsets, lists, rowmap, index, mask, kappa: 
     lay = _lru(_points_layouts, key, make)[1].dev
     k = kc.make_points_kernels(D, dt.name, aggregator)
     half = dt.type(0.5)
-    v_ = kc.as_device_view
     cont = lambda a: xp.ascontiguousarray(a, dtype=dt)
     Ah, Bc, ch, uc, vc = cont(A * half), cont(B), cont(c * half), cont(u), cont(v)
     stats = xp.empty((5, MR), dt)
     erow, gc, gu = xp.zeros(MR, dt), xp.zeros(MR, dt), xp.zeros(MR, dt)
     gA, gB, gv = xp.zeros((MR, D), dt), xp.zeros((MS, D), dt), xp.zeros(MS, dt)
-    dAh, dB, dch, du, dv, dstats = (v_(a) for a in (Ah, Bc, ch, uc, vc, stats))
     kap = dt.type(kappa)
     if MR:
         _launch(k["rows"], _cdiv(MR, kc.BLOCK), kc.BLOCK,
-            dAh, dB, dch, du, dv, lay["point"], lay["lists"], lay["rowmap"], lay["index"], lay["mask"], kap,
-            dstats, v_(erow), v_(gA), v_(gc), v_(gu),
+            Ah, Bc, ch, uc, vc, lay["point"], lay["lists"], lay["rowmap"], lay["index"], lay["mask"], kap,
+            stats, erow, gA, gc, gu,
         )  # fmt: skip
     if MS and MR:
         _launch(k["senders"], _cdiv(MS, kc.BLOCK), kc.BLOCK,
-            dAh, dB, dch, du, dv, lay["s_point"], lay["s_agent"], lay["r_rowmap"], lay["ptr"],
-            lay["src_list"], kap, dstats, v_(gB), v_(gv),
+            Ah, Bc, ch, uc, vc, lay["s_point"], lay["s_agent"], lay["r_rowmap"], lay["ptr"],
+            lay["src_list"], kap, stats, gB, gv,
         )  # fmt: skip
     gA *= half
     gc *= half
@@ -1018,41 +1014,17 @@ def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: s
         return xp.zeros(0), xp.zeros((0, D), dt), xp.zeros(0, dt), xp.zeros((NS, D))
     k = kc.make_sparse_kernels(D, dt.name, aggregator)
     scale = dt.type(0.5 / kappa)
-    Ah, Bb, ch = (kc.as_device_view(xp.ascontiguousarray(a[None])) for a in (A_r * scale, B_s, c_r * scale))
+    Ah, Bb, ch = (xp.ascontiguousarray(a[None]) for a in (A_r * scale, B_s, c_r * scale))
     W = xp.zeros((1, NR, nbr.width), dt)
     energy = xp.zeros((1, NR), dt)
     gAr = xp.zeros((1, 1, NR, D + 1), dt)
     gBs = xp.zeros((1, 1, NS, D), dt)
     kap = xp.ones(1, dt)
-    v = kc.as_device_view
-    dW, dgB, lists = v(W), v(gBs), nbr.dev
-    _launch(
-        k["rows"],
-        (_cdiv(NR, kc.BLOCK), 1),
-        kc.BLOCK,
-        Ah,
-        Bb,
-        ch,
-        lists["index"],
-        lists["mask"],
-        v(kap),
-        0,
-        dW,
-        v(energy),
-        v(gAr),
-    )
+    lists = nbr.dev
+    nblk = (_cdiv(NR, kc.BLOCK), 1)
+    _launch(k["rows"], nblk, kc.BLOCK, Ah, Bb, ch, lists["index"], lists["mask"], kap, 0, W, energy, gAr)
     if NS:
-        _launch(
-            k["senders"],
-            (_cdiv(NS, kc.BLOCK), 1),
-            kc.BLOCK,
-            Ah,
-            dW,
-            lists["ptr"],
-            lists["row"],
-            lists["slot"],
-            0,
-            dgB,
-        )
+        ptr, row, slot = lists["ptr"], lists["row"], lists["slot"]
+        _launch(k["senders"], (_cdiv(NS, kc.BLOCK), 1), kc.BLOCK, Ah, W, ptr, row, slot, 0, gBs)
     erow = (kappa * energy[0]).astype(np.float64)
     return erow, 0.5 * gAr[0, 0, :, :-1], 0.5 * gAr[0, 0, :, -1], (kappa * gBs[0, 0]).astype(np.float64)

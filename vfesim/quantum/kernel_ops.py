@@ -76,15 +76,14 @@ def _arranger(array_module: Callable, minor: bool):
 def kernel_ops(
     array_module: Callable,
     launch: Callable,
-    view: Callable = lambda a: a,
     pairwise: tuple = (None, None),
     agent_minor: bool = False,
 ) -> QuantumOps:
     """A :class:`QuantumOps` whose passes run ``launch`` on arrays of ``array_module()``: the free energy's
     per-agent forward pass in two kernels (``energy_prep`` over 3 N threads, ``energy_features``), its
     backward pass in one (``energy_backward``), and ``step_vjp`` :func:`kernel_step_vjp` for every d.
-    ``view(a)``: the form of an array the launcher takes fastest (a device view wrapped once); the channel
-    steps keep the views of a run's constants. ``pairwise``: the backend's (pairwise_dense,
+    The channel steps make a run's constants once per cache (:func:`.evolve.resident`). ``pairwise``: the
+    backend's (pairwise_dense,
     pairwise_sparse) for the free energy of rollouts and mirror steps. ``agent_minor``: the layout of the
     module docstring."""
     c, empty = _arranger(array_module, agent_minor)
@@ -144,42 +143,37 @@ def kernel_ops(
     def channel_step(P, rho, dt, dyn, senders=None):
         xp = array_module()
         rho = c(rho)
-        args, (gmin, gmin_v) = _step_args(xp, c, view, P, rho, dt, dyn)
+        args, gmin = _step_args(xp, c, P, rho, dt, dyn)
         out = empty(rho.shape, rho.dtype)
         if senders is None:
-            xt = _sender_states(launch, xp, empty, view, P, rho, dyn, args[2])
+            xt = _sender_states(launch, xp, empty, P, rho, dyn, args[2])
         else:  # a chunk of a population: the window's senders are other agents (their states, frames)
-            xt = _chunk_sender_states(launch, xp, c, empty, view, P, rho, dyn, senders)
-        launch("channel_step", rho.shape[0], rho.shape[-1], rho.dtype, rho, xt, *args, out, gmin_v)
+            xt = _chunk_sender_states(launch, xp, c, empty, P, rho, dyn, senders)
+        launch("channel_step", rho.shape[0], rho.shape[-1], rho.dtype, rho, xt, *args, out, gmin)
         if dyn.gate != "none":
             _refuse_non_positive(xp, gmin <= 0, gmin)
         return out
 
-    step_vjp = kernel_step_vjp(array_module, launch, view, agent_minor)
+    step_vjp = kernel_step_vjp(array_module, launch, agent_minor)
     return QuantumOps(forward, backward, channel_step, lambda d: step_vjp, *pairwise)
 
 
-def _buffer(P, xp, view, key, make):
-    """(array, its view) made once per cache P: a constant of the run or a scratch buffer of the kernels
-    (the senders' states, the adjoint's tape, gmin, flags). Scratch is shared by every call with the same
-    P, kept for P's lifetime: one thread steps a P at a time (runs and rollouts do)."""
-
-    def both():
-        a = make()
-        return a, view(a)
-
-    return resident(P, xp, key, None, both)
+def _buffer(P, xp, key, make):
+    """An array made once per cache P: a scratch buffer of the kernels (the senders' states, the adjoint's
+    tape, gmin, flags), shared by every call with the same P and kept for P's lifetime: one thread steps a
+    P at a time (runs and rollouts do)."""
+    return resident(P, xp, key, None, make)
 
 
-def _step_args(xp, c, view, P, rho, dt, dyn):
-    """The channel step kernels' arguments after (rho, xt) for Prepared caches P, and (gmin, its view) (the
-    gate's least eigenvalue per agent). The run's constants (coupling window, strengths of the rates at
-    this dt, mode codes, and gmin, which the kernels fill for every agent under a gate) are made on the
-    device and wrapped by ``view`` once per cache (:func:`.evolve.resident`), not every step."""
+def _step_args(xp, c, P, rho, dt, dyn):
+    """The channel step kernels' arguments after (rho, xt) for Prepared caches P, and gmin (the gate's least
+    eigenvalue per agent). The run's constants (coupling window, strengths of the rates at this dt, mode
+    codes, and gmin, which the kernels fill for every agent under a gate) are made on the device once per
+    cache (:func:`.evolve.resident`), not every step."""
     dt = float(dt)
 
     def const(key, source, make, tag=None):
-        return resident(P, xp, key, source, lambda: view(make()), tag=tag)
+        return resident(P, xp, key, source, make, tag=tag)
 
     # vfesim.quantum.channels.dephasing_strength
     eps_d = const("eps_d", P.gamma, lambda: c(-xp.expm1(-P.gamma * dt)), tag=dt)
@@ -194,8 +188,8 @@ def _step_args(xp, c, view, P, rho, dt, dyn):
     index, mask = window(P, xp)
     rdt = _real(rho.dtype)
     args = (
-        const("index view", index, lambda: c(index)),
-        const("mask view", mask, lambda: c(mask)),
+        const("index kernel", index, lambda: c(index)),
+        const("mask kernel", mask, lambda: c(mask)),
         *(
             const(k, getattr(P, k), lambda k=k: c(getattr(P, k)))
             for k in ("U", "eps_c", "lam", "V", "sigma", "l")
@@ -209,33 +203,33 @@ def _step_args(xp, c, view, P, rho, dt, dyn):
         float(floor_eps(rho.dtype)),
         jacobi_tol2(rho.dtype),
     )
-    return args, _buffer(P, xp, view, ("gmin", np.dtype(rdt).str), lambda: xp.empty(rho.shape[0], rdt))
+    return args, _buffer(P, xp, ("gmin", np.dtype(rdt).str), lambda: xp.empty(rho.shape[0], rdt))
 
 
 def _coupled(P, dyn) -> bool:
     return dyn.coupling != "none" and P.index.shape[1] > 0
 
 
-def _sender_states(launch, xp, empty, view, P, rho, dyn, U):
+def _sender_states(launch, xp, empty, P, rho, dyn, U):
     """The senders' normalised states in their own frames (the ``sender_states`` kernel, frames ``U`` as
     :func:`_step_args` passes them) for the coupling window of a step from ``rho``; without a coupling
     window, rho itself (the kernels do not read it)."""
     if not _coupled(P, dyn):
         return rho
-    _, xt = _buffer(P, xp, view, ("xt", rho.dtype.str), lambda: empty(rho.shape, rho.dtype))
+    xt = _buffer(P, xp, ("xt", rho.dtype.str), lambda: empty(rho.shape, rho.dtype))
     N, d = rho.shape[0], rho.shape[-1]
     launch("sender_states", N, d, rho.dtype, rho, U, xt)
     return xt
 
 
-def _chunk_sender_states(launch, xp, c, empty, view, P, rho, dyn, senders):
+def _chunk_sender_states(launch, xp, c, empty, P, rho, dyn, senders):
     """:func:`_sender_states` of senders that are not the stepped agents: ``senders`` = (their states
     (n_s, d, d), their frames (n_s, d, d)), the rows the coupling window ``P.index`` names."""
     if not _coupled(P, dyn):
         return rho
     S, U_s = (c(a) for a in senders)
     xt = empty(S.shape, S.dtype)
-    launch("sender_states", S.shape[0], S.shape[-1], S.dtype, S, view(U_s), view(xt))
+    launch("sender_states", S.shape[0], S.shape[-1], S.dtype, S, U_s, xt)
     return xt
 
 
@@ -262,9 +256,7 @@ def kernel_accumulators(xp, n: int, w: int, d: int, dtype, agent_minor: bool = F
     return acc
 
 
-def kernel_step_vjp(
-    array_module: Callable, launch: Callable, view: Callable = lambda a: a, agent_minor: bool = False
-) -> Callable:
+def kernel_step_vjp(array_module: Callable, launch: Callable, agent_minor: bool = False) -> Callable:
     """The adjoint of one Jacobi channel step by the kernels (``channel_step_vjp``, forward recomputed per
     agent, then ``incoming`` for the C1 senders): ``vjp(P, rho, out_bar, dt, dynamics, gap_tol=1e-9,
     acc=None) -> dict``: ``bar`` (N, d, d), the cotangent of the states before the step (each agent's own
@@ -287,33 +279,27 @@ def kernel_step_vjp(
         fresh = acc is None
         if fresh:
             acc = kernel_accumulators(xp, N, w, d, rho.dtype, agent_minor)
-        if "_views" not in acc:
-            acc["_views"] = tuple(view(a) for a in acc["_kernel"])
-        accm, racc, sw = acc["_views"]
-        args, (gmin, gmin_v) = _step_args(xp, c, view, P, rho, dt, dyn)
-        xt = _sender_states(launch, xp, empty, view, P, rho, dyn, args[2])
+        accm, racc, sw = acc["_kernel"]
+        args, gmin = _step_args(xp, c, P, rho, dt, dyn)
+        xt = _sender_states(launch, xp, empty, P, rho, dyn, args[2])
         slots = 1 + (w if dyn.coupling == "C2" else 0)  # tape: the C2 channels' inputs, the unitary's input
-        _, xs = _buffer(P, xp, view, ("xs", rho.dtype.str, slots), lambda: empty((N, slots, d, d), rho.dtype))
-        gam = resident(P, xp, "gam", P.gamma, lambda: view(xp.stack([P.gamma, P.gamma_th]).astype(rdt)))
+        xs = _buffer(P, xp, ("xs", rho.dtype.str, slots), lambda: empty((N, slots, d, d), rho.dtype))
+        gam = resident(P, xp, "gam", P.gamma, lambda: xp.stack([P.gamma, P.gamma_th]).astype(rdt))
         mats = empty((2, N, d, d), rho.dtype, axis=1)  # x_bar, Bt
         scal = empty((N, 6), rdt)
         # The kernel flags (1, 2) only under the energy basis or the gate: otherwise one zero buffer serves.
         checked = dyn.dephasing_basis == "energy" or dyn.gate != "none"
-        flag = (
-            xp.zeros(N, np.int64)
-            if checked
-            else _buffer(P, xp, view, "flag", lambda: xp.zeros(N, np.int64))[1]
-        )
+        flag = xp.zeros(N, np.int64) if checked else _buffer(P, xp, "flag", lambda: xp.zeros(N, np.int64))
         idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, *scalars = args
         values = (*scalars, float(gap_tol))  # thr, width, dt, floor, tol2, gap_tol
-        prm = resident(P, xp, "prm", None, lambda: view(xp.asarray(values, np.float64)), tag=values)  # a view
+        prm = resident(P, xp, "prm", None, lambda: xp.asarray(values, np.float64), tag=values)
         launch(
             "channel_step_vjp", N, d, rho.dtype, rho, xt, idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t,
-            gam, modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, accm, sw, racc, scal, gmin_v,
+            gam, modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, accm, sw, racc, scal, gmin,
             flag,
         )  # fmt: skip
         if dyn.coupling == "C1" and w:
-            ins = resident(P, xp, "slots", P.index, lambda: view(c(incoming_slots(P.index, P.mask, N, xp))))
+            ins = resident(P, xp, "slots", P.index, lambda: c(incoming_slots(P.index, P.mask, N, xp)))
             m_acc, _, sw_acc = acc["_kernel"]
             launch("incoming", N, d, rho.dtype, rho, U, ins, sw_acc[0], mats[1], mats[0], m_acc[3])
         if dyn.dephasing_basis == "energy" and bool((flag == 1).any()):

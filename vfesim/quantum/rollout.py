@@ -169,7 +169,7 @@ class _Observations:
             raise ConfigError(
                 "outcomes", f"agent {i} has outcome {int(y[t, i])} at step {t}, outside [0, {d})"
             )
-        self.xp, self.d, self.n = xp, d, y.shape[1]
+        self.xp, self.n = xp, y.shape[1]
         lo = int(y.min(initial=0))
         counts = (y >= 0).sum(axis=1) if lo < 0 else np.full(y.shape[0], self.n)
         narrow = np.promote_types(np.min_scalar_type(min(lo, -d)), np.int8)  # holds every outcome
@@ -186,9 +186,6 @@ class _Observations:
                 obs = np.flatnonzero(y[t] >= 0)
                 self.steps.append((xp.asarray(obs), xp.asarray(y[t, obs].astype(np.int64))))
         self.tables: dict = {}
-
-    def __len__(self) -> int:
-        return len(self.steps)
 
     def __getitem__(self, t: int):
         step = self.steps[t]
