@@ -26,8 +26,8 @@ needs_pieces = pytest.mark.skipif(
     "v", [3, -7, 2.5, True, False, np.float64(1.25), np.float32(0.5), np.int64(9), np.int32(-4)]
 )
 def test_scalars_pack_as_numba_packs_them(v):
-    ty, params = L._scalar(v)
-    assert ty == typeof(v, Purpose.argument)
+    ty, params, token = L._scalar(v)
+    assert ty == typeof(v, Purpose.argument) and L._TOKENS[ty] == token
     (p,) = params
     if ty == types.boolean:
         assert p is v

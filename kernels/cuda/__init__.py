@@ -57,6 +57,7 @@ from .pairwise import (
     make_gemm_row_kernel,
     make_points_kernels,
     make_sparse_kernels,
+    merge_blocks,
 )
 from .quantum import make_quantum_kernels
 
@@ -76,6 +77,7 @@ __all__ = [
     "compile_report",
     "feature_dim",
     "dense_slices",
+    "merge_blocks",
     "dense_splits",
     "dense_layout",
     "DENSE_MMA",

@@ -48,11 +48,16 @@ _SCALARS = {
 }
 _SCALAR_TYPES: dict = {}  # Python type -> numba type (filled on first use, from numba's typeof)
 
-# (data pointer, shape, strides, dtype char) -> (numba type, parameter run) of device arrays; CuPy's pool
-# hands the same blocks out step after step. Bounded like core's launch views.
+# (data pointer, shape, strides, dtype char) -> (numba type, parameter run, type token) of device arrays;
+# CuPy's pool hands the same blocks out step after step. Bounded like core's launch views.
 _ARRAYS: dict = {}
 _ARRAYS_MAX = 4096
-# (dispatcher id, device, argument types) -> (dispatcher, its compiled cuda.core Kernel; None: numba's path)
+# Types of device arrays seen (CuPy's ndarray): later instances skip the interface checks.
+_ARRAY_KINDS: set = set()
+# numba type -> a small integer: kernel keys hash these (a numba type hashes in Python, microseconds each).
+_TOKENS: dict = {}
+# (dispatcher id, device, argument type tokens) -> (dispatcher, its compiled cuda.core Kernel; None: numba's
+# path)
 _KERNELS: dict = {}
 _CONFIGS: dict = {}
 _STREAM: list = []
@@ -69,20 +74,35 @@ def _device_id() -> int:
     return cupy.cuda.runtime.getDevice()
 
 
+def _token(ty) -> int:
+    tok = _TOKENS.get(ty)
+    if tok is None:
+        tok = _TOKENS[ty] = len(_TOKENS)
+    return tok
+
+
 def _array(a):
-    """(numba type, parameter run) of a CuPy array or numba device array, or None (not a device array)."""
-    if isinstance(a, _DeviceNDArray):
+    """(numba type, parameter run, type token) of a CuPy array or numba device array of at least one
+    dimension, or None (not such an array)."""
+    kind = type(a)
+    if kind in _ARRAY_KINDS:
+        ptr = a.data.ptr
+    elif isinstance(a, _DeviceNDArray):
         ptr = a.device_ctypes_pointer.value or 0
     elif hasattr(a, "data") and hasattr(a.data, "ptr") and hasattr(a, "__cuda_array_interface__"):
+        _ARRAY_KINDS.add(kind)
         ptr = a.data.ptr
     else:
         return None
-    key = (ptr, a.shape, a.strides, a.dtype.char)
+    shape = a.shape
+    if not shape:
+        return None
+    key = (ptr, shape, a.strides, a.dtype.char)
     rec = _ARRAYS.get(key)
     if rec is None:
         view = launch_view(a)
         ty = _typeof(view, _Purpose.argument)
-        rec = (ty, (0, 0, view.size, view.dtype.itemsize, ptr, *view.shape, *view.strides))
+        rec = (ty, (0, 0, view.size, view.dtype.itemsize, ptr, *view.shape, *view.strides), _token(ty))
         if len(_ARRAYS) >= _ARRAYS_MAX:
             _ARRAYS.clear()
         _ARRAYS[key] = rec
@@ -90,7 +110,7 @@ def _array(a):
 
 
 def _scalar(v):
-    """(numba type, parameter run) of a scalar the fast path packs, or None."""
+    """(numba type, parameter run, type token) of a scalar the fast path packs, or None."""
     kind = type(v)
     if kind not in _SCALARS:
         return None
@@ -98,7 +118,7 @@ def _scalar(v):
     if ty is None:
         ty = _SCALAR_TYPES[kind] = _typeof(v, _Purpose.argument)
     pack = _SCALARS[kind]
-    return ty, ((v,) if pack is None else (pack(v),))
+    return ty, ((v,) if pack is None else (pack(v),)), _token(ty)
 
 
 def _views(args) -> list:
@@ -136,16 +156,15 @@ def launch(dispatcher, griddim, blockdim, *args) -> None:
         return dispatcher[griddim, blockdim](*_views(args))
     recs = []
     for a in args:
-        rec = _array(a) if hasattr(a, "shape") and getattr(a, "ndim", 0) else _scalar(a)
+        rec = _scalar(a) if type(a) in _SCALARS else _array(a)
         if rec is None:
             return dispatcher[griddim, blockdim](*_views(args))
         recs.append(rec)
-    types = tuple(r[0] for r in recs)
-    key = (id(dispatcher), _device_id(), types)
+    key = (id(dispatcher), _device_id(), tuple([r[2] for r in recs]))
     entry = _KERNELS.get(key)
     if entry is None or entry[0] is not dispatcher:  # numba's launch compiles (or loads) the overload
         dispatcher[griddim, blockdim](*_views(args))
-        _KERNELS[key] = (dispatcher, _compiled(dispatcher, types))
+        _KERNELS[key] = (dispatcher, _compiled(dispatcher, tuple(r[0] for r in recs)))
         return None
     kernel = entry[1]
     if kernel is None:

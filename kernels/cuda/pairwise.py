@@ -34,6 +34,7 @@ from numba import int32
 from .core import (
     _NB,
     AGG_CODES,
+    BLOCK,
     PAIR_THREADS,
     SHARED_BYTES,
     SIMULATOR,
@@ -69,6 +70,7 @@ __all__ = [
     "make_points_kernels",
     "dense_splits",
     "dense_slices",
+    "merge_blocks",
     "split_budget",
     "ROW_THREADS",
 ]
@@ -157,6 +159,12 @@ def make_gemm_row_kernel(dtype: str, aggregator: str):
             e_rows[i] = abar if expected else mn - math.log(s)
 
     return compile_kernels({"rows": rows})
+
+
+def merge_blocks(n_rows: int, D: int) -> int:
+    """Blocks of BLOCK threads of the dense ``merge`` kernel over n_rows receivers of feature width D: one
+    thread per receiver and column of (B_j, 1)."""
+    return -(-n_rows * (D + 1) // BLOCK)
 
 
 def _tile_rows(D: int, itemsize: int, threads: int) -> int:
@@ -309,7 +317,7 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
     slices of the other side, ``chunk_s`` senders and ``chunk_r`` receivers per slice, nf terms,
     nb(n) = ceil(n / per_block), per_block = threads * opt here):
       stats[(nb(NR), S, nf), threads](A, B, c, r0, f0, chunk_s, pm, ps, pt, gAr, gAx)
-      merge[(ceil(NR / BLOCK), nf), BLOCK](pm, ps, pt, kappa, f0, m, inv_s, abar, energy, gAr, gAx)
+      merge[(merge_blocks(NR, D), nf), BLOCK](pm, ps, pt, kappa, f0, m, inv_s, abar, energy, gAr, gAx)
       grads[(nb(N), S, nf), threads](A, B, c, m, inv_s, abar, r0, f0, chunk_r, gBs)
     pm, ps, pt (S, nf, NR) and m, inv_s, abar, energy (nf, NR). ``stats`` is the receiver pass: per slice of
     senders, the online log-sum-exp of each receiver and, in the same sweep, its weighted sums of sender
@@ -474,9 +482,13 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
 
     def merge(pm, ps, pt, kappa, f0, m, inv_s, abar, energy, gAr, gAx):
         """Merge the slices' statistics in slice order; per-receiver energy kappa * A_kappa'; the slices'
-        weighted sums become sum_j W_ij (B_j, 1) in gAr[0] (each slice's part added in slice order)."""
-        i = cuda.grid(1)
+        weighted sums become sum_j W_ij (B_j, 1) in gAr[0] (each slice's part added in slice order).
+        One thread per receiver and column of (B_j, 1) (:func:`merge_blocks`): each merges its receiver's
+        statistics (the column-0 thread writes them) and sums its column over the slices in a register."""
+        q = cuda.grid(1)
         f = f0 + cuda.blockIdx.y
+        i = q // (D + 1)
+        col = q - i * (D + 1)
         if i >= pm.shape[2]:
             return
         S = pm.shape[0]
@@ -486,10 +498,11 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
         for sl in range(1, S):
             mm, ss, tt = lse_merge(mm, ss, tt, pm[sl, f, i], ps[sl, f, i], pt[sl, f, i])
         inv = one / ss if ss > zero else zero * ss
-        m[f, i] = mm
-        inv_s[f, i] = inv
-        abar[f, i] = row_abar(ss, tt)
-        energy[f, i] = kappa[f] * row_energy(mm, ss, tt, one, agg)
+        if col == 0:
+            m[f, i] = mm
+            inv_s[f, i] = inv
+            abar[f, i] = row_abar(ss, tt)
+            energy[f, i] = kappa[f] * row_energy(mm, ss, tt, one, agg)
         # expected: ap = sum_j beta_j (m - x_j), the mean KL' above the row's least (no cancellation)
         ap = zero
         if expected:
@@ -498,25 +511,21 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                 if sk > zero:
                     ap += math.exp(pm[sl, f, i] - mm) * (gAx[sl, f, i, D] + (mm - pm[sl, f, i]) * sk)
             ap *= inv
-        for sl in range(S):  # the slices' parts of sum_j W_ij (B_j, 1), summed into slice 0 in slice order
+        total = zero
+        for sl in range(S):  # this column of the slices' parts of sum_j W_ij (B_j, 1), in slice order
             sk = ps[sl, f, i]
             if sk > zero:
                 w = math.exp(pm[sl, f, i] - mm) * inv  # this slice's exp(x - m_sl) -> beta
             else:
                 w = zero
+            g = gAr[sl, f, i, col] if col < D else sk
             if expected:  # W_j = beta_j (1 + ap - delta_j), delta_j = m - x_j
                 sh = mm - pm[sl, f, i] if sk > zero else zero
-                w1 = w * (one + ap)
-                for d in range(D + 1):
-                    g = gAr[sl, f, i, d] if d < D else sk
-                    v = w1 * g - w * (gAx[sl, f, i, d] + sh * g)
-                    gAr[0, f, i, d] = v if sl == 0 else gAr[0, f, i, d] + v
+                v = w * (one + ap) * g - w * (gAx[sl, f, i, col] + sh * g)
             else:
-                for d in range(D):
-                    v = w * gAr[sl, f, i, d]
-                    gAr[0, f, i, d] = v if sl == 0 else gAr[0, f, i, d] + v
-                v = w * sk
-                gAr[0, f, i, D] = v if sl == 0 else gAr[0, f, i, D] + v
+                v = w * g
+            total = v if sl == 0 else total + v
+        gAr[0, f, i, col] = total
 
     def send(own, rw, rc, rm, ri, ra, acc, kl, skip, n_own):
         """Receiver row rw (statistics rc, rm, ri, ra) meets owners o < n_own but ``skip`` (senders):

@@ -153,13 +153,14 @@ def device_sum(a):
     if xp.iscomplexobj(a):
         raise TypeError(f"device_sum: a real array, got {a.dtype}")
     flat = _flat(a, xp)
-    out = xp.zeros(1, np.float64)
-    if flat.shape[0]:  # always two launches: a result never depends on how many blocks the first took
-        k = make_reduce_kernels()["partial_sum"]
-        parts = xp.empty(_blocks(flat.shape[0]), np.float64)
-        launch(k, parts.shape[0], REDUCE_THREADS, flat, parts)
-        launch(k, 1, REDUCE_THREADS, parts, out)
-    return out.reshape(())
+    if not flat.shape[0]:
+        return xp.zeros((), np.float64)
+    # always two launches: a result never depends on how many blocks the first took
+    k = make_reduce_kernels()["partial_sum"]
+    parts = xp.empty(_blocks(flat.shape[0]) + 1, np.float64)  # the blocks' sums, then the total
+    launch(k, parts.shape[0] - 1, REDUCE_THREADS, flat, parts[:-1])
+    launch(k, 1, REDUCE_THREADS, parts[:-1], parts[-1:])
+    return parts[-1]
 
 
 def fold_slices(parts):

@@ -564,7 +564,7 @@ class FusedStages:
                 d["gAr"],
                 gAx,
             )
-            _launch(k["merge"], (nblk, nf), blk,
+            _launch(k["merge"], (kc.merge_blocks(N, D), nf), blk,
                 d["pm"], d["ps"], d["pt"], d["kappa"], f0, d["m"], d["inv_s"], d["abar"], d["energy"],
                 d["gAr"], gAx,
             )  # fmt: skip
@@ -707,12 +707,24 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     energy = xp.zeros((1, N), dt)
     gAr = xp.zeros((1, 1, N, D + 1), dt)
     gBs = xp.zeros((1, 1, N, D), dt)
-    kap = xp.ones(1, dt)
+    kap = _unit_kappa(xp, dt)
     nblk = _cdiv(N, kc.BLOCK)
     _launch(k["rows"], (nblk, 1), kc.BLOCK, Ah, Bb, ch, nbr["index"], nbr["mask"], kap, 0, W, energy, gAr)
     _launch(k["senders"], (nblk, 1), kc.BLOCK, Ah, W, nbr["ptr"], nbr["row"], nbr["slot"], 0, gBs)
     E = kc.reduce.device_sum(energy[0]) * kappa
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
+
+
+_UNIT_KAPPA: dict = {}
+
+
+def _unit_kappa(xp, dt):
+    """A one-entry kappa of 1 in ``dt`` on the current device (the merge kernel reads it), made once."""
+    key = (xp.cuda.runtime.getDevice() if xp is not np else -1, np.dtype(dt).str)
+    kap = _UNIT_KAPPA.get(key)
+    if kap is None:
+        kap = _UNIT_KAPPA[key] = xp.ones(1, dt)
+    return kap
 
 
 def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None):
@@ -732,16 +744,15 @@ def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None
         S, chunk_s = kc.dense_splits(NR, N, per_row, k["per_block"], nt)
     else:
         S, chunk_s = kc.dense_slices(N, splits, nt)
-    pm, ps, pt = (xp.empty((S, 1, NR), dt) for _ in range(3))
-    m, inv_s, abar, energy = (xp.empty((1, NR), dt) for _ in range(4))
+    pm, ps, pt = xp.empty((3, S, 1, NR), dt)  # (one allocation per kind: fewer host calls)
+    m, inv_s, abar, energy = xp.empty((4, 1, NR), dt)
     gAr = xp.empty((S, 1, NR, D + 1), dt)
     gAx = xp.empty((S, 1, NR, D + 1) if aggregator == "expected" else (1, 1, 1, 1), dt)
-    kap = xp.ones(1, dt)
+    kap = _unit_kappa(xp, dt)
     nb_r = _cdiv(NR, k["per_block"])
     _launch(k["stats"], (nb_r, S, 1), nt, Ah, Bb, ch, r0, 0, chunk_s, pm, ps, pt, gAr, gAx)
-    _launch(
-        k["merge"], (_cdiv(NR, kc.BLOCK), 1), kc.BLOCK, pm, ps, pt, kap, 0, m, inv_s, abar, energy, gAr, gAx
-    )
+    grid = (kc.merge_blocks(NR, D), 1)
+    _launch(k["merge"], grid, kc.BLOCK, pm, ps, pt, kap, 0, m, inv_s, abar, energy, gAr, gAx)
     gA = gAr[0, 0]  # (merge summed the slices into slice 0, in slice order)
     return energy[0], gA[:, :-1], gA[:, -1], m, inv_s, abar
 

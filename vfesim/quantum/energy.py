@@ -296,11 +296,9 @@ def energy_and_gradient_arrays(
     weights = (cfg.lambda_self, cfg.lambda_belief, cfg.lambda_prior, cfg.lambda_obs)
     fw = ops.forward(arrays, weights)
     # Each term's value where it was computed (device sums stay on the device until one transfer at the
-    # end: no synchronisation between the passes), and its weight.
+    # end: no synchronisation between the passes), and its weight. The pairs first: on a GPU the host
+    # queues the per-agent sums while they run.
     values, lams = {}, {}
-    for name, lam in (("self", cfg.lambda_self), ("observation", cfg.lambda_obs)):
-        if lam > 0:
-            values[name], lams[name] = lazy_total(fw.energies[name]), lam
     alignment = {
         "belief_align": (cfg.lambda_belief, cfg.kappa_beta),
         "prior_align": (cfg.lambda_prior, cfg.kappa_gamma),
@@ -312,6 +310,9 @@ def energy_and_gradient_arrays(
             A, B, c, kappa, cfg.aggregator, nb, dense=pairwise_dense, sparse=pairwise_sparse
         )
         lams[name] = lam
+    for name, lam in (("self", cfg.lambda_self), ("observation", cfg.lambda_obs)):
+        if lam > 0:
+            values[name], lams[name] = lazy_total(fw.energies[name]), lam
     grads = ops.backward(arrays, fw, weights, cot)
     grads["temperature"] = grads["temperature"].astype(arrays["temperature"].dtype, copy=False)
     grads["phi"] = grads["phi"].astype(arrays["phi"].dtype, copy=False)
