@@ -269,10 +269,11 @@ def tune_splits(out: Path) -> None:
         ch = cp.asarray(0.1 * rng.standard_normal((1, max(NO, NX))), dtype)
         ks = kc.make_dense_kernels(D, dtype, "softmin")
         nt = ks["threads"]
-        _, _, _, m, inv_s, abar = cb._dense_stats(Ah[:, :NX], Bb[:, :NX], ch[:, :NX], 0, "softmin")
+        one = np.dtype(dtype).type(1.0)
+        _, _, _, m, inv_s, abar = cb._dense_stats(Ah[:, :NX], Bb[:, :NX], ch[:, :NX], one, 0, "softmin")
         # stats: receivers 0 .. NO - 1 against NX senders; grads: senders 0 .. NO - 1 from NX receivers
-        stats_args = (Ah[:, :NO], Bb[:, :NX], ch[:, :NO], 0, "softmin")
-        grads_args = (Ah[:, :NX], Bb[:, :NO], ch[:, :NX], m, inv_s, abar, 0, "softmin")
+        stats_args = (Ah[:, :NO], Bb[:, :NX], ch[:, :NO], one, 0, "softmin")
+        grads_args = (Ah[:, :NX], Bb[:, :NO], ch[:, :NX], one, m, inv_s, abar, 0, "softmin")
         calls = {
             "stats": lambda S, a=stats_args: cb._dense_stats(*a, splits=S),
             "grads": lambda S, a=grads_args: cb._dense_grads(*a, splits=S),

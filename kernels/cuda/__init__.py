@@ -120,9 +120,9 @@ def kernel_signatures(K: int, dtype: str) -> dict[str, str]:
             f"void({a2}, {a3}, {a3}, {a3}, {a4}, {f}, {a3}, {a4}, {a3}, {a4}, {a4}, {a1}, {a1}, {i}, {i}, "
             f"{a3}, {a4}, {a2})"
         ),
-        "stats": f"void({a3}, {a3}, {a2}, {i}, {i}, {i}, {a3}, {a3}, {a3}, {a4}, {a4})",
+        "stats": f"void({a3}, {a3}, {a2}, {f}, {i}, {i}, {i}, {a3}, {a3}, {a3}, {a4}, {a4})",
         "merge": f"void({a3}, {a3}, {a3}, {a1}, {i}, {a2}, {a2}, {a2}, {a2}, {a4}, {a4})",
-        "grads": f"void({a3}, {a3}, {a2}, {a2}, {a2}, {a2}, {i}, {i}, {i}, {a4})",
+        "grads": f"void({a3}, {a3}, {a2}, {f}, {a2}, {a2}, {a2}, {i}, {i}, {i}, {a4})",
         "rows": f"void({a3}, {a3}, {a2}, {i}[:, ::1], boolean[:, ::1], {a1}, {i}, {a3}, {a2}, {a4})",
         "senders": f"void({a3}, {a3}, {i}[::1], {i}[::1], {i}[::1], {i}, {a4})",
         "state": f"void({a2}, {a2}, {a2}, {a2}, {a3}, {a3}, {f}, int32[:, ::1], float64[:, ::1], {d1})",

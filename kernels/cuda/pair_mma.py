@@ -102,26 +102,27 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
             u = r - t * NC * 64
             sA[t, u // 64, (u // 32) % 2, r % 32] = zero
 
-    def load(X, f, j0, j_end, sL, sA):
-        """Rows j0 .. j0 + TS - 1 of X[f] (zeros past j_end) into both operand copies."""
+    def load(X, f, j0, j_end, scale, sL, sA):
+        """Rows j0 .. j0 + TS - 1 of X[f] times ``scale`` (zeros past j_end) into both operand copies."""
         tid = cuda.threadIdx.x
         for r in range(tid, TS * D, NT):
             row = r // D
             col = r - row * D
-            v = X[f, j0 + row, col] if j0 + row < j_end else zero
+            v = X[f, j0 + row, col] * scale if j0 + row < j_end else zero
             t = row // 8
             rr = row - 8 * t
             sL[t, col // 8, (col % 8) // 4, 4 * rr + col % 4] = v
             sA[t, col // 8, rr % 2, 4 * (col % 8) + rr // 2] = v
 
-    def load_owners(X, f, first, n, own, gr, g, q):
-        """Group gr's A operands of the logits: rows first + g (+ 8) of X[f] (clamped to n - 1)."""
+    def load_owners(X, f, first, n, scale, own, gr, g, q):
+        """Group gr's A operands of the logits: rows first + g (+ 8) of X[f] (clamped to n - 1) times
+        ``scale``."""
         lo = min(first + g, n - 1)
         hi = min(first + g + 8, n - 1)
         for kc in range(KL):
             for i in range(4):
                 col = 8 * kc + q + 4 * (i // 2)
-                own[gr, kc, i] = X[f, hi if i % 2 else lo, col] if col < D else zero
+                own[gr, kc, i] = X[f, hi if i % 2 else lo, col] * scale if col < D else zero
 
     def logits(own, gr, sL, t, lane):
         """d_i = owner row g + 8 (i // 2) (group gr) . other 2q + i % 2 of tile t, for lane (g, q): the
@@ -169,7 +170,7 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
         begin = sl * chunk
         return lane, lane // 4, lane % 4, f0 + cuda.blockIdx.z, sl, base, begin, min(n_others, begin + chunk)
 
-    def stats(A, B, c, r0, f0, chunk, pm, ps, pt, gAr, gAx):
+    def stats(A, B, c, scale, r0, f0, chunk, pm, ps, pt, gAr, gAx):
         """Receiver pass over one slice of senders (the contract of the SIMT ``stats``)."""
         NR = A.shape[1]
         N = B.shape[1]
@@ -189,9 +190,9 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
         ds = cuda.local.array((G, 4), dt)
         for gr in range(G):
             first = base + 16 * gr
-            load_owners(A, f, first, NR, own, gr, g, q)
+            load_owners(A, f, first, NR, scale, own, gr, g, q)
             for hh in range(2):
-                oc[gr, hh] = c[f, min(first + g + 8 * hh, NR - 1)]
+                oc[gr, hh] = c[f, min(first + g + 8 * hh, NR - 1)] * scale
                 m[gr, hh] = ninf
                 s[gr, hh] = zero
                 t_[gr, hh] = zero
@@ -205,7 +206,7 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
         clear(sL, sA)
         for j0 in range(j_begin, j_end, TS):
             cuda.syncthreads()
-            load(B, f, j0, j_end, sL, sA)
+            load(B, f, j0, j_end, one, sL, sA)
             cuda.syncthreads()
             for t in range(-(-min(TS, j_end - j0) // 8)):
                 jb = j0 + 8 * t + 2 * q  # the lane's first sender (global index)
@@ -273,7 +274,7 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
             if expected:
                 store_rows(gAx, sl, f, first, accx, gr, g, q, NR)
 
-    def grads(A, B, c, m, inv_s, abar, r0, f0, chunk, gBs):
+    def grads(A, B, c, scale, m, inv_s, abar, r0, f0, chunk, gBs):
         """Sender pass over one slice of receivers (the contract of the SIMT ``grads``)."""
         NR = A.shape[1]
         N = B.shape[1]
@@ -283,7 +284,7 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
         kl = cuda.local.array((G, 4), dt)  # per tile: the lane's KL' and weights
         ws = cuda.local.array((G, 4), dt)
         for gr in range(G):
-            load_owners(B, f, base + 16 * gr, N, own, gr, g, q)
+            load_owners(B, f, base + 16 * gr, N, one, own, gr, g, q)
             for nc in range(NC):
                 for i in range(4):
                     acc[gr, nc, i] = zero
@@ -296,10 +297,10 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
         clear(sL, sA)
         for k0 in range(k_begin, k_end, TS):
             cuda.syncthreads()
-            load(A, f, k0, k_end, sL, sA)
+            load(A, f, k0, k_end, scale, sL, sA)
             for r in range(cuda.threadIdx.x, TS, NT):
                 ok = k0 + r < k_end
-                sc[r] = c[f, k0 + r] if ok else zero
+                sc[r] = c[f, k0 + r] * scale if ok else zero
                 sm[r] = m[f, k0 + r] if ok else zero
                 si[r] = inv_s[f, k0 + r] if ok else zero
                 sa[r] = abar[f, k0 + r] if ok else zero

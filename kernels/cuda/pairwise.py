@@ -1,10 +1,12 @@
 """Pairwise kernels over feature rows (SPEC §2.3–2.4), free of any agent family: keyed by the feature
 width D, with a leading batch axis f (the belief and prior terms of Gaussian agents today).
 
-Features: ``KL_ij / kappa = A_i . B_j + c_i`` with A and c pre-scaled by ``1 / (2 kappa)`` (the per-pair math
+Features: ``KL_ij / kappa = A_i . B_j + c_i`` with A and c scaled by ``1 / (2 kappa)`` (the per-pair math
 of :mod:`vfesim_kernels.pair_math` takes halved receiver features), so the logits are ``-KL / kappa`` with
 no division in the inner loops: the weights W_ij are unchanged, energies scale by kappa and the sender
-cotangent by 2 kappa.
+cotangent by 2 kappa. The dense kernels apply that scale (``scale``) as they load the receivers' rows (the
+same product as a scaled copy; callers whose features come scaled pass 1); the other kernels take scaled
+features.
 
 Dense pairs (flash-attention pattern, no N x N array, no float atomics):
   1. ``stats``: owner thread = receiver, others = sender tiles in shared memory; online log-sum-exp
@@ -316,9 +318,9 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
     r0 + NR - 1 (global indices; r0 = 0, NR = N for all pairs), B (nf, N, D) every sender. Launch (S
     slices of the other side, ``chunk_s`` senders and ``chunk_r`` receivers per slice, nf terms,
     nb(n) = ceil(n / per_block), per_block = threads * opt here):
-      stats[(nb(NR), S, nf), threads](A, B, c, r0, f0, chunk_s, pm, ps, pt, gAr, gAx)
+      stats[(nb(NR), S, nf), threads](A, B, c, scale, r0, f0, chunk_s, pm, ps, pt, gAr, gAx)
       merge[(merge_blocks(NR, D), nf), BLOCK](pm, ps, pt, kappa, f0, m, inv_s, abar, energy, gAr, gAx)
-      grads[(nb(N), S, nf), threads](A, B, c, m, inv_s, abar, r0, f0, chunk_r, gBs)
+      grads[(nb(N), S, nf), threads](A, B, c, scale, m, inv_s, abar, r0, f0, chunk_r, gBs)
     pm, ps, pt (S, nf, NR) and m, inv_s, abar, energy (nf, NR). ``stats`` is the receiver pass: per slice of
     senders, the online log-sum-exp of each receiver and, in the same sweep, its weighted sums of sender
     rows relative to the slice's running maximum (rescaled when the maximum moves): gAr[sl, :, :, :D] =
@@ -326,10 +328,10 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
     delta_j = m_sl - x_j >= 0 (gAx may be a dummy for ``softmin``). ``merge`` combines the slices in order
     and sums their parts of sum_j W_ij B_j (columns :D) and of sum_j W_ij (column D), in slice order, into
     gAr[0]. ``grads`` is the sender pass: per slice of receivers, gBs (S, nf, N, D) = sum_i W_ij A'_i; the
-    caller sums gBs over slices in slice order. With KL' = KL / kappa = A'_i . B_j + c'_i (A' = A /
-    (2 kappa), c' likewise) and kappa' = 1: W'_ij = W_ij, energy = kappa E', sum_i W_ij A'_i = (sum_i
-    W_ij A_i) / (2 kappa). Per pair: two exponentials and three D-wide dot/axpy passes (three and five
-    before the receiver sums moved into the statistics sweep).
+    caller sums gBs over slices in slice order. With KL' = KL / kappa = A'_i . B_j + c'_i (A' = scale A,
+    scale = 1 / (2 kappa), c' likewise, scaled where loaded) and kappa' = 1: W'_ij = W_ij, energy = kappa
+    E', sum_i W_ij A'_i = (sum_i W_ij A_i) / (2 kappa). Per pair: two exponentials and three D-wide
+    dot/axpy passes (three and five before the receiver sums moved into the statistics sweep).
     Each sender (receiver) row meets all OPT owners of a thread at once: their KLs as two partial sums
     each (even and odd features), then their exponentials, then the updates, so that 2 OPT independent
     FMA chains are in flight instead of one (the order of every sum is still fixed).
@@ -411,7 +413,7 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
             if o != skip:
                 push(o, rw, xe[o, 0], xe[o, 1], xe[o, 2], m, s, t, acc, accx, px)
 
-    def stats(A, B, c, r0, f0, chunk, pm, ps, pt, gAr, gAx):
+    def stats(A, B, c, scale, r0, f0, chunk, pm, ps, pt, gAr, gAx):
         """Receiver pass over one slice of senders: row statistics and weighted sums of sender rows."""
         tid = cuda.threadIdx.x
         f = f0 + cuda.blockIdx.z
@@ -439,10 +441,10 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
         for o in range(OPT):
             ii = min(i0 + o * NT, NR - 1)
             for d in range(D):
-                own[o, d] = A[f, ii, d]
+                own[o, d] = A[f, ii, d] * scale
                 acc[o, d] = zero
                 accx[o, d] = zero
-            oc[o] = c[f, ii]
+            oc[o] = c[f, ii] * scale
             m[o] = ninf
             s[o] = zero
             t[o] = zero
@@ -540,7 +542,7 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                 w = pair_weight_e(kl[o, 0], kl[o, 1], ri, ra, one, agg)
                 accumulate_row(acc, o, w, rw, 0)
 
-    def grads(A, B, c, m, inv_s, abar, r0, f0, chunk, gBs):
+    def grads(A, B, c, scale, m, inv_s, abar, r0, f0, chunk, gBs):
         """Sender pass: per slice of receivers, sum_i W_ij A'_i for each sender j."""
         tid = cuda.threadIdx.x
         f = f0 + cuda.blockIdx.z
@@ -574,10 +576,10 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                 row = r // D
                 if k0 + row < k_end:
                     col = r - row * D
-                    sX[row, col] = A[f, k0 + row, col]
+                    sX[row, col] = A[f, k0 + row, col] * scale
             for r in range(tid, TS, NT):
                 if k0 + r < k_end:
-                    sc[r] = c[f, k0 + r]
+                    sc[r] = c[f, k0 + r] * scale
                     sm[r] = m[f, k0 + r]
                     si[r] = inv_s[f, k0 + r]
                     sa[r] = abar[f, k0 + r]

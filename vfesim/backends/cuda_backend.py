@@ -555,6 +555,7 @@ class FusedStages:
                 d["A"],
                 d["B"],
                 d["c"],
+                self.dtype.type(1.0),  # (the workspace's features come scaled)
                 0,
                 f0,
                 ws.chunk,
@@ -575,6 +576,7 @@ class FusedStages:
                 d["A"],
                 d["B"],
                 d["c"],
+                self.dtype.type(1.0),
                 d["m"],
                 d["inv_s"],
                 d["abar"],
@@ -727,12 +729,13 @@ def _unit_kappa(xp, dt):
     return kap
 
 
-def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None):
-    """The receiver pass of the streaming kernels (``stats`` then ``merge``) on pre-scaled features Ah,
-    Bb, ch (1, n, D) (vfesim_kernels.cuda.pairwise: A and c times 1 / (2 kappa)), receivers r0 .. r0 +
-    n_r - 1 against all senders: (row energies / kappa, sum_j W_ij B_j, sum_j W_ij, m, inv_s, abar),
-    each (n_r, ...) in the dtype, the first three summed over sender slices in slice order. ``splits``: the
-    number of sender slices (default: :func:`vfesim_kernels.cuda.dense_splits`)."""
+def _dense_stats(Ah, Bb, ch, scale, r0: int, aggregator: str, splits: int | None = None):
+    """The receiver pass of the streaming kernels (``stats`` then ``merge``) on features Ah, Bb, ch (1, n,
+    D), the receivers' Ah and ch scaled by ``scale`` (1 / (2 kappa), :func:`_kernel_rows`; the kernels
+    scale them as they load them, vfesim_kernels.cuda.pairwise), receivers r0 .. r0 + n_r - 1 against
+    all senders: (row energies / kappa, sum_j W_ij B_j, sum_j W_ij, m, inv_s, abar), each (n_r, ...) in the
+    dtype, the first three summed over sender slices in slice order. ``splits``: the number of sender
+    slices (default: :func:`vfesim_kernels.cuda.dense_splits`)."""
     xp = array_module()
     NR, D = Ah.shape[1:]
     N = Bb.shape[1]
@@ -750,18 +753,18 @@ def _dense_stats(Ah, Bb, ch, r0: int, aggregator: str, splits: int | None = None
     gAx = xp.empty((S, 1, NR, D + 1) if aggregator == "expected" else (1, 1, 1, 1), dt)
     kap = _unit_kappa(xp, dt)
     nb_r = _cdiv(NR, k["per_block"])
-    _launch(k["stats"], (nb_r, S, 1), nt, Ah, Bb, ch, r0, 0, chunk_s, pm, ps, pt, gAr, gAx)
+    _launch(k["stats"], (nb_r, S, 1), nt, Ah, Bb, ch, scale, r0, 0, chunk_s, pm, ps, pt, gAr, gAx)
     grid = (kc.merge_blocks(NR, D), 1)
     _launch(k["merge"], grid, kc.BLOCK, pm, ps, pt, kap, 0, m, inv_s, abar, energy, gAr, gAx)
     gA = gAr[0, 0]  # (merge summed the slices into slice 0, in slice order)
     return energy[0], gA[:, :-1], gA[:, -1], m, inv_s, abar
 
 
-def _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0: int, aggregator: str, splits: int | None = None):
-    """The sender pass of the streaming kernels (``grads``) on pre-scaled features (see _dense_stats):
-    every receiver (rows of Ah, ch (1, n_r, D) with statistics m, inv_s, abar (1, n_r), global index r0 +
-    i) against the senders Bb (1, n_s, D), the pair with sender r0 + i excluded (r0 may be negative:
-    -s0 for senders s0 .. of all agents). Returns sum_i W_ij Ah_i (n_s, D) in the dtype, summed over
+def _dense_grads(Ah, Bb, ch, scale, m, inv_s, abar, r0: int, aggregator: str, splits: int | None = None):
+    """The sender pass of the streaming kernels (``grads``) on features scaled as in _dense_stats: every
+    receiver (rows of Ah, ch (1, n_r, D) with statistics m, inv_s, abar (1, n_r), global index r0 + i)
+    against the senders Bb (1, n_s, D), the pair with sender r0 + i excluded (r0 may be negative: -s0
+    for senders s0 .. of all agents). Returns sum_i W_ij scale Ah_i (n_s, D) in the dtype, summed over
     receiver slices in slice order. ``splits``: the number of receiver slices (default: enough blocks for
     the senders, :func:`vfesim_kernels.cuda.dense_splits`)."""
     xp = array_module()
@@ -776,25 +779,25 @@ def _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0: int, aggregator: str, splits: i
         S, chunk_r = kc.dense_slices(NR, splits, nt)
     gBs = xp.empty((S, 1, NS, D), dt)
     nb_s = _cdiv(NS, k["per_block"])
-    _launch(k["grads"], (nb_s, S, 1), nt, Ah, Bb, ch, m, inv_s, abar, r0, 0, chunk_r, gBs)
+    _launch(k["grads"], (nb_s, S, 1), nt, Ah, Bb, ch, scale, m, inv_s, abar, r0, 0, chunk_r, gBs)
     return kc.reduce.fold_slices(gBs)[0]  # the slices in order: a fixed summation order
 
 
-def _scaled(A, c, kappa: float):
-    """A, c as (1, n, ...) arrays times 1 / (2 kappa): logits -KL / kappa (vfesim_kernels.cuda.pairwise)."""
+def _kernel_rows(A, c, kappa: float):
+    """A, c as C-contiguous (1, n, ...) arrays and their scale 1 / (2 kappa) in the dtype (the kernels'
+    logits are -KL / kappa, vfesim_kernels.cuda.pairwise)."""
     xp = array_module()
-    scale = A.dtype.type(0.5 / kappa)
-    return xp.ascontiguousarray((A * scale)[None]), xp.ascontiguousarray((c * scale)[None])
+    return xp.ascontiguousarray(A)[None], xp.ascontiguousarray(c)[None], A.dtype.type(0.5 / kappa)
 
 
 def _dense_streaming(A_r, c_r, B, r0: int, kappa: float, aggregator: str):
     """Receivers r0 .. r0 + n_r - 1 (features A_r, c_r) against all senders B in the streaming kernels:
     (row energies (n_r,), gA_r, gc_r, gB (N, D)) in the dtype, each sum over slices in slice order."""
     xp = array_module()
-    Ah, ch = _scaled(A_r, c_r, kappa)
-    Bb = xp.ascontiguousarray(B[None])
-    energy, gA, gc, m, inv_s, abar = _dense_stats(Ah, Bb, ch, r0, aggregator)
-    gB = _dense_grads(Ah, Bb, ch, m, inv_s, abar, r0, aggregator)
+    Ah, ch, scale = _kernel_rows(A_r, c_r, kappa)
+    Bb = xp.ascontiguousarray(B)[None]
+    energy, gA, gc, m, inv_s, abar = _dense_stats(Ah, Bb, ch, scale, r0, aggregator)
+    gB = _dense_grads(Ah, Bb, ch, scale, m, inv_s, abar, r0, aggregator)
     # gA = 1/2 sum_j W B_j, gc = 1/2 sum_j W, gB = 1/2 sum_i W A_i = kappa sum_i W Ah_i
     return kappa * energy, 0.5 * gA, 0.5 * gc, kappa * gB
 
@@ -840,8 +843,9 @@ def pairwise_dense_receivers(A_r, c_r, B, r0: int, kappa: float, aggregator: str
     if N < 2 or NR == 0:
         zeros = (xp.zeros(NR, dt) for _ in range(3))
         return xp.zeros(NR), xp.zeros((NR, D), dt), xp.zeros(NR, dt), *zeros
-    Ah, ch = _scaled(A_r, c_r, kappa)
-    energy, gA, gc, m, inv_s, abar = _dense_stats(Ah, xp.ascontiguousarray(B[None]), ch, r0, aggregator)
+    Ah, ch, scale = _kernel_rows(A_r, c_r, kappa)
+    Bb = xp.ascontiguousarray(B)[None]
+    energy, gA, gc, m, inv_s, abar = _dense_stats(Ah, Bb, ch, scale, r0, aggregator)
     erow = kappa * energy.astype(np.float64)
     return erow, 0.5 * gA, 0.5 * gc, m[0], inv_s[0], abar[0]
 
@@ -861,9 +865,9 @@ def pairwise_dense_senders(A, c, m, inv_s, abar, B_s, s0: int, kappa: float, agg
     xp = array_module()
     if N < 2 or NS == 0:
         return xp.zeros((NS, D))
-    Ah, ch = _scaled(A, c, kappa)
+    Ah, ch, scale = _kernel_rows(A, c, kappa)
     stats = (xp.ascontiguousarray(xp.asarray(a, A.dtype)[None]) for a in (m, inv_s, abar))
-    gB = _dense_grads(Ah, xp.ascontiguousarray(B_s[None]), ch, *stats, -s0, aggregator)
+    gB = _dense_grads(Ah, xp.ascontiguousarray(B_s)[None], ch, scale, *stats, -s0, aggregator)
     return kappa * gB.astype(np.float64)
 
 
