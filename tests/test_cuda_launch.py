@@ -75,3 +75,26 @@ def test_unknown_arguments_take_numbas_launch(monkeypatch):
         ((config, args),) = k.calls
         assert config == (4, 32) and args[0] is odd and args[1:] == (2.0, np.float32(0.5))
         assert type(args[2]) is np.float32
+
+
+class _Pointer:
+    ptr = 4096
+
+
+class _ZeroDim:
+    """A device array as the fast path detects one (data pointer, CUDA array interface), of no dimension."""
+
+    data = _Pointer()
+    shape = ()
+    strides = ()
+    __cuda_array_interface__ = {"shape": (), "typestr": "<f8", "data": (4096, False), "version": 3}
+
+
+@needs_pieces
+def test_only_device_arrays_of_some_dimension_get_records():
+    """Host arrays and NumPy scalars (a buffer, no device pointer) and 0-d device arrays get no record
+    (numba's launch takes them); a device array type, once seen, is remembered without its interface
+    checks."""
+    assert L._array(np.zeros(3)) is None and L._array(np.float64(1.0)) is None and L._array("x") is None
+    assert L._array(_ZeroDim()) is None
+    assert _ZeroDim in L._ARRAY_KINDS
