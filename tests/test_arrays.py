@@ -74,3 +74,15 @@ def test_lazy_totals_come_home_in_one_transfer():
     got = arrays.host_floats({"b": s, "a": 2, "c": np.float32(0.5), "d": np.asarray(3.0)})
     assert got == {"b": arrays.total(x), "a": 2.0, "c": 0.5, "d": 3.0}
     assert list(got) == ["b", "a", "c", "d"] and all(type(v) is float for v in got.values())
+
+
+def test_device_constants_are_made_once_per_key():
+    made = []
+
+    def make():
+        made.append(1)
+        return np.ones(2)
+
+    a = arrays.device_constant(np, ("test constant", 1), make)
+    assert arrays.device_constant(np, ("test constant", 1), make) is a and len(made) == 1
+    assert arrays.device_constant(np, ("test constant", 2), make) is not a and len(made) == 2

@@ -15,6 +15,7 @@ __all__ = [
     "agent_minor",
     "empty_agent_minor",
     "memory_flat",
+    "device_constant",
 ]
 
 
@@ -118,6 +119,22 @@ def memory_flat(a):
     if not t.flags.c_contiguous or any(s < 0 for s in a.strides):
         return None
     return xp.reshape(t, -1), tuple(s // a.itemsize for s in a.strides)
+
+
+# (array module, device, key) -> a constant array (device_constant)
+_CONSTANTS: dict = {}
+
+
+def device_constant(xp, key, make):
+    """The array ``make()`` of module ``xp`` on its current device, made once per (module, device, key) and
+    kept: a constant that kernels read and never write (made writable: the CUDA simulator writes its
+    arguments back)."""
+    cuda = getattr(xp, "cuda", None)
+    full = (xp.__name__, cuda.runtime.getDevice() if cuda is not None else -1, key)
+    a = _CONSTANTS.get(full)
+    if a is None:
+        a = _CONSTANTS[full] = make()
+    return a
 
 
 def empty_agent_minor(xp, shape: tuple, dtype, axis: int = 0):

@@ -158,8 +158,9 @@ def device_sum(a):
     # always two launches: a result never depends on how many blocks the first took
     k = make_reduce_kernels()["partial_sum"]
     parts = xp.empty(_blocks(flat.shape[0]) + 1, np.float64)  # the blocks' sums, then the total
-    launch(k, parts.shape[0] - 1, REDUCE_THREADS, flat, parts[:-1])
-    launch(k, 1, REDUCE_THREADS, parts[:-1], parts[-1:])
+    blocks = parts[:-1]
+    launch(k, blocks.shape[0], REDUCE_THREADS, flat, blocks)
+    launch(k, 1, REDUCE_THREADS, blocks, parts[-1:])
     return parts[-1]
 
 

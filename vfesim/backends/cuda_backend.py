@@ -39,7 +39,7 @@ from vfesim_kernels import kernel_cache_dir
 from vfesim_kernels.cuda.launch import launch as _launch
 from vfesim_kernels.pairwise_cpu import incoming_csr, range_error
 
-from ..arrays import host_array, host_floats
+from ..arrays import device_constant, host_array, host_floats
 from ..config import ModelConfig
 from ..gaussian.energy import NUMPY_AGENT_OPS, StagedStages
 from ..groups import generators
@@ -717,16 +717,9 @@ def _pairwise_sparse(A, B, c, index, mask, kappa: float, aggregator: str):
     return E, 0.5 * gAr[0, 0, :, :-1], kappa * gBs[0, 0], 0.5 * gAr[0, 0, :, -1]
 
 
-_UNIT_KAPPA: dict = {}
-
-
 def _unit_kappa(xp, dt):
-    """A one-entry kappa of 1 in ``dt`` on the current device (the merge kernel reads it), made once."""
-    key = (xp.cuda.runtime.getDevice() if xp is not np else -1, np.dtype(dt).str)
-    kap = _UNIT_KAPPA.get(key)
-    if kap is None:
-        kap = _UNIT_KAPPA[key] = xp.ones(1, dt)
-    return kap
+    """A one-entry kappa of 1 in ``dt`` (the pair kernels read it), made once per device."""
+    return device_constant(xp, ("unit kappa", np.dtype(dt).str), lambda: xp.ones(1, dt))
 
 
 def _dense_stats(Ah, Bb, ch, scale, r0: int, aggregator: str, splits: int | None = None):
@@ -876,7 +869,7 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
     per part of an agent's work (``energy_prep``: N = 3 x agents)."""
     ks = kc.make_quantum_kernels(d, np.dtype(dtype).name)
     FIRST_USE.begin(("quantum", d, np.dtype(dtype).str), f"density-matrix agents, d={d}, {np.dtype(dtype)}")
-    kc.launch.launch(ks[name], _cdiv(N, kc.BLOCK), kc.BLOCK, *args)
+    _launch(ks[name], _cdiv(N, kc.BLOCK), kc.BLOCK, *args)
 
 
 # One thread per agent up to d = 8 (each matrix in local memory, the agents' arrays agent-minor: a warp's
@@ -1034,7 +1027,7 @@ def pairwise_sparse_rows(A_r, c_r, B_s, index, mask, kappa: float, aggregator: s
     energy = xp.zeros((1, NR), dt)
     gAr = xp.zeros((1, 1, NR, D + 1), dt)
     gBs = xp.zeros((1, 1, NS, D), dt)
-    kap = xp.ones(1, dt)
+    kap = _unit_kappa(xp, dt)
     lists = nbr.dev
     nblk = (_cdiv(NR, kc.BLOCK), 1)
     _launch(k["rows"], nblk, kc.BLOCK, Ah, Bb, ch, lists["index"], lists["mask"], kap, 0, W, energy, gAr)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..arrays import agent_minor as _minor
-from ..arrays import empty_agent_minor
+from ..arrays import device_constant, empty_agent_minor
 from .channels import incoming_slots
 from .energy import Forward, QuantumOps, floor_eps, terms_on
 from .evolve import resident, window
@@ -50,21 +50,6 @@ def jacobi_tol2(dtype) -> float:
     """Stopping threshold of the Jacobi sweeps (squared relative off-diagonal norm): (4 ulp)^2."""
     eps = float(np.finfo(np.dtype(dtype)).eps)
     return (4.0 * eps) ** 2
-
-
-# (array module, device, d, dtype) -> the spin generators as the kernels take them
-_GENERATORS: dict = {}
-
-
-def _generators(xp, d: int, dtype):
-    """:func:`.frames.spin_generators` (d) in ``dtype`` on the current device of ``xp``, made once: a
-    writable copy (see :func:`_arranger`) that no kernel writes."""
-    device = xp.cuda.runtime.getDevice() if hasattr(xp, "cuda") else -1
-    key = (xp.__name__, device, d, np.dtype(dtype).str)
-    J = _GENERATORS.get(key)
-    if J is None:
-        J = _GENERATORS[key] = xp.array(spin_generators(d), dtype)
-    return J
 
 
 def _real(dtype) -> np.dtype:
@@ -112,7 +97,7 @@ def kernel_ops(
         phi = c(arrays["phi"].astype(rdt, copy=False))
         on = tuple(int(f) for f in terms_on(weights))
         y = c(xp.asarray(arrays["outcome"]).astype(np.int64, copy=False)) if on[3] else xp.zeros(1, np.int64)
-        J = _generators(xp, d, rho.dtype)
+        J = device_constant(xp, ("J", d, rho.dtype.str), lambda: xp.array(spin_generators(d), rho.dtype))
         # One allocation per kind (fewer host calls per pass); each part is laid out as an allocation of
         # its own would be.
         x, W, logx, sigma, logsig, V, U, Vf = empty((8, N, d, d), rho.dtype, axis=1)
