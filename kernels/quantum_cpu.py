@@ -148,14 +148,14 @@ KERNELS = {
 }
 
 
-def launch(name: str, N: int, d: int, dtype, *args) -> None:
+def launch(name: str, N: int, d: int, dtype, *args, modes=None) -> None:
     """Run kernel ``name`` over items 0 .. N (agents; parts of agents for ``energy_prep``, N = 3 x agents;
     arguments as the CUDA kernels of
-    :func:`vfesim_kernels.cuda.make_quantum_kernels`; d and dtype unused: the CPU kernels specialise on
-    their arguments)."""
+    :func:`vfesim_kernels.cuda.make_quantum_kernels`; d, dtype and the channel step's ``modes`` unused:
+    the CPU kernels specialise on their arguments and read the modes from their array argument)."""
     _run(KERNELS[name], N, *args)
 
 
-def launch_serial(name: str, N: int, d: int, dtype, *args) -> None:
+def launch_serial(name: str, N: int, d: int, dtype, *args, modes=None) -> None:
     """:func:`launch` in the calling thread only (tasks of a scheduler that runs its own threads)."""
     KERNELS[name](0, N, *args)

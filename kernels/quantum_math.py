@@ -9,7 +9,8 @@ names; :func:`link` compiles the whole set for one target, binding each name to 
 The same operations as the NumPy stages of ``vfesim.quantum`` (the vectorised reference):
 
 - :func:`jacobi_eigh`: ``A = V diag(w) V^dagger`` for Hermitian A by cyclic complex Jacobi rotations
-  (eigenvalues unordered: every consumer is symmetric in them);
+  (eigenvalues unordered: every consumer is symmetric in them); :func:`eigh_agent` sorts them ascending
+  (a batched ``eigh``);
 - :func:`eig_log_agent`: eigen-decomposition of a floored belief x, ``log x`` and ``tr(x log x)``;
 - :func:`gibbs_agent`: the Gibbs prior ``sigma = exp(-H/T)/Z``, its log and log-eigenvalues
   ``l = -h/T - log Z`` (a log-sum-exp, no ``log p``);
@@ -104,6 +105,29 @@ def jacobi_eigh(A, w, V, tol2):
                     V[k, q] = se * vkp + c * vkq
     for k in range(d):
         w[k] = A[k, k].real
+
+
+def eigh_agent(X, n, tol2, w_out, V_out, A, w, V):
+    """w_out[n] ascending and V_out[n] (matching columns) of herm(X[n]) (:func:`jacobi_eigh`, stopping at
+    ``tol2``): the batched ``eigh`` of ``vfesim.quantum.linalg`` for small d. Scratch A, V (d, d), w (d,)."""
+    d = A.shape[0]
+    load_herm(X, n, A)
+    jacobi_eigh(A, w, V, tol2)
+    for k in range(d):  # selection of the least remaining eigenvalue; ties keep Jacobi's order
+        m = k
+        for q in range(k + 1, d):
+            if w[q] < w[m]:
+                m = q
+        wm = w[m]
+        w[m] = w[k]
+        w[k] = wm
+        for r in range(d):
+            v = V[r, m]
+            V[r, m] = V[r, k]
+            V[r, k] = v
+        w_out[n, k] = w[k]
+        for r in range(d):
+            V_out[n, r, k] = V[r, k]
 
 
 def load_herm(X, n, A):
@@ -985,6 +1009,7 @@ def channel_step_vjp_agent(
 FUNCTIONS = (
     "jacobi_eigh",
     "load_herm",
+    "eigh_agent",
     "floored",
     "from_eig",
     "mm",

@@ -145,9 +145,10 @@ def points_kernel_signatures(dtype: str) -> dict[str, str]:
 
 def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
     """Signature strings of the density-matrix kernels (:func:`make_quantum_kernels`) for a complex dtype,
-    as the cuda backend launches them: per-agent arrays agent-minor (``vfesim.arrays.agent_minor``: a
-    matrix batch (N, d, d) of layout "A", a (N, k) table Fortran-ordered), the pair kernels' feature rows
-    and the (2, N) / (3, d, d) arrays C-contiguous."""
+    as the cuda backend launches them: the per-agent arrays of the free energy and of the channel steps
+    agent-minor (``vfesim.arrays.agent_minor``: a matrix batch (N, d, d) of layout "A", a (N, k) table
+    Fortran-ordered), the pair kernels' feature rows, the (2, N) / (3, d, d) arrays and ``eigh``'s
+    batches C-contiguous."""
     c = "complex64" if np.dtype(dtype) == np.complex64 else "complex128"
     f = "float32" if c == "complex64" else "float64"
     m, m4, J = f"{c}[:, :, :]", f"{c}[:, :, :, :]", f"{c}[:, :, ::1]"  # agent matrices, tapes; J
@@ -178,6 +179,7 @@ def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
             f"{r1}, int64[::1])"
         ),
         "incoming": f"void({m}, {m}, {i2}, {t2}, {m}, {m}, {m})",
+        "eigh": f"void({J}, float64, {r2}, {J})",  # C-contiguous batches (the array code's)
     }
 
 

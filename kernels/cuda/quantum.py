@@ -25,19 +25,34 @@ _sender_state_agent = _m.sender_state_agent
 _channel_step_agent = _m.channel_step_agent
 _incoming_agent = _m.incoming_agent
 _channel_step_vjp_agent = _m.channel_step_vjp_agent
+_eigh_agent = _m.eigh_agent
 
 _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex128}
 
 
 @functools.cache
-def make_quantum_kernels(d: int, dtype: str) -> dict:
+def make_quantum_kernels(d: int, dtype: str, modes: tuple | None = None) -> dict:
     """The per-agent kernels for matrices of size ``d`` and complex ``dtype``: energy_prep (launched
     with 3 N threads: the forward pass's three independent parts), energy_features, energy_backward (the
     free energy's per-agent passes), sender_states, channel_step, channel_step_vjp,
     incoming (arguments as the CPU kernels of :mod:`vfesim_kernels.quantum_cpu`, without the agent
-    range)."""
+    range), and ``eigh(X, tol2, w, V)``: the ascending eigenvalues w (N, d) and eigenvectors V (N, d, d)
+    of herm(X) for a batch X (N, d, d), all C-contiguous (the array code's batched eigh).
+
+    ``modes``: the channel step's four mode codes (:func:`vfesim_kernels.quantum_math.channel_step_agent`)
+    as compile-time constants of ``channel_step`` and ``channel_step_vjp``, whose ``modes`` argument must
+    then hold the same codes (it is not read): the branches of the other modes compile away, which leaves
+    the kernels fewer registers and less local memory (each mode set is a kernel of its own, compiled at
+    its first launch and cached on disk). None: the codes are read from that argument at run time."""
     cdt = _COMPLEX[np.dtype(dtype)]
     rdt = _NB[np.finfo(np.dtype(dtype)).dtype]
+    if modes is None:
+        mode_codes = device(lambda m: m)
+    else:
+        fixed = tuple(int(m) for m in modes)
+        if len(fixed) != 4:
+            raise ValueError(f"modes: four codes (coupling, basis, gate, newton), got {modes!r}")
+        mode_codes = device(lambda m: fixed)
 
     def energy_prep(
         rho, H, T, phi, J, fs, fb, fp, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf
@@ -79,6 +94,7 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
         rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, thr, width, dt, floor, tol2,
         out, gmin,
     ):  # fmt: skip
+        mo = mode_codes(modes)
         for n in range(cuda.grid(1), rho.shape[0], cuda.gridsize(1)):
             X = cuda.local.array((d, d), cdt)
             S = cuda.local.array((d, d), cdt)
@@ -90,7 +106,7 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
             w = cuda.local.array(d, rdt)
             xs = cuda.local.array((1, 1, 1, 1), cdt)  # no tape
             _channel_step_agent(
-                rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, modes, thr, width, dt,
+                rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, n, mo, thr, width, dt,
                 floor, tol2, out, gmin, X, S, T1, T2, W, w, Ut, Y, xs,
             )  # fmt: skip
 
@@ -98,11 +114,17 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
         rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, gam, modes, prm, ob, xs, mats, accm,
         sw, racc, scal, gmin, flag,
     ):  # fmt: skip
+        mo = mode_codes(modes)
         for n in range(cuda.grid(1), rho.shape[0], cuda.gridsize(1)):
-            Tm = cuda.local.array((9, d, d), cdt)
+            # nine matrices of their own (not one (9, d, d) array): each can stay in registers
+            Tm = (
+                cuda.local.array((d, d), cdt), cuda.local.array((d, d), cdt), cuda.local.array((d, d), cdt),
+                cuda.local.array((d, d), cdt), cuda.local.array((d, d), cdt), cuda.local.array((d, d), cdt),
+                cuda.local.array((d, d), cdt), cuda.local.array((d, d), cdt), cuda.local.array((d, d), cdt),
+            )  # fmt: skip
             w = cuda.local.array(d, rdt)
             _channel_step_vjp_agent(
-                rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, gam, n, modes, prm, ob, xs,
+                rho, xt, index, mask, U, eps_c, lam, V, sigma, l, eps_d, eps_t, gam, n, mo, prm, ob, xs,
                 mats, accm, sw, racc, scal, gmin, flag, Tm, w,
             )  # fmt: skip
 
@@ -113,6 +135,13 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
             T2 = cuda.local.array((d, d), cdt)
             _incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, Y, T1, T2)
 
+    def eigh(X, tol2, w_out, V_out):
+        for n in range(cuda.grid(1), X.shape[0], cuda.gridsize(1)):
+            A = cuda.local.array((d, d), cdt)
+            V = cuda.local.array((d, d), cdt)
+            w = cuda.local.array(d, rdt)
+            _eigh_agent(X, n, tol2, w_out, V_out, A, w, V)
+
     pyfuncs = {
         "energy_prep": energy_prep,
         "energy_features": energy_features,
@@ -121,5 +150,6 @@ def make_quantum_kernels(d: int, dtype: str) -> dict:
         "channel_step": channel_step,
         "channel_step_vjp": channel_step_vjp,
         "incoming": incoming,
+        "eigh": eigh,
     }
     return compile_kernels(pyfuncs)

@@ -46,7 +46,8 @@ from ..groups import generators
 from ..pairwise.gemm import pairwise_dense_gemm, pairwise_gemm
 from ..quantum.config import QuantumConfig
 from ..quantum.energy import NUMPY_OPS
-from ..quantum.kernel_ops import kernel_ops, sized_ops
+from ..quantum.kernel_ops import jacobi_tol2, kernel_ops, sized_ops
+from ..quantum.linalg import EIGENSOLVERS, herm
 from . import Backend
 
 __all__ = [
@@ -864,10 +865,11 @@ def pairwise_dense_senders(A, c, m, inv_s, abar, B_s, s0: int, kappa: float, agg
     return kappa * gB.astype(np.float64)
 
 
-def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
+def _quantum_launch(name: str, N: int, d: int, dtype, *args, modes=None) -> None:
     """Launch density-matrix kernel ``name`` with N threads (vfesim.quantum.kernel_ops): one per agent, or
-    per part of an agent's work (``energy_prep``: N = 3 x agents)."""
-    ks = kc.make_quantum_kernels(d, np.dtype(dtype).name)
+    per part of an agent's work (``energy_prep``: N = 3 x agents). The channel step's kernels are compiled
+    for their ``modes`` (make_quantum_kernels: the other modes' branches compile away)."""
+    ks = kc.make_quantum_kernels(d, np.dtype(dtype).name, modes)
     FIRST_USE.begin(("quantum", d, np.dtype(dtype).str), f"density-matrix agents, d={d}, {np.dtype(dtype)}")
     _launch(ks[name], _cdiv(N, kc.BLOCK), kc.BLOCK, *args)
 
@@ -875,6 +877,30 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args) -> None:
 # One thread per agent up to d = 8 (each matrix in local memory, the agents' arrays agent-minor: a warp's
 # accesses coalesce); above, the batched CuPy stages (cuSOLVER's eigh).
 QUANTUM_KERNEL_MAX_D = 8
+
+
+def batched_eigh(X):
+    """(w ascending (..., d), V (..., d, d)) of herm(X) for a device batch X (..., d, d) of complex
+    matrices: the ``eigh`` kernel (Jacobi, one thread per matrix, to :func:`jacobi_tol2`) for d up to
+    QUANTUM_KERNEL_MAX_D, the array module's ``linalg.eigh`` (cuSOLVER) otherwise. Registered as the
+    array code's eigensolver of CuPy arrays (``vfesim.quantum.linalg.EIGENSOLVERS``)."""
+    xp = array_module()
+    X = xp.asarray(X)
+    d = X.shape[-1]
+    if X.ndim < 2 or X.dtype not in _COMPLEX or not 1 < d <= QUANTUM_KERNEL_MAX_D or X.size == 0:
+        return xp.linalg.eigh(herm(X))
+    batch = X.shape[:-2]
+    Xc = xp.ascontiguousarray(X.reshape(-1, d, d))
+    n = Xc.shape[0]
+    w = xp.empty((n, d), np.finfo(X.dtype).dtype)
+    V = xp.empty((n, d, d), X.dtype)
+    ks = kc.make_quantum_kernels(d, X.dtype.name)
+    FIRST_USE.begin(("quantum", d, X.dtype.str), f"density-matrix agents, d={d}, {X.dtype}")
+    _launch(ks["eigh"], _cdiv(n, kc.BLOCK), kc.BLOCK, Xc, jacobi_tol2(X.dtype), w, V)
+    return w.reshape(batch + (d,)), V.reshape(batch + (d, d))
+
+
+EIGENSOLVERS["cupy"] = batched_eigh
 QUANTUM_OPS = sized_ops(
     kernel_ops(
         array_module,

@@ -7,7 +7,9 @@ each call: a backend module imports without its device) and hands every operatio
 ``launch(name, N, d, dtype, *args)`` of the backend over N threads (one per agent, or per part of an
 agent's work: ``energy_prep`` takes 3 N); the arguments are arrays in the kernels' dtypes (complex
 matrices, real vectors of the matching precision) and Python scalars (int64 term flags, float64 weights
-and tolerances).
+and tolerances). The channel step's kernels also get their mode codes as a keyword, ``modes=(coupling,
+basis, gate, newton)`` (the same codes as their ``modes`` array argument): a launch that compiles kernels
+may specialise on them (the cuda backend's does; the CPU kernels read the array).
 
 Layout: C-contiguous by default (one thread per agent on a CPU core walks its own rows). With
 ``agent_minor=True`` (the GPU) every per-agent array the kernels read or write, except the feature rows
@@ -143,13 +145,13 @@ def kernel_ops(
     def channel_step(P, rho, dt, dyn, senders=None):
         xp = array_module()
         rho = c(rho)
-        args, gmin = _step_args(xp, c, P, rho, dt, dyn)
+        args, gmin, codes = _step_args(xp, c, P, rho, dt, dyn)
         out = empty(rho.shape, rho.dtype)
         if senders is None:
             xt = _sender_states(launch, xp, empty, P, rho, dyn, args[2])
         else:  # a chunk of a population: the window's senders are other agents (their states, frames)
             xt = _chunk_sender_states(launch, xp, c, empty, P, rho, dyn, senders)
-        launch("channel_step", rho.shape[0], rho.shape[-1], rho.dtype, rho, xt, *args, out, gmin)
+        launch("channel_step", rho.shape[0], rho.shape[-1], rho.dtype, rho, xt, *args, out, gmin, modes=codes)
         if dyn.gate != "none":
             _refuse_non_positive(xp, gmin <= 0, gmin)
         return out
@@ -166,10 +168,11 @@ def _buffer(P, xp, key, make):
 
 
 def _step_args(xp, c, P, rho, dt, dyn):
-    """The channel step kernels' arguments after (rho, xt) for Prepared caches P, and gmin (the gate's least
-    eigenvalue per agent). The run's constants (coupling window, strengths of the rates at this dt, mode
-    codes, and gmin, which the kernels fill for every agent under a gate) are made on the device once per
-    cache (:func:`.evolve.resident`), not every step."""
+    """The channel step kernels' arguments after (rho, xt) for Prepared caches P, gmin (the gate's least
+    eigenvalue per agent) and the mode codes (a tuple: the launch's ``modes``). The run's constants
+    (coupling window, strengths of the rates at this dt, mode codes, and gmin, which the kernels fill for
+    every agent under a gate) are made on the device once per cache (:func:`.evolve.resident`), not every
+    step."""
     dt = float(dt)
 
     def const(key, source, make, tag=None):
@@ -203,7 +206,7 @@ def _step_args(xp, c, P, rho, dt, dyn):
         float(floor_eps(rho.dtype)),
         jacobi_tol2(rho.dtype),
     )
-    return args, _buffer(P, xp, ("gmin", np.dtype(rdt).str), lambda: xp.empty(rho.shape[0], rdt))
+    return args, _buffer(P, xp, ("gmin", np.dtype(rdt).str), lambda: xp.empty(rho.shape[0], rdt)), codes
 
 
 def _coupled(P, dyn) -> bool:
@@ -280,7 +283,7 @@ def kernel_step_vjp(array_module: Callable, launch: Callable, agent_minor: bool 
         if fresh:
             acc = kernel_accumulators(xp, N, w, d, rho.dtype, agent_minor)
         accm, racc, sw = acc["_kernel"]
-        args, gmin = _step_args(xp, c, P, rho, dt, dyn)
+        args, gmin, codes = _step_args(xp, c, P, rho, dt, dyn)
         xt = _sender_states(launch, xp, empty, P, rho, dyn, args[2])
         slots = 1 + (w if dyn.coupling == "C2" else 0)  # tape: the C2 channels' inputs, the unitary's input
         xs = _buffer(P, xp, ("xs", rho.dtype.str, slots), lambda: empty((N, slots, d, d), rho.dtype))
@@ -296,7 +299,7 @@ def kernel_step_vjp(array_module: Callable, launch: Callable, agent_minor: bool 
         launch(
             "channel_step_vjp", N, d, rho.dtype, rho, xt, idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t,
             gam, modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, accm, sw, racc, scal, gmin,
-            flag,
+            flag, modes=codes,
         )  # fmt: skip
         if dyn.coupling == "C1" and w:
             ins = resident(P, xp, "slots", P.index, lambda: c(incoming_slots(P.index, P.mask, N, xp)))

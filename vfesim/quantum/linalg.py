@@ -88,9 +88,18 @@ def hmat(v, d: int):
     return X
 
 
+# Batched eigensolvers by array module name, ``solver(X) -> (w, V)`` as :func:`eigh`: a backend registers
+# one for its arrays (the cuda backend a Jacobi kernel, one thread per matrix, for CuPy batches of small
+# matrices: cuSOLVER's batched Jacobi took 2-3 ms per call for 65 536 matrices of d = 4 on an H100).
+# Without one, the array module's ``linalg.eigh``.
+EIGENSOLVERS: dict = {}
+
+
 def eigh(X):
-    """Eigenvalues (N, d) ascending and eigenvectors (N, d, d) of herm(X)."""
-    return _xp(X).linalg.eigh(herm(X))
+    """Eigenvalues (N, d) ascending and eigenvectors (N, d, d) of herm(X) (any leading batch shape)."""
+    xp = _xp(X)
+    solver = EIGENSOLVERS.get(xp.__name__)
+    return xp.linalg.eigh(herm(X)) if solver is None else solver(X)
 
 
 def from_eig(V, f):
