@@ -26,6 +26,8 @@ _sender_state_agent = _m.sender_state_agent
 _channel_step_agent = _m.channel_step_agent
 _incoming_agent = _m.incoming_agent
 _channel_step_vjp_agent = _m.channel_step_vjp_agent
+_born_logp_entry = _m.born_logp_entry
+_born_add_entry = _m.born_add_entry
 
 # Serial kernels over an agent range, run on a few Python threads (they release the GIL): parallel over
 # agents without Numba's parfors, whose compilation costs ~3 s per kernel and dtype (the kernels here
@@ -137,6 +139,18 @@ def _incoming(n0, n1, rho, U, slots, s, Bt, x_bar, U_bar):
         _incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, T[0], T[1], T[2])
 
 
+@_kernel
+def _born_logp(k0, k1, flat, offsets, keep, add, acc):
+    for k in range(k0, k1):
+        _born_logp_entry(flat, offsets, k, keep, add, acc)
+
+
+@_kernel
+def _born_add(k0, k1, bar, bar_offsets, flat, offsets, keep, add, c):
+    for k in range(k0, k1):
+        _born_add_entry(bar, bar_offsets, flat, offsets, k, keep, add, c)
+
+
 KERNELS = {
     "energy_prep": _energy_prep,
     "energy_features": _energy_features,
@@ -145,6 +159,8 @@ KERNELS = {
     "channel_step": _channel_step,
     "channel_step_vjp": _channel_step_vjp,
     "incoming": _incoming,
+    "born_logp": _born_logp,
+    "born_add": _born_add,
 }
 
 

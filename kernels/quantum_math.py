@@ -130,6 +130,21 @@ def eigh_agent(X, n, tol2, w_out, V_out, A, w, V):
             V_out[n, r, k] = V[r, k]
 
 
+def born_logp_entry(flat, offsets, k, keep, add, acc):
+    """acc[k] += log x_yy for the k-th observed entry flat[offsets[k]] = rho_i[y_i, y_i] of a rollout's
+    Born loss, x_yy = keep rho_yy + add the floored state's diagonal (keep, add and the log in the states'
+    real precision, as the array code of ``vfesim.quantum.born``), acc float64."""
+    p = flat[offsets[k]].real * keep + add
+    acc[k] += math.log(p)
+
+
+def born_add_entry(bar, bar_offsets, flat, offsets, k, keep, add, c):
+    """bar[bar_offsets[k]] += c / x_yy: the cotangent of c log x_yy (c = -weight (1 - e)) for the k-th
+    observed entry (:func:`born_logp_entry`)."""
+    p = flat[offsets[k]].real * keep + add
+    bar[bar_offsets[k]] += c / p
+
+
 def load_herm(X, n, A):
     """A = (X[n] + X[n]^dagger) / 2."""
     d = A.shape[0]
@@ -1010,6 +1025,8 @@ FUNCTIONS = (
     "jacobi_eigh",
     "load_herm",
     "eigh_agent",
+    "born_logp_entry",
+    "born_add_entry",
     "floored",
     "from_eig",
     "mm",

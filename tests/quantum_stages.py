@@ -2,6 +2,11 @@
 
 import numpy as np
 
+import vfesim
+from vfesim.arrays import agent_minor
+from vfesim.quantum.born import observed_outcomes
+from vfesim.quantum.energy import floor_eps
+
 
 def _herm(rng, N, d):
     X = rng.normal(size=(N, d, d)) + 1j * rng.normal(size=(N, d, d))
@@ -115,3 +120,35 @@ def assert_stages_match(ops, v, rtol, weights=WEIGHTS[0]):
         a = got[k]
         assert a.dtype == b.dtype and a.shape == b.shape, k
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.abs(b).max()), err_msg=k)
+
+
+def check_born_ops(ops, dtype="complex128", tol=1e-13):
+    """The Born terms of ``ops`` (a BornOps) against naive sums: two steps (all agents observed, some not)
+    and one unobserved step, in C, agent-minor and gapped layouts; the log-probabilities accumulate over
+    steps."""
+    rng = np.random.default_rng(3)
+    n, d = 7, 4
+    rho = vfesim.random_state(vfesim.QuantumConfig(d=d), n, seed=2, dtype=dtype).rho.values
+    y = rng.integers(0, d, size=(3, n))
+    y[1, [0, 3]] = [-1, -1000]
+    y[2] = -7
+    obs = observed_outcomes(y, d, np)
+    gapped = np.zeros((2 * n, d, d), rho.dtype)[::2]
+    gapped[...] = rho
+    e = floor_eps(rho.dtype)
+    for a in (rho, agent_minor(rho), gapped):
+        acc = ops.start(np, n)
+        total = 0.0
+        for t in (0, 1, 2):
+            seen = [i for i in range(n) if y[t, i] >= 0]
+            p = np.array([rho[i, y[t, i], y[t, i]].real * (1 - e) + e / d for i in seen])
+            want = np.zeros((n, d, d), complex)
+            for i, pi in zip(seen, p, strict=True):
+                want[i, y[t, i], y[t, i]] = -2.5 * (1 - e) / pi
+            acc = ops.logp(acc, a, obs, t)
+            total += np.log(p).sum()
+            assert abs(ops.total(acc) - total) < tol * max(1.0, abs(total))
+            blank = np.zeros((2 * n, d, d), rho.dtype)[::2] if a is gapped else np.zeros_like(a)
+            bar = ops.add(blank, a, obs, t, 2.5)
+            assert bar is blank and bar.strides == a.strides
+            np.testing.assert_allclose(bar, want, rtol=tol, atol=0)

@@ -230,6 +230,7 @@ def test_quantum_kernel_signatures_are_the_launched_types(dtype):
     from numba.core import sigutils
     from quantum_stages import channel_case, stage_inputs, stage_outputs
 
+    from vfesim.quantum.born import observed_outcomes
     from vfesim.quantum.kernel_ops import kernel_ops
 
     launched, modes_of = {}, {}
@@ -244,6 +245,9 @@ def test_quantum_kernel_signatures_are_the_launched_types(dtype):
     P, rho, dyn = channel_case(4, dtype, "C1", "computational", "none", N=9)
     out = ops.channel_step(P, rho, 0.1, dyn)
     ops.step_vjp(4)(P, out, out, 0.1, dyn)
+    obs = observed_outcomes(np.zeros((1, out.shape[0]), np.int64), 4, np)  # a rollout's Born terms
+    ops.born.logp(ops.born.start(np, out.shape[0]), out, obs, 0)
+    ops.born.add(np.zeros_like(out), out, obs, 0, 1.0)
     sigs = kc.quantum_kernel_signatures(dtype)
     assert set(launched) == set(sigs) - {"eigh"}  # (the array code's eigensolver: tests/cudasim)
     newton = int(dtype == "complex64")

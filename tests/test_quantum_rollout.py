@@ -221,44 +221,6 @@ def test_scalar_rates_get_scalar_gradients():
     assert scalar.grads["dephasing_rate"] == pytest.approx(per_agent.grads["dephasing_rate"].sum(), rel=1e-13)
 
 
-def test_born_terms_read_any_layout_and_any_unobserved_code():
-    """The Born term's gathers and scatters (flat offsets into one dense block, or an index triple for an
-    array with gaps) agree with the naive per-agent sums in C, agent-minor and gapped layouts; any negative
-    outcome is unobserved, also below the narrow integer type the outcomes travel in."""
-    from vfesim.arrays import agent_minor
-    from vfesim.quantum.rollout import _born_add, _born_logp, _observed
-
-    rng = np.random.default_rng(3)
-    n, d = 7, 4
-    st = vfesim.random_state(vfesim.QuantumConfig(d=d), n, seed=2)
-    rho = st.rho.values
-    y = rng.integers(0, d, size=(3, n))
-    y[1, [0, 3]] = [-1, -1000]
-    y[2] = -7
-    obs = _observed(y, d, np)
-    assert obs[2] is None and obs[0][0].size == n and obs[1][0].tolist() == [1, 2, 4, 5, 6]
-    assert obs[0][1].tolist() == y[0].tolist() and obs[1][1].tolist() == y[1, [1, 2, 4, 5, 6]].tolist()
-    gapped = np.zeros((2 * n, d, d), complex)[::2]
-    gapped[...] = rho
-    e = vfesim.quantum.energy.floor_eps(rho.dtype)
-    for t in (0, 1):
-        seen = [i for i in range(n) if y[t, i] >= 0]
-        p = [rho[i, y[t, i], y[t, i]].real * (1 - e) + e / d for i in seen]
-        want = np.zeros((n, d, d), complex)
-        for i, pi in zip(seen, p, strict=True):
-            want[i, y[t, i], y[t, i]] = -2.5 * (1 - e) / pi
-        for a in (rho, agent_minor(rho), gapped):
-            assert abs(_born_logp(a, obs, t) - np.log(p).sum()) < 1e-13
-            blank = np.zeros((2 * n, d, d), complex)[::2] if a is gapped else np.zeros_like(a)
-            bar = _born_add(blank, a, obs, t, 2.5)
-            assert bar is blank and bar.strides == a.strides
-            np.testing.assert_allclose(bar, want, rtol=1e-14, atol=0)
-    assert _born_logp(rho, obs, 2) == 0.0 and not _born_add(np.zeros_like(rho), rho, obs, 2, 1.0).any()
-    y[0, 2] = d
-    with pytest.raises(ConfigError, match="^outcomes: agent 2 has outcome 4 at step 0"):
-        _observed(y, d, np)
-
-
 def test_rollout_errors():
     case = CASES["C1-jacobi-dense-born+F"]
     _, cfg, st, dyn, sched = _build(case)

@@ -180,6 +180,9 @@ def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
         ),
         "incoming": f"void({m}, {m}, {i2}, {t2}, {m}, {m}, {m})",
         "eigh": f"void({J}, float64, {r2}, {J})",  # C-contiguous batches (the array code's)
+        # flat views of states and offsets of their observed entries (int64 offsets above 2^31 entries)
+        "born_logp": f"void({c}[::1], int32[::1], {f}, {f}, float64[::1])",
+        "born_add": f"void({c}[::1], int32[::1], {c}[::1], int32[::1], {f}, {f}, {f})",
     }
 
 

@@ -26,6 +26,8 @@ _channel_step_agent = _m.channel_step_agent
 _incoming_agent = _m.incoming_agent
 _channel_step_vjp_agent = _m.channel_step_vjp_agent
 _eigh_agent = _m.eigh_agent
+_born_logp_entry = _m.born_logp_entry
+_born_add_entry = _m.born_add_entry
 
 _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex128}
 
@@ -37,7 +39,9 @@ def make_quantum_kernels(d: int, dtype: str, modes: tuple | None = None) -> dict
     free energy's per-agent passes), sender_states, channel_step, channel_step_vjp,
     incoming (arguments as the CPU kernels of :mod:`vfesim_kernels.quantum_cpu`, without the agent
     range), and ``eigh(X, tol2, w, V)``: the ascending eigenvalues w (N, d) and eigenvectors V (N, d, d)
-    of herm(X) for a batch X (N, d, d), all C-contiguous (the array code's batched eigh).
+    of herm(X) for a batch X (N, d, d), all C-contiguous (the array code's batched eigh); ``born_logp``,
+    ``born_add`` (one thread per observed entry of a rollout's Born loss, ``vfesim.quantum.kernel_ops.
+    kernel_born``).
 
     ``modes``: the channel step's four mode codes (:func:`vfesim_kernels.quantum_math.channel_step_agent`)
     as compile-time constants of ``channel_step`` and ``channel_step_vjp``, whose ``modes`` argument must
@@ -142,6 +146,14 @@ def make_quantum_kernels(d: int, dtype: str, modes: tuple | None = None) -> dict
             w = cuda.local.array(d, rdt)
             _eigh_agent(X, n, tol2, w_out, V_out, A, w, V)
 
+    def born_logp(flat, offsets, keep, add, acc):
+        for k in range(cuda.grid(1), offsets.shape[0], cuda.gridsize(1)):
+            _born_logp_entry(flat, offsets, k, keep, add, acc)
+
+    def born_add(bar, bar_offsets, flat, offsets, keep, add, c):
+        for k in range(cuda.grid(1), offsets.shape[0], cuda.gridsize(1)):
+            _born_add_entry(bar, bar_offsets, flat, offsets, k, keep, add, c)
+
     pyfuncs = {
         "energy_prep": energy_prep,
         "energy_features": energy_features,
@@ -151,5 +163,7 @@ def make_quantum_kernels(d: int, dtype: str, modes: tuple | None = None) -> dict
         "channel_step_vjp": channel_step_vjp,
         "incoming": incoming,
         "eigh": eigh,
+        "born_logp": born_logp,
+        "born_add": born_add,
     }
     return compile_kernels(pyfuncs)

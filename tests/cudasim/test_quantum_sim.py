@@ -8,6 +8,7 @@ from quantum_stages import (
     POISONED,
     assert_stages_match,
     channel_case,
+    check_born_ops,
     stage_inputs,
     stage_outputs,
 )
@@ -171,3 +172,12 @@ def test_batched_eigh_kernel_against_numpy(d, dtype, tol, monkeypatch):
     assert [(t.dtype, t.ndim, t.layout) if isinstance(t, numba.types.Array) else t for t in types] == [
         (w.dtype, w.ndim, w.layout) if isinstance(w, numba.types.Array) else w for w in want
     ]
+
+
+@pytest.mark.parametrize("dtype, tol", [("complex128", 1e-13), ("complex64", 1e-6)])
+def test_cuda_born_kernels_against_naive_sums(dtype, tol):
+    """The Born terms of rollouts by the CUDA kernels (``born_logp``, ``born_add``) under the simulator."""
+    from vfesim.backends.cuda_backend import _quantum_launch
+    from vfesim.quantum.kernel_ops import kernel_born
+
+    check_born_ops(kernel_born(lambda: np, _quantum_launch), dtype, tol)

@@ -165,6 +165,8 @@ class QuantumOps(NamedTuple):
     pairwise_dense, pairwise_sparse: the backend's pair kernels (:mod:`vfesim.pairwise` signatures; E may
         be a 0-d device array, as :class:`vfesim.backends.Backend` allows) the free energy takes when a
         caller names no others (rollouts, mirror steps); None: the array code
+    born: the Born terms of rollouts by the backend's kernels (a :class:`vfesim.quantum.born.BornOps`);
+        None: the array code (``vfesim.quantum.born.ARRAY_BORN``)
     """
 
     forward: Callable
@@ -173,6 +175,7 @@ class QuantumOps(NamedTuple):
     step_vjp: Callable = _no_step_vjp
     pairwise_dense: Callable | None = None
     pairwise_sparse: Callable | None = None
+    born: Any = None
 
 
 def _channel_step(P, rho, dt, dyn, senders=None):

@@ -61,8 +61,8 @@ import numpy as np
 import xarray as xr
 
 from ..arrays import array_module as _xp
-from ..arrays import memory_flat
 from ..config import ConfigError, _check_real
+from .born import ARRAY_BORN, observed_outcomes
 from .channels import (
     add_incoming,
     coupling_strengths_vjp,
@@ -75,7 +75,7 @@ from .channels import (
     transports_vjp,
 )
 from .config import QuantumConfig
-from .energy import NUMPY_OPS, QuantumOps, energy_and_gradient_arrays, floor_eps
+from .energy import NUMPY_OPS, QuantumOps, energy_and_gradient_arrays
 from .evolve import Prepared, QuantumDynamics, normalised, prepare, senders, step, transports_of, window
 from .flows import mirror_descent_step, mirror_descent_step_vjp
 from .frames import frames_vjp, spin_generators
@@ -152,108 +152,6 @@ def _weights(loss) -> dict[str, float]:
             raise ConfigError("loss", f"unknown term {k!r} (known: {LOSS_TERMS})")
         out[k] = _check_real(f"loss.{k}", v, nonneg=True)
     return out
-
-
-class _Observations:
-    """The observed outcomes of a rollout (rule R7) on the state's device: step t's observed agents
-    (y_ti >= 0) and outcomes (``self[t]``: a pair of int64 index arrays, or None where no agent is
-    observed), and the places of their entries x_i[y_i, y_i] in a state's memory (:meth:`entries`).
-    The outcomes travel once, in the narrowest integer type that holds them; a step observing every agent
-    takes its row of one offsets table per memory layout (made once, one operation for all steps), so a
-    step's gather or scatter is one operation on a flat view instead of an index triple."""
-
-    def __init__(self, outcomes, d: int, xp):
-        y = np.asarray(outcomes)
-        if int(y.max(initial=-1)) >= d:
-            t, i = np.argwhere(y >= d)[0]
-            raise ConfigError(
-                "outcomes", f"agent {i} has outcome {int(y[t, i])} at step {t}, outside [0, {d})"
-            )
-        self.xp, self.n = xp, y.shape[1]
-        lo = int(y.min(initial=0))
-        counts = (y >= 0).sum(axis=1) if lo < 0 else np.full(y.shape[0], self.n)
-        narrow = np.promote_types(np.min_scalar_type(min(lo, -d)), np.int8)  # holds every outcome
-        self.Y = xp.asarray(y.astype(narrow, copy=False))
-        self.full = counts == self.n
-        everyone = xp.arange(self.n, dtype=np.int64) if self.full.any() else None
-        self.steps = []
-        for t, n_seen in enumerate(counts.tolist()):
-            if n_seen == 0:
-                self.steps.append(None)
-            elif n_seen == self.n:
-                self.steps.append((everyone, None))  # outcomes: self.Y[t], widened when asked for
-            else:
-                obs = np.flatnonzero(y[t] >= 0)
-                self.steps.append((xp.asarray(obs), xp.asarray(y[t, obs].astype(np.int64))))
-        self.tables: dict = {}
-
-    def __getitem__(self, t: int):
-        step = self.steps[t]
-        if step is None or step[1] is not None:
-            return step
-        return step[0], self.Y[t].astype(np.int64)
-
-    def entries(self, a, t: int):
-        """(flat, offsets): the entries a[i, y_i, y_i] of step t's observed agents as ``flat[offsets]``,
-        flat a 1-D view of ``a`` (:func:`vfesim.arrays.memory_flat`); None where ``a`` is not one dense
-        block."""
-        mf = memory_flat(a)
-        if mf is None:
-            return None
-        flat, (s0, s1, s2) = mf
-        idx = np.int64 if flat.size > np.iinfo(np.int32).max else np.int32
-        if not self.full[t]:
-            oo, yy = self.steps[t]
-            return flat, (yy * (s1 + s2) + oo * s0).astype(idx)
-        key = (s0, s1 + s2, idx)
-        table = self.tables.get(key)
-        if table is None:
-            xp = self.xp
-            table = self.tables[key] = self.Y.astype(idx) * idx(s1 + s2) + xp.arange(
-                0, self.n * s0, s0, dtype=idx
-            )
-        return flat, table[t]
-
-
-def _observed(outcomes, d: int, xp) -> _Observations:
-    """The observations of a rollout on the state's device (:class:`_Observations`)."""
-    return _Observations(outcomes, d, xp)
-
-
-def _born_prob(rho, observed, t):
-    """(x_i[y_i, y_i] of step t's observed agents (``observed``: :class:`_Observations`), 1 - floor), x the
-    floored state."""
-    e = floor_eps(rho.dtype)
-    entries = observed.entries(rho, t)
-    if entries is None:
-        oo, yy = observed[t]
-        diag = rho[oo, yy, yy]
-    else:
-        diag = _xp(rho).take(*entries)
-    return diag.real * (1.0 - e) + e / rho.shape[-1], 1.0 - e
-
-
-def _born_logp(rho, observed, t):
-    """sum_i log x_i[y_i, y_i] over step t's observed agents (``observed``: :class:`_Observations`; none:
-    0.0): a float64 scalar of the state's array module (no transfer)."""
-    if observed.steps[t] is None:
-        return 0.0
-    return _xp(rho).log(_born_prob(rho, observed, t)[0]).sum(dtype=np.float64)
-
-
-def _born_add(bar, rho, observed, t, weight: float):
-    """bar += the cotangent of weight sum_i -log x_i[y_i, y_i] over step t's observed agents (rule R7), in
-    place (one entry per observed agent) -> bar."""
-    if observed.steps[t] is not None and weight != 0:
-        prob, scale = _born_prob(rho, observed, t)
-        entries = observed.entries(bar, t)
-        if entries is None:
-            oo, yy = observed[t]
-            bar[oo, yy, yy] += (-weight * scale) / prob
-        else:
-            flat, offsets = entries
-            flat[offsets] += (-weight * scale) / prob  # distinct agents: distinct entries
-    return bar
 
 
 def _zeros_acc(P: Prepared, xp, cdt, kernel=None):
@@ -496,7 +394,8 @@ def rollout(
             raise ConfigError("outcomes", "the Born loss needs schedule.outcomes (n_steps, N)")
         if schedule.outcomes.shape[1] != n:
             raise ConfigError("outcomes", f"has {schedule.outcomes.shape[1]} agents, the state has {n}")
-    observed = _observed(schedule.outcomes, rho.shape[-1], xp) if w_born else None
+    observed = observed_outcomes(schedule.outcomes, rho.shape[-1], xp) if w_born else None
+    born_ops = ARRAY_BORN if ops.born is None else ops.born
     P = prepare(arrays, qcfg, dyn)
     dts = schedule.dt
     # The backend's kernel adjoint of the Jacobi step (QuantumOps.step_vjp; None: array code). With it,
@@ -529,17 +428,17 @@ def rollout(
     binom = checkpoints is not None
     keep_at = set(_spine(T, checkpoints - 1)) if binom else {t for t in range(s, T, s)}
     store = {0: rho}
-    born = 0.0
+    born = born_ops.start(xp, n)
     for t in range(T):
         rho, _ = advance(rho, t)
         if w_born:
-            born = born + _born_logp(rho, observed, t)  # summed on the device: no sync per step
+            born = born_ops.logp(born, rho, observed, t)  # summed on the device: no sync per step
         if t + 1 in keep_at:
             store[t + 1] = rho
     stats["max_stored"] = len(store)
     terms = {}
     if "born" in weights:
-        terms["born"] = -w_born * float(born) if w_born else 0.0
+        terms["born"] = -w_born * born_ops.total(born) if w_born else 0.0
     w_F = weights.get("free_energy", 0.0)
     if "free_energy" in weights:
         Fterms, Fgrads = energy_and_gradient_arrays({**arrays, "rho": rho}, qcfg, ops=ops)
@@ -561,7 +460,7 @@ def rollout(
     if w_F:
         bar = bar + w_F * Fgrads["rho"]
     if w_born:
-        bar = _born_add(bar, rho, observed, T - 1, w_born)
+        bar = born_ops.add(bar, rho, observed, T - 1, w_born)
 
     def back(t, old, tape, bar):
         """Cotangent of the state at t from that at t + 1 (mirror steps in reverse, then the step)."""
@@ -575,7 +474,7 @@ def rollout(
             P, old, tape["pre"], tape["step"], bar, float(dts[t]), dyn, acc, kernel, slots
         )
         if w_born and t >= 1:
-            bar = _born_add(bar, old, observed, t - 1, w_born)  # bar: this step's own array
+            bar = born_ops.add(bar, old, observed, t - 1, w_born)  # bar: this step's own array
         return bar
 
     # The kernels' adjoint reads only the state before a step: without mirror steps (whose adjoints need
