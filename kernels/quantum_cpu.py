@@ -134,9 +134,9 @@ def _channel_step_vjp(
 @_kernel
 def _incoming(n0, n1, rho, U, slots, s, Bt, x_bar, U_bar):
     d = rho.shape[1]
-    T = np.empty((3, d, d), rho.dtype)
+    T = np.empty((2, d, d), rho.dtype)
     for n in range(n0, n1):
-        _incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, T[0], T[1], T[2])
+        _incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, T[0], T[1])
 
 
 @_kernel

@@ -23,6 +23,11 @@ The same operations as the NumPy stages of ``vfesim.quantum`` (the vectorised re
   per-agent part of the free energy (its three independent eigen-decompositions, then energies and
   features) and of its gradient (the stages above, fused: two launches forward, one back).
 
+Sizes: loops take d from a scratch matrix the caller passes (the matrix products from their output, which
+callers pass as scratch), never from a view of a batched argument (``U[n]``): a GPU thread's scratch has a
+compile-time shape, so the loops unroll and the scratch can live in registers; a loop bounded by a
+batched argument's run-time shape keeps every scratch it indexes in local memory.
+
 Every ``*_agent`` function handles agent ``n`` of its batched arguments (``energy_prep_agent``: part
 ``t // N`` of agent ``t % N``), so a CPU kernel loops it over agents (parts) and a CUDA kernel runs it once
 per thread. The O(d^3) work (matrix products, Jacobi rotations, eigen-reconstructions) runs in the
@@ -164,7 +169,7 @@ def floored(X, eps, out):
 
 def from_eig(V, f, out):
     """out = V diag(f) V^dagger for real f (d,)."""
-    d = V.shape[0]
+    d = out.shape[0]
     for r in range(d):
         for c in range(d):
             acc = V.dtype.type(0)
@@ -175,7 +180,7 @@ def from_eig(V, f, out):
 
 def mm(X, Y, out):
     """out = X Y."""
-    d = X.shape[0]
+    d = out.shape[0]
     for r in range(d):
         for c in range(d):
             acc = X.dtype.type(0)
@@ -186,7 +191,7 @@ def mm(X, Y, out):
 
 def mm_add(X, Y, out):
     """out += X Y."""
-    d = X.shape[0]
+    d = out.shape[0]
     for r in range(d):
         for c in range(d):
             acc = X.dtype.type(0)
@@ -197,7 +202,7 @@ def mm_add(X, Y, out):
 
 def mm_dl(X, Y, out):
     """out = X^dagger Y."""
-    d = X.shape[0]
+    d = out.shape[0]
     for r in range(d):
         for c in range(d):
             acc = X.dtype.type(0)
@@ -208,7 +213,7 @@ def mm_dl(X, Y, out):
 
 def mm_dr(X, Y, out):
     """out = X Y^dagger."""
-    d = X.shape[0]
+    d = out.shape[0]
     for r in range(d):
         for c in range(d):
             acc = X.dtype.type(0)
@@ -528,7 +533,7 @@ def energy_backward_agent(
 
 def _push_diag(W, Dg, out):
     """out = W diag(Dg) W^dagger from the diagonal of Dg (Dg's off-diagonal entries are ignored)."""
-    d = W.shape[0]
+    d = out.shape[0]
     for r in range(d):
         for c in range(d):
             acc = W.dtype.type(0)
@@ -569,10 +574,13 @@ def sender_state_agent(rho, U, n, xt, T):
     tr = 0.0
     for r in range(d):
         tr += rho[n, r, r].real
-    pull_back(U[n], rho[n], T, xt[n])
-    for r in range(d):
+    mm_dl(U[n], rho[n], T)
+    for r in range(d):  # (T U_n) / tr, sized by the scratch (module docstring)
         for c in range(d):
-            xt[n, r, c] = xt[n, r, c] / tr
+            acc = T.dtype.type(0)
+            for k in range(d):
+                acc += T[r, k] * U[n, k, c]
+            xt[n, r, c] = acc / tr
 
 
 def _coupling(xt, index, mask, U, eps_c, n, coupling, tol2, X, S, T1, T2, W, w, xs, keep):
@@ -798,12 +806,14 @@ def _coupling_c1_vjp(rho, xt, index, mask, U, eps_c, n, B, Bt, U_bar, sw, X0, S,
         B[r, r] += nu
 
 
-def incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, Y, T1, T2):
+def incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, Y, T):
     """The C1 senders' part of agent n's cotangents after :func:`channel_step_vjp_agent` (every receiver
     done): Y = sum over the slots (i, k) that read n (``slots[n]``: flat i w + k, receiver then slot order,
     padded with N w at the end) of s[i, k] Bt[i], the cotangent of xt_n = U_n^dagger Rn U_n (Rn = rho_n /
     tr rho_n); then Rn_bar = U_n Y U_n^dagger, x_bar[n] += (Rn_bar - Re tr(Rn_bar Rn) I) / tr rho_n and
-    U_bar[n] += 2 Rn U_n Y. Deterministic: a fixed order, no atomics."""
+    U_bar[n] += 2 Rn U_n Y. Deterministic: a fixed order, no atomics. Two scratch matrices, Y and T = U_n Y:
+    the entries of Rn_bar and of rho_n T are formed where they are used (a GPU thread keeps two matrices,
+    not four, in registers)."""
     d = Y.shape[0]
     wn = s.shape[1]
     end = s.shape[0] * wn
@@ -824,19 +834,30 @@ def incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, Y, T1, T2):
     if used == 0:
         return
     tr = _trace_re(rho[n])
-    push_forward(U[n], Y, T1, T2)  # Rn_bar
-    cn = _tr_re(T2, rho[n]) / tr
+    mm(U[n], Y, T)  # T = U Y; Rn_bar[r, c] = (T U^dagger)[r, c]
+    cn = 0.0  # Re tr(Rn_bar rho_n)
     for r in range(d):
         for c in range(d):
-            v = T2[r, c]
+            v = T.dtype.type(0)
+            for k in range(d):
+                v += T[r, k] * U[n, c, k].conjugate()
+            z = v * rho[n, c, r]
+            cn += z.real
+    cn = cn / tr
+    for r in range(d):
+        for c in range(d):
+            v = T.dtype.type(0)
+            for k in range(d):
+                v += T[r, k] * U[n, c, k].conjugate()
             if r == c:
                 v -= cn
             x_bar[n, r, c] += v / tr
-    mm(rho[n], U[n], T1)
-    mm(T1, Y, T2)
-    for r in range(d):
+    for r in range(d):  # U_bar += 2 rho_n T / tr
         for c in range(d):
-            U_bar[n, r, c] += 2.0 * T2[r, c] / tr
+            v = T.dtype.type(0)
+            for k in range(d):
+                v += rho[n, r, k] * T[k, c]
+            U_bar[n, r, c] += 2.0 * v / tr
 
 
 def channel_step_vjp_agent(

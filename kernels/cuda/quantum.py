@@ -135,9 +135,8 @@ def make_quantum_kernels(d: int, dtype: str, modes: tuple | None = None) -> dict
     def incoming(rho, U, slots, s, Bt, x_bar, U_bar):
         for n in range(cuda.grid(1), rho.shape[0], cuda.gridsize(1)):
             Y = cuda.local.array((d, d), cdt)
-            T1 = cuda.local.array((d, d), cdt)
-            T2 = cuda.local.array((d, d), cdt)
-            _incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, Y, T1, T2)
+            T = cuda.local.array((d, d), cdt)
+            _incoming_agent(rho, U, slots, s, Bt, n, x_bar, U_bar, Y, T)
 
     def eigh(X, tol2, w_out, V_out):
         for n in range(cuda.grid(1), X.shape[0], cuda.gridsize(1)):
