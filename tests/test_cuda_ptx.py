@@ -237,8 +237,17 @@ def test_density_matrix_kernels_keep_their_matrices_out_of_local_memory(dtype):
 
 
 def test_channel_kernels_take_four_mode_codes():
+    """Mode sets are checked; every spelling of one kernel set is the same dispatchers (a second set of the
+    energy kernels would compile again instead of the ahead-compiled ones), and a mode set shares every
+    kernel but the channel step's two."""
     with pytest.raises(ValueError, match="four codes"):
         kc.make_quantum_kernels(4, "complex128", (1, 0, 0))
+    base = kc.make_quantum_kernels(4, "complex128")
+    assert kc.make_quantum_kernels(4, np.dtype("complex128"), None) is base
+    fixed = kc.make_quantum_kernels(4, "complex128", (1, 0, 0, 0))
+    assert kc.make_quantum_kernels(4, "complex128", [1, 0, 0, 0]) is fixed
+    for name in base["_py"]:
+        assert (fixed[name] is base[name]) == (name not in ("channel_step", "channel_step_vjp")), name
 
 
 @pytest.mark.parametrize("dtype", ["complex128", "complex64"])

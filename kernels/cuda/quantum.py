@@ -32,8 +32,7 @@ _born_add_entry = _m.born_add_entry
 _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex128}
 
 
-@functools.cache
-def make_quantum_kernels(d: int, dtype: str, modes: tuple | None = None) -> dict:
+def make_quantum_kernels(d: int, dtype, modes: tuple | None = None) -> dict:
     """The per-agent kernels for matrices of size ``d`` and complex ``dtype``: energy_prep (launched
     with 3 N threads: the forward pass's three independent parts), energy_features, energy_backward (the
     free energy's per-agent passes), sender_states, channel_step, channel_step_vjp,
@@ -47,16 +46,35 @@ def make_quantum_kernels(d: int, dtype: str, modes: tuple | None = None) -> dict
     as compile-time constants of ``channel_step`` and ``channel_step_vjp``, whose ``modes`` argument must
     then hold the same codes (it is not read): the branches of the other modes compile away, which leaves
     the kernels fewer registers and less local memory (each mode set is a kernel of its own, compiled at
-    its first launch and cached on disk). None: the codes are read from that argument at run time."""
+    its first launch and cached on disk); the other kernels are those of ``modes=None`` (one dispatcher
+    each, whatever the modes). None: the codes are read from that argument at run time."""
+    if modes is not None:
+        modes = tuple(int(m) for m in modes)
+        if len(modes) != 4:
+            raise ValueError(f"modes: four codes (coupling, basis, gate, newton), got {modes!r}")
+    return _quantum_kernels(int(d), np.dtype(dtype).name, modes)
+
+
+_CHANNEL = ("channel_step", "channel_step_vjp")
+
+
+@functools.cache
+def _quantum_kernels(d: int, dtype: str, modes: tuple | None) -> dict:
+    if modes is not None:  # the channel kernels of these modes beside the shared others
+        base, own = _quantum_kernels(d, dtype, None), _compile(d, dtype, modes)
+        py = base["_py"] | {k: own["_py"][k] for k in _CHANNEL}
+        return base | {k: own[k] for k in _CHANNEL} | {"_py": py}
+    return _compile(d, dtype, None)
+
+
+def _compile(d: int, dtype: str, modes: tuple | None) -> dict:
+    """The kernels of :func:`make_quantum_kernels` as new dispatchers (compiled at their first launch)."""
     cdt = _COMPLEX[np.dtype(dtype)]
     rdt = _NB[np.finfo(np.dtype(dtype)).dtype]
     if modes is None:
         mode_codes = device(lambda m: m)
     else:
-        fixed = tuple(int(m) for m in modes)
-        if len(fixed) != 4:
-            raise ValueError(f"modes: four codes (coupling, basis, gate, newton), got {modes!r}")
-        mode_codes = device(lambda m: fixed)
+        mode_codes = device(lambda m: modes)
 
     def energy_prep(
         rho, H, T, phi, J, fs, fb, fp, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf
