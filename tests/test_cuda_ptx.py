@@ -57,6 +57,11 @@ def _kernels():
                 yield pytest.param(K, dtype, fam, name, id=f"K{K}-{dtype}-{fam}-{name}")
 
 
+def _depot(ptx: str) -> int:
+    """Bytes of local memory a kernel's PTX declares."""
+    return sum(int(n) for n in re.findall(r"__local_depot\d+\[(\d+)\]", ptx))
+
+
 @functools.cache
 def _ptx(K, dtype, fam, name):
     """PTX of one kernel for sm_90 (compiled once per test session: compile_ptx takes seconds)."""
@@ -104,7 +109,7 @@ def test_block_kernel_compiles_for_sm90(K, dtype, name):
     assert ".target sm_90" in ptx
     assert re.search(r"\.entry\s", ptx), "no kernel entry point"
     assert "bar.sync" in ptx, "block kernel without barriers"
-    depot = sum(int(n) for n in re.findall(r"__local_depot\d+\[(\d+)\]", ptx))
+    depot = _depot(ptx)
     assert depot < K * K * np.dtype(dtype).itemsize, f"{depot} bytes of local memory: a matrix spilled"
     if dtype == "float32" and name != "adjoint":
         # float64 only in the scalar set-up (scaling count, logs); never in the K x K element phases.
@@ -166,7 +171,7 @@ def test_thread_per_agent_kernels_keep_matrices_in_registers(dtype):
     N = 4096 on an H100.)"""
     for name in ("prep", "features", "self_kl", "adjoint"):
         ptx = _ptx(3, dtype, "agent", name)
-        depot = sum(int(n) for n in re.findall(r"__local_depot\d+\[(\d+)\]", ptx))
+        depot = _depot(ptx)
         assert depot <= 64, f"{name}: {depot} bytes of local memory"
 
 
@@ -191,10 +196,6 @@ def test_quantum_kernel_compiles_for_sm90(dtype, name):
         ops = r"\n\s*(?:fma|mul|add|sub|div|sqrt|neg)\.[a-z.]*"
         f32, f64 = (len(re.findall(ops + t, ptx)) for t in ("f32", "f64"))
         assert f64 < f32 / 2, f"{name}: {f64} float64 operations against {f32} float32"
-
-
-def _depot(ptx: str) -> int:
-    return sum(int(n) for n in re.findall(r"__local_depot\d+\[(\d+)\]", ptx))
 
 
 def _instructions(ptx: str) -> int:

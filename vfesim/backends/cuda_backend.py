@@ -894,9 +894,7 @@ def batched_eigh(X):
     n = Xc.shape[0]
     w = xp.empty((n, d), np.finfo(X.dtype).dtype)
     V = xp.empty((n, d, d), X.dtype)
-    ks = kc.make_quantum_kernels(d, X.dtype.name)
-    FIRST_USE.begin(("quantum", d, X.dtype.str), f"density-matrix agents, d={d}, {X.dtype}")
-    _launch(ks["eigh"], _cdiv(n, kc.BLOCK), kc.BLOCK, Xc, jacobi_tol2(X.dtype), w, V)
+    _quantum_launch("eigh", n, d, X.dtype, Xc, jacobi_tol2(X.dtype), w, V)
     return w.reshape(batch + (d,)), V.reshape(batch + (d, d))
 
 

@@ -428,7 +428,7 @@ def rollout(
     binom = checkpoints is not None
     keep_at = set(_spine(T, checkpoints - 1)) if binom else {t for t in range(s, T, s)}
     store = {0: rho}
-    born = born_ops.start(xp, n)
+    born = born_ops.start(xp, n) if w_born else 0.0
     for t in range(T):
         rho, _ = advance(rho, t)
         if w_born:
