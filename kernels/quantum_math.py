@@ -946,40 +946,49 @@ def channel_step_vjp_agent(
             for c in range(d):
                 H_bar[n, r, c] += 0.5 * (S[r, c] + S[c, r].conjugate())
     _dephase(B, V, n, ed, modes[1], T1, T2)  # B = y_bar
-    # Unitary (R1): x_bar = herm(U^dagger y_bar U); Y^ = V^dagger (x U^dagger y_bar) V;
-    # H_bar += herm(V (2 Y^ o f1^T) V^dagger), f1 = t dd_expi(lam t); t_bar = Re tr(H i [y_bar, y]).
+    # Unitary (R1) in H's eigenbasis, U_t = V E V^dagger with E = diag(e_k), e_k = exp(-i lam_k t) (kept in
+    # Ut's first row; the matrix U_t is not needed back): bv = V^dagger y_bar V, xv = V^dagger x V (x the
+    # state before the unitary), Y^ = V^dagger x U^dagger y_bar V = xv E^* bv; H_bar += herm(V (2 t Y^ o
+    # f1^T) V^dagger), f1 = dd_expi(lam t); t_bar = Re tr(H i [y_bar, y]) = -Im sum_k lam_k [bv, yv]_kk with
+    # yv = V^dagger y V = E xv E^*; x_bar = herm(U^dagger y_bar U) = herm(V (E^* bv E) V^dagger). Three live
+    # matrices (bv, xv, Y^) instead of five with U_t (a GPU thread's registers).
     t = g * dt
+    for k in range(d):
+        ph = -lam[n, k] * t
+        Ut[0, k] = Ut.dtype.type(complex(math.cos(ph), math.sin(ph)))
+    pull_back(V[n], B, T1, C)  # C = bv
+    pull_back(V[n], xs[n, last], T1, X)  # X = xv (y is not needed any more)
+    t_bar = 0.0
+    for k in range(d):  # -Im sum_k lam_k sum_m (bv_km e_m xv_mk conj(e_k) - e_k xv_km conj(e_m) bv_mk)
+        z = C.dtype.type(0)
+        for m in range(d):
+            z += C[k, m] * Ut[0, m] * X[m, k] * Ut[0, k].conjugate()
+            z -= Ut[0, k] * X[k, m] * Ut[0, m].conjugate() * C[m, k]
+        t_bar -= lam[n, k] * z.imag
     for r in range(d):
         for c in range(d):
-            C[r, c] = xs[n, last, r, c]  # x before the unitary
-    mm_dr(C, Ut, T1)  # x U^dagger
-    mm(T1, B, T2)  # x U^dagger y_bar
-    pull_back(V[n], T2, T1, S)  # S = Y^
-    for r in range(d):
-        for c in range(d):
+            v = C.dtype.type(0)
+            for k in range(d):
+                v += X[r, k] * Ut[0, k].conjugate() * C[k, c]
             f = dd_expi_conj(lam[n, c] * t, lam[n, r] * t, lam.dtype.type).conjugate()
-            S[r, c] = 2.0 * t * S[r, c] * f
+            S[r, c] = 2.0 * t * v * f
     push_forward(V[n], S, T1, T2)
     for r in range(d):
         for c in range(d):
             H_bar[n, r, c] += 0.5 * (T2[r, c] + T2[c, r].conjugate())
-    mm(B, X, T1)  # y_bar y
-    mm(X, B, T2)  # y y_bar
-    t_bar = 0.0
-    for r in range(d):  # Re tr(H i C), C = y_bar y - y y_bar, H = V diag(lam) V^dagger
+    for r in range(d):
         for c in range(d):
-            hrc = V.dtype.type(0)
-            for k in range(d):
-                hrc += V[n, r, k] * lam[n, k] * V[n, c, k].conjugate()
-            z = hrc * (T1[c, r] - T2[c, r])
-            t_bar -= z.imag
-    pull_back(Ut, B, T1, T2)
+            C[r, c] = Ut[0, r].conjugate() * C[r, c] * Ut[0, c]
+    push_forward(V[n], C, T1, T2)
     for r in range(d):
         for c in range(d):
             B[r, c] = 0.5 * (T2[r, c] + T2[c, r].conjugate())  # B = x_bar (before the unitary)
     D_bar = 0.0
     if modes[2] == 1:  # soft gate: D_bar = t_bar dt g (1 - g) / tau
         D_bar = t_bar * dt * g * (1.0 - g) / gate_width
+        for r in range(d):
+            for c in range(d):
+                C[r, c] = xs[n, last, r, c]  # x before the unitary
         _, least = _gate_divergence(C, V, l, n, floor, tol2, Y, T1, S, W, w)  # Y = x_f, W diag(w) W^dagger
         if least <= 0.0:
             flag[n] = 2

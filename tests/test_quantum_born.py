@@ -35,3 +35,27 @@ def test_observations_index_the_observed_agents():
     y[0, 2] = d
     with pytest.raises(ConfigError, match="^outcomes: agent 2 has outcome 4 at step 0"):
         observed_outcomes(y, d, np)
+
+
+def test_a_schedules_observations_are_made_once_and_its_outcomes_are_its_own():
+    """Rollouts of one schedule (and of schedules made from its outcomes, as a fitting loop makes them)
+    check and move the outcomes once; a schedule copies outcomes it is given, so later changes to the
+    caller's array reach neither the schedule nor the kept observations."""
+    from vfesim.quantum.evolve import QuantumDynamics
+    from vfesim.quantum.rollout import Schedule
+
+    rng = np.random.default_rng(4)
+    y = rng.integers(-1, 3, size=(4, 5))
+    s = Schedule(QuantumDynamics(), 0.1, 4, y)
+    assert s.outcomes is not y and not s.outcomes.flags.writeable
+    y[0, 0] = 2 if s.outcomes[0, 0] != 2 else 1
+    assert s.outcomes[0, 0] != y[0, 0]
+    again = Schedule(QuantumDynamics(), 0.2, 4, s.outcomes)
+    assert again.outcomes is s.outcomes
+    kept = observed_outcomes(s.outcomes, 3, np, keep=True)
+    assert observed_outcomes(again.outcomes, 3, np, keep=True) is kept
+    assert observed_outcomes(s.outcomes, 4, np, keep=True) is not kept  # one per d
+    assert observed_outcomes(s.outcomes, 3, np) is not kept  # keep=False: made anew
+    other = Schedule(QuantumDynamics(), 0.1, 4, y)
+    assert other.outcomes is not s.outcomes
+    assert observed_outcomes(other.outcomes, 3, np, keep=True) is not kept

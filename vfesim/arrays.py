@@ -103,11 +103,33 @@ def agent_minor(a, axis: int = 0):
     its agents' matrices (coalesced), where the row-major layout puts the agents a whole matrix apart (at
     d = 4, complex128: 256 bytes, one cache line per thread and access). Elementwise NumPy and CuPy
     results keep an operand's layout (``order="K"``), so the arrays of a run stay in it."""
+    if _is_agent_minor(a, axis):  # the usual case in a run (no array operations: a host-bound step's)
+        return a
     xp = array_module(a)
     moved = xp.moveaxis(xp.asarray(a), axis, -1)
     if not moved.flags.c_contiguous:
         moved = xp.ascontiguousarray(moved)
     return xp.moveaxis(moved, -1, axis)
+
+
+def _is_agent_minor(a, axis: int) -> bool:
+    """Whether array ``a`` (NumPy or CuPy) is laid out as :func:`agent_minor` gives, from its shape and
+    strides alone."""
+    shape, strides = getattr(a, "shape", None), getattr(a, "strides", None)
+    if shape is None or strides is None or not shape or not -len(shape) <= axis < len(shape):
+        return False
+    axis %= len(shape)
+    step = a.itemsize
+    if shape[axis] > 1 and strides[axis] != step:
+        return False
+    step *= shape[axis]
+    for k in range(len(shape) - 1, -1, -1):
+        if k == axis:
+            continue
+        if shape[k] > 1 and strides[k] != step:
+            return False
+        step *= shape[k]
+    return True
 
 
 def memory_flat(a):

@@ -84,9 +84,27 @@ class Observations:
         return flat, table[t]
 
 
-def observed_outcomes(outcomes, d: int, xp) -> Observations:
-    """The observations of a rollout on the state's device (:class:`Observations`)."""
-    return Observations(outcomes, d, xp)
+# (id of a schedule's outcomes, d, module, device) -> (the outcomes, their Observations): the last few, so
+# that repeated rollouts of one schedule (a benchmark, a fitting loop: its schedules share the outcomes)
+# check and move the outcomes once. The array is kept with its entry, so its id is not reused.
+_OBSERVED: dict = {}
+_OBSERVED_MAX = 4
+
+
+def observed_outcomes(outcomes, d: int, xp, keep: bool = False) -> Observations:
+    """The observations of a rollout on the state's device (:class:`Observations`). ``keep``: ``outcomes``
+    cannot change (a :class:`~vfesim.quantum.rollout.Schedule`'s read-only copy): the observations are
+    kept for the next call with the same array."""
+    if not keep:
+        return Observations(outcomes, d, xp)
+    cuda = getattr(xp, "cuda", None)
+    key = (id(outcomes), d, xp.__name__, cuda.runtime.getDevice() if cuda is not None else -1)
+    hit = _OBSERVED.get(key)
+    if hit is None or hit[0] is not outcomes:
+        if len(_OBSERVED) >= _OBSERVED_MAX:
+            del _OBSERVED[next(iter(_OBSERVED))]
+        hit = _OBSERVED[key] = (outcomes, Observations(outcomes, d, xp))
+    return hit[1]
 
 
 def born_prob(rho, observed, t):

@@ -55,8 +55,13 @@ def jacobi_tol2(dtype) -> float:
     return (4.0 * eps) ** 2
 
 
+_REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
+
+
 def _real(dtype) -> np.dtype:
-    return np.finfo(np.dtype(dtype)).dtype
+    """The real dtype of a complex (or real) dtype (a lookup for the usual two: a step's host work)."""
+    r = _REAL.get(dtype)
+    return np.finfo(np.dtype(dtype)).dtype if r is None else r
 
 
 def _arranger(array_module: Callable, minor: bool):
@@ -267,6 +272,33 @@ def _step_args(xp, c, P, rho, dt, dyn):
     return out
 
 
+def _vjp_args(xp, c, empty, P, rho, dyn, args, gap_tol):
+    """The adjoint kernels' arguments beyond :func:`_step_args` for Prepared caches P -> (xs: the tape
+    buffer, gam: the two rates (2, N), prm: the float64 parameters, flag: a zero buffer, or None where the
+    kernel may flag (a fresh zero array each call), ins: the C1 senders' slots or None), made once per
+    (P, module, dtype) for the last (dynamics, step arguments, gap_tol, arranger)."""
+    key = ("vjp args", xp.__name__, rho.dtype.str)
+    last = P.consts.get(key)
+    if last is not None and last[0] is dyn and last[1] is args and last[2] == gap_tol and last[3] is c:
+        return last[4]
+    N, d = rho.shape[:2]
+    w = P.index.shape[1]
+    slots = 1 + (w if dyn.coupling == "C2" else 0)  # tape: the C2 channels' inputs, the unitary's input
+    xs = _buffer(P, xp, ("xs", rho.dtype.str, slots), lambda: empty((N, slots, d, d), rho.dtype))
+    rdt = _real(rho.dtype)
+    gam = resident(P, xp, "gam", P.gamma, lambda: xp.stack([P.gamma, P.gamma_th]).astype(rdt))
+    values = (*args[11:], float(gap_tol))  # thr, width, dt, floor, tol2, gap_tol
+    prm = resident(P, xp, "prm", None, lambda: xp.asarray(values, np.float64), tag=values)
+    checked = dyn.dephasing_basis == "energy" or dyn.gate != "none"
+    flag = None if checked else _buffer(P, xp, "flag", lambda: xp.zeros(N, np.int64))
+    ins = None
+    if dyn.coupling == "C1" and w:
+        ins = resident(P, xp, "slots", P.index, lambda: c(incoming_slots(P.index, P.mask, N, xp)))
+    out = xs, gam, prm, flag, ins
+    P.consts[key] = (dyn, args, gap_tol, c, out)
+    return out
+
+
 def _coupled(P, dyn) -> bool:
     return dyn.coupling != "none" and P.index.shape[1] > 0
 
@@ -342,25 +374,19 @@ def kernel_step_vjp(array_module: Callable, launch: Callable, agent_minor: bool 
             acc = kernel_accumulators(xp, N, w, d, rho.dtype, agent_minor)
         accm, racc, sw = acc["_kernel"]
         args, gmin, codes = _step_args(xp, c, P, rho, dt, dyn)
+        xs, gam, prm, flag, ins = _vjp_args(xp, c, empty, P, rho, dyn, args, gap_tol)
         xt = _sender_states(launch, xp, empty, P, rho, dyn, args[2])
-        slots = 1 + (w if dyn.coupling == "C2" else 0)  # tape: the C2 channels' inputs, the unitary's input
-        xs = _buffer(P, xp, ("xs", rho.dtype.str, slots), lambda: empty((N, slots, d, d), rho.dtype))
-        gam = resident(P, xp, "gam", P.gamma, lambda: xp.stack([P.gamma, P.gamma_th]).astype(rdt))
         mats = empty((2, N, d, d), rho.dtype, axis=1)  # x_bar, Bt
         scal = empty((N, 6), rdt)
-        # The kernel flags (1, 2) only under the energy basis or the gate: otherwise one zero buffer serves.
-        checked = dyn.dephasing_basis == "energy" or dyn.gate != "none"
-        flag = xp.zeros(N, np.int64) if checked else _buffer(P, xp, "flag", lambda: xp.zeros(N, np.int64))
-        idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes, *scalars = args
-        values = (*scalars, float(gap_tol))  # thr, width, dt, floor, tol2, gap_tol
-        prm = resident(P, xp, "prm", None, lambda: xp.asarray(values, np.float64), tag=values)
+        if flag is None:  # the kernel flags (1, 2) under the energy basis or the gate: zeros every call
+            flag = xp.zeros(N, np.int64)
+        idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t, modes = args[:11]
         launch(
             "channel_step_vjp", N, d, rho.dtype, rho, xt, idx, msk, U, eps_c, lam, V, sigma, l, eps_d, eps_t,
             gam, modes, prm, c(out_bar.astype(rho.dtype, copy=False)), xs, mats, accm, sw, racc, scal, gmin,
             flag, modes=codes,
         )  # fmt: skip
-        if dyn.coupling == "C1" and w:
-            ins = resident(P, xp, "slots", P.index, lambda: c(incoming_slots(P.index, P.mask, N, xp)))
+        if ins is not None:
             m_acc, _, sw_acc = acc["_kernel"]
             launch("incoming", N, d, rho.dtype, rho, U, ins, sw_acc[0], mats[1], mats[0], m_acc[3])
         if dyn.dephasing_basis == "energy" and bool((flag == 1).any()):

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -61,6 +62,7 @@ import numpy as np
 import xarray as xr
 
 from ..arrays import array_module as _xp
+from ..arrays import host_floats
 from ..config import ConfigError, _check_real
 from .born import ARRAY_BORN, observed_outcomes
 from .channels import (
@@ -90,6 +92,11 @@ LOSS_TERMS = ("born", "free_energy")
 _NO_TAPE = {"step": None, "pre": None, "mirror": ()}
 
 
+# The schedules' own read-only copies of outcomes (id -> array, while some schedule holds it): a schedule
+# made from another's outcomes (a fitting loop's) shares the copy, and rollouts keep its observations.
+_SCHEDULE_OUTCOMES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
     """What a rollout runs: ``dynamics`` (a QuantumDynamics), ``dt`` > 0 (a number or one per step (T,)),
@@ -115,13 +122,16 @@ class Schedule:
                 raise ConfigError("dt", f"must be > 0, a number or one per step (shape ({T},)), got {dts}")
         dts.setflags(write=False)
         object.__setattr__(self, "dt", dts)
-        if self.outcomes is not None:
-            y = np.array(self.outcomes)
+        if self.outcomes is not None:  # a read-only copy, shared by schedules made from another's outcomes
+            y = self.outcomes
+            if _SCHEDULE_OUTCOMES.get(id(y)) is not y:
+                y = np.array(y)
             if y.ndim != 2 or y.shape[0] != T or not np.issubdtype(y.dtype, np.integer):
                 raise ConfigError(
                     "outcomes", f"must be integers of shape (n_steps={T}, N), got {y.dtype} {y.shape}"
                 )
             y.setflags(write=False)
+            _SCHEDULE_OUTCOMES[id(y)] = y
             object.__setattr__(self, "outcomes", y)
 
 
@@ -394,7 +404,7 @@ def rollout(
             raise ConfigError("outcomes", "the Born loss needs schedule.outcomes (n_steps, N)")
         if schedule.outcomes.shape[1] != n:
             raise ConfigError("outcomes", f"has {schedule.outcomes.shape[1]} agents, the state has {n}")
-    observed = observed_outcomes(schedule.outcomes, rho.shape[-1], xp) if w_born else None
+    observed = observed_outcomes(schedule.outcomes, rho.shape[-1], xp, keep=True) if w_born else None
     born_ops = ARRAY_BORN if ops.born is None else ops.born
     P = prepare(arrays, qcfg, dyn)
     dts = schedule.dt
@@ -526,7 +536,7 @@ def rollout(
         "thermal_rate": _gradient_shape("thermal_rate", dyn.thermal_rate, acc["gamma_th"]),
         "coupling_strength": e0_bar,
         "coupling_length": ell_bar,
-        "dt": np.array([float(v) for v in dt_bar]),
+        "dt": np.array(list(host_floats(dict(enumerate(dt_bar))).values())),  # one transfer, not T
         "gate_threshold": acc["theta"],
         "gate_width": acc["tau"],
     }
