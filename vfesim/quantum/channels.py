@@ -191,25 +191,29 @@ def coupling_window(n_agents: int, neighbours) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(nb.index), np.asarray(nb.mask)
 
 
-def pair_distances(index, mask, positions=None, start: int | None = None) -> np.ndarray:
+def pair_distances(index, mask, positions=None, start: int | None = None, xp=np):
     """dist(i, j) (n, w) float64 for the window rows (index, mask) of receivers i = start .. start + n - 1
     (start None: the whole window, n = N): Euclidean distance of ``positions`` (N, p) or, when None, the
-    sequence distance |i - j|. 0 under mask == False."""
+    sequence distance |i - j|. 0 under mask == False. Computed with array module ``xp`` (index and mask
+    are moved there; on a GPU the host's time for N w entries is saved)."""
     n = index.shape[0]
-    rows = np.arange(n) if start is None else np.arange(start, start + n)
+    index, mask = xp.asarray(index), xp.asarray(mask)
+    rows = xp.arange(n) if start is None else xp.arange(start, start + n)
     if positions is None:
-        dist = np.abs(index - rows[:, None]).astype(np.float64)
+        dist = xp.abs(index - rows[:, None]).astype(np.float64)
     else:
         pos = np.asarray(positions, dtype=np.float64)
         if pos.ndim != 2 or (pos.shape[0] != n if start is None else pos.shape[0] < start + n):
             raise ValueError(f"positions: must have shape (N={n}, p), got {pos.shape}")
-        dist = np.linalg.norm(pos[rows][:, None, :] - pos[index], axis=-1)
-    return np.where(mask, dist, 0.0)
+        pos = xp.asarray(pos)
+        dist = xp.linalg.norm(pos[rows][:, None, :] - pos[index], axis=-1)
+    return xp.where(mask, dist, 0.0)
 
 
 def coupling_strengths(eps0: float, ell: float, dist, mask):
-    """eps_ij = eps0 exp(-dist_ij / ell) under mask, 0 elsewhere (N, w)."""
-    return np.where(mask, eps0 * np.exp(-np.asarray(dist) / ell), 0.0)
+    """eps_ij = eps0 exp(-dist_ij / ell) under mask, 0 elsewhere (N, w), where dist lives."""
+    xp = _xp(dist)
+    return xp.where(xp.asarray(mask), eps0 * xp.exp(-dist / ell), 0.0)
 
 
 def coupling_strengths_vjp(eps_bar, eps0: float, ell: float, dist, mask) -> tuple[float, float]:
@@ -217,8 +221,9 @@ def coupling_strengths_vjp(eps_bar, eps0: float, ell: float, dist, mask) -> tupl
     (masked slots contribute nothing). Computed where eps_bar lives (dist and mask go there), two floats
     back."""
     xp = _xp(eps_bar)
-    dist = xp.asarray(np.asarray(host_array(dist), np.float64))
-    eps_bar = xp.where(xp.asarray(np.asarray(host_array(mask), bool)), eps_bar, 0.0)
+    dist = xp.asarray(dist if _xp(dist) is xp else np.asarray(host_array(dist), np.float64))
+    mask = xp.asarray(mask if _xp(mask) is xp else np.asarray(host_array(mask), bool))
+    eps_bar = xp.where(mask, eps_bar, 0.0)
     decay = eps_bar * xp.exp(-dist / ell)
     sums = xp.stack([decay.sum(dtype=np.float64), (decay * dist).sum(dtype=np.float64)])
     e0_bar, d_bar = (float(v) for v in host_array(sums))

@@ -48,7 +48,7 @@ from .config import QuantumConfig
 from .energy import NUMPY_OPS, TERMS, QuantumOps, energy_and_gradient_arrays
 from .flows import mirror_descent_step
 from .frames import frames, spin_generators
-from .linalg import dagger, eigh
+from .linalg import dagger, eigh, eigvalsh
 from .state import tolerance, validate_state
 from .unitary import (
     gibbs,
@@ -170,7 +170,7 @@ class Prepared(NamedTuple):
     fcache: Any  # frames' eigen-cache (rule R2)
     index: np.ndarray  # (N, w) coupling window
     mask: np.ndarray  # (N, w)
-    dist: np.ndarray  # (N, w)
+    dist: Any  # (N, w) on the state's device
     M: Any  # (N, w, d, d) transports U_i U_j^dag, or a function making them (:func:`transports_of`)
     eps_c: Any  # (N, w) coupling strengths
     gamma: Any  # (N,) dephasing rates
@@ -184,10 +184,15 @@ def resident(P: Prepared, xp, key, source, make, tag=None):
     copying it to the device again. ``source`` is kept with it (so its id is not reused). ``tag``: what
     else it depends on (a step size): one array per key, made again when the tag changes, so a schedule of
     varying dt keeps one, not one per dt."""
+    return _resident(P.consts, xp, key, source, make, tag)
+
+
+def _resident(consts: dict, xp, key, source, make, tag=None):
+    """:func:`resident` in a caches' dict (``Prepared.consts``, also while :func:`prepare` fills it)."""
     k = (key, xp.__name__, id(source))
-    hit = P.consts.get(k)
+    hit = consts.get(k)
     if hit is None or hit[1] != tag:
-        hit = P.consts[k] = (source, tag, make())
+        hit = consts[k] = (source, tag, make())
     return hit[2]
 
 
@@ -206,9 +211,15 @@ def transports_of(P: Prepared):
 def window(P: Prepared, xp) -> tuple[Any, Any]:
     """The coupling window (index int64, mask bool) (N, w) as C-contiguous writable arrays of ``xp`` (the
     kernels' arguments: the CUDA simulator writes arguments back), made once per cache."""
-    index = resident(P, xp, "index", P.index, lambda: xp.asarray(np.array(P.index, np.int64, order="C")))
-    mask = resident(P, xp, "mask", P.mask, lambda: xp.asarray(np.array(P.mask, bool, order="C")))
-    return index, mask
+    return _window_in(P.consts, xp, P.index, P.mask)
+
+
+def _window_in(consts: dict, xp, index, mask) -> tuple[Any, Any]:
+    """:func:`window` of the host window (index, mask) in a caches' dict."""
+    return (
+        _resident(consts, xp, "index", index, lambda: xp.asarray(np.array(index, np.int64, order="C"))),
+        _resident(consts, xp, "mask", mask, lambda: xp.asarray(np.array(mask, bool, order="C"))),
+    )
 
 
 def _per_agent(key: str, v, n: int, xp, dtype):
@@ -234,13 +245,17 @@ def prepare(arrays: dict[str, Any], qcfg: QuantumConfig, dyn: QuantumDynamics) -
         index, mask = coupling_window(n, nb)
     if dyn.positions is not None and dyn.positions.shape[0] != n:
         raise ConfigError("positions", f"has {dyn.positions.shape[0]} rows for {n} agents")
-    dist = pair_distances(index, mask, dyn.positions)
-    eps_c = xp.asarray(coupling_strengths(dyn.coupling_strength, dyn.coupling_length, dist, mask), lam.dtype)
-    M = lambda: transports(U, xp.asarray(index))  # noqa: E731 - made on first use (transports_of)
+    # The window on the state's device (where the kernels read it: kept in the caches, as window() keeps
+    # it) and the distances and strengths computed there.
+    consts: dict = {}
+    dev_index, dev_mask = _window_in(consts, xp, index, mask)
+    dist = pair_distances(dev_index, dev_mask, dyn.positions, xp=xp)
+    eps_c = coupling_strengths(dyn.coupling_strength, dyn.coupling_length, dist, dev_mask).astype(lam.dtype)
+    M = lambda: transports(U, dev_index)  # noqa: E731 - made on first use (transports_of)
     rdt = lam.dtype
     gamma = _per_agent("dephasing_rate", dyn.dephasing_rate, n, xp, rdt)
     gamma_th = _per_agent("thermal_rate", dyn.thermal_rate, n, xp, rdt)
-    return Prepared(lam, V, T, sigma, l, p, U, fcache, index, mask, dist, M, eps_c, gamma, gamma_th, {})
+    return Prepared(lam, V, T, sigma, l, p, U, fcache, index, mask, dist, M, eps_c, gamma, gamma_th, consts)
 
 
 def agent_update(P: Prepared, sel, x0, R, dt: float, dyn: QuantumDynamics, keep: bool = False):
@@ -335,7 +350,7 @@ def step(P: Prepared, rho, dt: float, dyn: QuantumDynamics, keep: bool = False, 
 
 def _diagnostics(rho, terms) -> dict[str, Any]:
     xp = _xp(rho)
-    s = xp.linalg.eigvalsh(0.5 * (rho + dagger(rho)))
+    s = eigvalsh(rho)
     ent = -xp.where(s > 0, s * xp.log(xp.where(s > 0, s, 1.0)), 0.0).sum(axis=1)
     out = {term_var(k): terms[k] for k in ("total", *TERMS)}
     out.update(
@@ -355,7 +370,7 @@ def _check(rho, step_no: int) -> None:
     if bool(bad.any()):
         raise DynamicsError(step_no, "rho", "non-finite after the step", agent=int(xp.argmax(bad)))
     tol = tolerance(rho.dtype) * d
-    lam_min = xp.linalg.eigvalsh(0.5 * (rho + dagger(rho)))[:, 0]
+    lam_min = eigvalsh(rho)[:, 0]
     if bool((lam_min < -tol).any()):
         i = int(xp.argmin(lam_min))
         raise DynamicsError(

@@ -28,6 +28,7 @@ __all__ = [
     "hvec",
     "hmat",
     "eigh",
+    "eigvalsh",
     "from_eig",
     "dk",
     "dd_log",
@@ -100,6 +101,14 @@ def eigh(X):
     xp = _xp(X)
     solver = EIGENSOLVERS.get(xp.__name__)
     return xp.linalg.eigh(herm(X)) if solver is None else solver(X)
+
+
+def eigvalsh(X):
+    """Eigenvalues (N, d) ascending of herm(X): the registered eigensolver's (:data:`EIGENSOLVERS`), or the
+    array module's ``linalg.eigvalsh``."""
+    xp = _xp(X)
+    solver = EIGENSOLVERS.get(xp.__name__)
+    return xp.linalg.eigvalsh(herm(X)) if solver is None else solver(X)[0]
 
 
 def from_eig(V, f):

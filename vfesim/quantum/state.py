@@ -22,6 +22,7 @@ import xarray as xr
 from ..arrays import array_module
 from ..state import StateError, state_dataset
 from .config import DTYPES, QuantumConfig
+from .linalg import eigvalsh
 
 __all__ = [
     "VARIABLES",
@@ -236,7 +237,7 @@ def validate_state(
     if i is not None:
         raise StateError("rho", f"trace must be 1, got {complex(tr[i]):.6g}", agent=i)
     if check_spd:
-        lam_min = xp.linalg.eigvalsh(0.5 * (rho + rho.conj().swapaxes(1, 2)))[:, 0]
+        lam_min = eigvalsh(rho)[:, 0]
         i = _first_bad(xp, lam_min < -tol * d)
         if i is not None:
             raise StateError(
