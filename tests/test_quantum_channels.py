@@ -326,3 +326,20 @@ def test_incoming_sums_equal_a_scatter_add(window):
     if window != "empty":  # the masked slots' parts are not read
         parts[~mask] = np.nan
         assert np.isfinite(ch.add_incoming(bar, parts, slots)).all()
+
+
+def test_pair_distances_and_strengths():
+    """Sequence and Euclidean distances of the window's slots (0 under the mask), with the array module
+    given (the GPU's prepare passes CuPy: tests/test_cuda_gpu.py), and strengths where the distances are."""
+    from vfesim.quantum.channels import coupling_strengths, pair_distances
+
+    index = np.array([[1, 2], [0, 2], [0, 1]])
+    mask = np.array([[True, False], [True, True], [False, True]])
+    want = np.array([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
+    pos = np.array([[0.0, 0.0], [3.0, 4.0], [0.0, 1.0]])
+    np.testing.assert_array_equal(pair_distances(index, mask, xp=np), want)
+    r = np.sqrt(18.0)
+    np.testing.assert_allclose(pair_distances(index, mask, pos, xp=np), [[5.0, 0.0], [5.0, r], [0.0, r]])
+    np.testing.assert_array_equal(pair_distances(index[1:], mask[1:], start=1), want[1:])
+    eps = coupling_strengths(0.3, 2.0, want, mask)
+    np.testing.assert_array_equal(eps, np.where(mask, 0.3 * np.exp(-want / 2.0), 0.0))
