@@ -127,10 +127,12 @@ def test_a_nan_logit_beside_a_large_maximum_stays_nan():
     assert np.isnan(np.delete(got, 8)).all() and np.isfinite(got[8])
 
 
-@pytest.mark.parametrize("aggregator", ["softmin", "expected"])
-def test_two_groups_and_two_warps_per_block(monkeypatch, request, aggregator):
+def test_two_groups_and_two_warps_per_block(monkeypatch, request):
     """The device's layout in miniature: two groups of 16 owners per warp and two warps sharing each tile
-    of senders (the simulator otherwise runs one of each); two owner blocks, two sender slices."""
+    of senders (the simulator otherwise runs one of each); two owner blocks, two sender slices. With the
+    ``expected`` aggregator, whose sums are a superset of softmin's (30 s of simulation per aggregator;
+    both aggregators run the default layout above)."""
+    aggregator = "expected"
 
     def clear():
         kc.make_dense_kernels.cache_clear()
