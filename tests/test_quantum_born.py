@@ -41,6 +41,10 @@ def test_a_schedules_observations_are_made_once_and_its_outcomes_are_its_own():
     """Rollouts of one schedule (and of schedules made from its outcomes, as a fitting loop makes them)
     check and move the outcomes once; a schedule copies outcomes it is given, so later changes to the
     caller's array reach neither the schedule nor the kept observations."""
+    import copy
+    import gc
+
+    from vfesim.quantum import born
     from vfesim.quantum.evolve import QuantumDynamics
     from vfesim.quantum.rollout import Schedule
 
@@ -59,3 +63,14 @@ def test_a_schedules_observations_are_made_once_and_its_outcomes_are_its_own():
     other = Schedule(QuantumDynamics(), 0.1, 4, y)
     assert other.outcomes is not s.outcomes
     assert observed_outcomes(other.outcomes, 3, np, keep=True) is not kept
+    # a copy that is no schedule's own (a deep copy: writable) is never kept
+    clone = copy.deepcopy(s)
+    first = observed_outcomes(clone.outcomes, 3, np, keep=True)
+    clone.outcomes[0, 0] = (clone.outcomes[0, 0] + 1) % 3
+    again_clone = observed_outcomes(clone.outcomes, 3, np, keep=True)
+    assert again_clone is not first and again_clone.Y[0, 0] == clone.outcomes[0, 0]
+    # an entry goes with its outcomes
+    n_kept = len(born._OBSERVED)
+    del s, again, kept
+    gc.collect()
+    assert len(born._OBSERVED) == n_kept - 2

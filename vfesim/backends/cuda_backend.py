@@ -874,7 +874,7 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args, modes=None) -> None
     """Launch density-matrix kernel ``name`` with N threads (vfesim.quantum.kernel_ops): one per agent, or
     per part of an agent's work (``energy_prep``: N = 3 x agents). The channel step's kernels are compiled
     for their ``modes`` (make_quantum_kernels: the other modes' branches compile away)."""
-    key = (d, dtype, modes)
+    key = (d, dtype, modes if modes is None else tuple(modes))
     ks = _QUANTUM_SETS.get(key)
     if ks is None:
         dt = np.dtype(dtype)

@@ -10,6 +10,7 @@ add each step's log-probabilities into one float64 accumulator per observed entr
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -20,7 +21,17 @@ from ..arrays import memory_flat
 from ..config import ConfigError
 from .energy import floor_eps
 
-__all__ = ["Observations", "observed_outcomes", "born_prob", "born_logp", "born_add", "BornOps", "ARRAY_BORN"]
+__all__ = [
+    "Observations",
+    "observed_outcomes",
+    "own_outcomes",
+    "is_own_outcomes",
+    "born_prob",
+    "born_logp",
+    "born_add",
+    "BornOps",
+    "ARRAY_BORN",
+]
 
 
 class Observations:
@@ -84,26 +95,47 @@ class Observations:
         return flat, table[t]
 
 
-# (id of a schedule's outcomes, d, module, device) -> (the outcomes, their Observations): the last few, so
-# that repeated rollouts of one schedule (a benchmark, a fitting loop: its schedules share the outcomes)
-# check and move the outcomes once. The array is kept with its entry, so its id is not reused.
+# The schedules' own read-only copies of outcomes (id -> array, while some schedule holds it): a schedule
+# made from another's outcomes (a fitting loop's) shares the copy, and rollouts keep its observations.
+_OWN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def own_outcomes(y: np.ndarray) -> np.ndarray:
+    """``y`` (a NumPy array the caller made or checked) made read-only and registered as a schedule's own
+    copy of outcomes (:func:`is_own_outcomes`)."""
+    y.setflags(write=False)
+    _OWN[id(y)] = y
+    return y
+
+
+def is_own_outcomes(y) -> bool:
+    """Whether ``y`` is a schedule's own read-only copy of outcomes (:func:`own_outcomes`; not a copy of
+    one, such as a deep copy or an unpickled schedule's, and not made writable since)."""
+    return _OWN.get(id(y)) is y and not y.flags.writeable
+
+
+# (id of a schedule's outcomes, d, module, device) -> (a weak reference to the outcomes, their Observations):
+# repeated rollouts of one schedule (a benchmark, a fitting loop: its schedules share the outcomes) check
+# and move the outcomes once. An entry goes with its outcomes (so an id is never reused), the oldest past
+# a few.
 _OBSERVED: dict = {}
 _OBSERVED_MAX = 4
 
 
 def observed_outcomes(outcomes, d: int, xp, keep: bool = False) -> Observations:
-    """The observations of a rollout on the state's device (:class:`Observations`). ``keep``: ``outcomes``
-    cannot change (a :class:`~vfesim.quantum.rollout.Schedule`'s read-only copy): the observations are
-    kept for the next call with the same array."""
-    if not keep:
+    """The observations of a rollout on the state's device (:class:`Observations`). ``keep``: kept for the
+    next call with the same array when ``outcomes`` is a :class:`~vfesim.quantum.rollout.Schedule`'s own
+    read-only copy (:func:`own_outcomes`); made anew for any other array."""
+    if not keep or not is_own_outcomes(outcomes):
         return Observations(outcomes, d, xp)
     cuda = getattr(xp, "cuda", None)
     key = (id(outcomes), d, xp.__name__, cuda.runtime.getDevice() if cuda is not None else -1)
     hit = _OBSERVED.get(key)
-    if hit is None or hit[0] is not outcomes:
-        if len(_OBSERVED) >= _OBSERVED_MAX:
-            del _OBSERVED[next(iter(_OBSERVED))]
-        hit = _OBSERVED[key] = (outcomes, Observations(outcomes, d, xp))
+    if hit is None or hit[0]() is not outcomes:
+        while len(_OBSERVED) >= _OBSERVED_MAX:
+            _OBSERVED.pop(next(iter(_OBSERVED), None), None)
+        hit = _OBSERVED[key] = (weakref.ref(outcomes), Observations(outcomes, d, xp))
+        weakref.finalize(outcomes, _OBSERVED.pop, key, None)
     return hit[1]
 
 

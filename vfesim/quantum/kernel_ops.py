@@ -286,7 +286,7 @@ def _vjp_args(xp, c, empty, P, rho, dyn, args, gap_tol):
     slots = 1 + (w if dyn.coupling == "C2" else 0)  # tape: the C2 channels' inputs, the unitary's input
     xs = _buffer(P, xp, ("xs", rho.dtype.str, slots), lambda: empty((N, slots, d, d), rho.dtype))
     rdt = _real(rho.dtype)
-    gam = resident(P, xp, "gam", P.gamma, lambda: xp.stack([P.gamma, P.gamma_th]).astype(rdt))
+    gam = resident(P, xp, ("gam", rdt.str), P.gamma, lambda: xp.stack([P.gamma, P.gamma_th]).astype(rdt))
     values = (*args[11:], float(gap_tol))  # thr, width, dt, floor, tol2, gap_tol
     prm = resident(P, xp, "prm", None, lambda: xp.asarray(values, np.float64), tag=values)
     checked = dyn.dephasing_basis == "energy" or dyn.gate != "none"

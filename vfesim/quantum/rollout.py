@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -64,7 +63,7 @@ import xarray as xr
 from ..arrays import array_module as _xp
 from ..arrays import host_floats
 from ..config import ConfigError, _check_real
-from .born import ARRAY_BORN, observed_outcomes
+from .born import ARRAY_BORN, is_own_outcomes, observed_outcomes, own_outcomes
 from .channels import (
     add_incoming,
     coupling_strengths_vjp,
@@ -90,11 +89,6 @@ __all__ = ["Schedule", "RolloutResult", "LOSS_TERMS", "rollout", "binomial", "re
 LOSS_TERMS = ("born", "free_energy")
 # The tape of a step the kernels' adjoint differentiates (it reads only the state before the step).
 _NO_TAPE = {"step": None, "pre": None, "mirror": ()}
-
-
-# The schedules' own read-only copies of outcomes (id -> array, while some schedule holds it): a schedule
-# made from another's outcomes (a fitting loop's) shares the copy, and rollouts keep its observations.
-_SCHEDULE_OUTCOMES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -123,16 +117,12 @@ class Schedule:
         dts.setflags(write=False)
         object.__setattr__(self, "dt", dts)
         if self.outcomes is not None:  # a read-only copy, shared by schedules made from another's outcomes
-            y = self.outcomes
-            if _SCHEDULE_OUTCOMES.get(id(y)) is not y:
-                y = np.array(y)
+            y = self.outcomes if is_own_outcomes(self.outcomes) else np.array(self.outcomes)
             if y.ndim != 2 or y.shape[0] != T or not np.issubdtype(y.dtype, np.integer):
                 raise ConfigError(
                     "outcomes", f"must be integers of shape (n_steps={T}, N), got {y.dtype} {y.shape}"
                 )
-            y.setflags(write=False)
-            _SCHEDULE_OUTCOMES[id(y)] = y
-            object.__setattr__(self, "outcomes", y)
+            object.__setattr__(self, "outcomes", own_outcomes(y))
 
 
 class RolloutResult(NamedTuple):
