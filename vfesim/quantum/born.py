@@ -65,7 +65,7 @@ class Observations:
             else:
                 obs = np.flatnonzero(y[t] >= 0)
                 self.steps.append((xp.asarray(obs), xp.asarray(y[t, obs].astype(np.int64))))
-        self.tables: dict = {}
+        self.offsets: dict = {}  # memory layout -> per step offsets (entries)
 
     def __getitem__(self, t: int):
         step = self.steps[t]
@@ -76,24 +76,38 @@ class Observations:
     def entries(self, a, t: int):
         """(flat, offsets): the entries a[i, y_i, y_i] of step t's observed agents as ``flat[offsets]``,
         flat a 1-D view of ``a`` (:func:`vfesim.arrays.memory_flat`); None where ``a`` is not one dense
-        block."""
+        block. The offsets of every step are made once per memory layout (:meth:`_offsets`)."""
         mf = memory_flat(a)
         if mf is None:
             return None
         flat, (s0, s1, s2) = mf
-        idx = np.int64 if flat.size > np.iinfo(np.int32).max else np.int32
-        if not self.full[t]:
-            oo, yy = self.steps[t]
-            return flat, (yy * (s1 + s2) + oo * s0).astype(idx)
+        idx = np.int64 if flat.size > _INT32_MAX else np.int32
         key = (s0, s1 + s2, idx)
-        table = self.tables.get(key)
-        if table is None:
-            xp = self.xp
-            table = self.tables[key] = self.Y.astype(idx) * idx(s1 + s2) + xp.arange(
-                0, self.n * s0, s0, dtype=idx
-            )
-        return flat, table[t]
+        offsets = self.offsets.get(key)
+        if offsets is None:
+            offsets = self.offsets[key] = self._offsets(s0, s1 + s2, idx)
+        return flat, offsets[t]
 
+    def _offsets(self, s0: int, s12: int, idx) -> list:
+        """Per step, the offsets y_i (s1 + s2) + i s0 of its observed entries in a layout of strides (s0, s1,
+        s2) (entries), or None (no agent observed): a step observing everyone a row of one table."""
+        xp = self.xp
+        table = None
+        if self.full.any():
+            table = self.Y.astype(idx) * idx(s12) + xp.arange(0, self.n * s0, s0, dtype=idx)
+        out = []
+        for t, step in enumerate(self.steps):
+            if step is None:
+                out.append(None)
+            elif self.full[t]:
+                out.append(table[t])
+            else:
+                oo, yy = step
+                out.append((yy * s12 + oo * s0).astype(idx))
+        return out
+
+
+_INT32_MAX = np.iinfo(np.int32).max
 
 # The schedules' own read-only copies of outcomes (id -> array, while some schedule holds it): a schedule
 # made from another's outcomes (a fitting loop's) shares the copy, and rollouts keep its observations.

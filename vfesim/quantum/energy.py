@@ -69,9 +69,13 @@ TERMS = ("self", "belief_align", "prior_align", "observation")
 FLOOR_EPS = {"complex128": 1e-12, "complex64": 1e-6}
 
 
+_FLOOR_BY_DTYPE = {np.dtype(name): eps for name, eps in FLOOR_EPS.items()}
+
+
 def floor_eps(dtype) -> float:
     """The floor eps of a complex dtype (FLOOR_EPS)."""
-    return FLOOR_EPS[np.dtype(dtype).name]
+    eps = _FLOOR_BY_DTYPE.get(dtype)  # (a lookup per rollout step: NumPy's dtype names are slow)
+    return FLOOR_EPS[np.dtype(dtype).name] if eps is None else eps
 
 
 def _floored(rho):
