@@ -69,8 +69,10 @@ def test_a_schedules_observations_are_made_once_and_its_outcomes_are_its_own():
     clone.outcomes[0, 0] = (clone.outcomes[0, 0] + 1) % 3
     again_clone = observed_outcomes(clone.outcomes, 3, np, keep=True)
     assert again_clone is not first and again_clone.Y[0, 0] == clone.outcomes[0, 0]
-    # an entry goes with its outcomes
+    # an entry goes with its outcomes, also outcomes already in the narrowest type (int8 here)
+    narrow = Schedule(QuantumDynamics(), 0.1, 4, y.astype(np.int8))
+    observed_outcomes(narrow.outcomes, 3, np, keep=True)
     n_kept = len(born._OBSERVED)
-    del s, again, kept
+    del s, again, kept, narrow
     gc.collect()
-    assert len(born._OBSERVED) == n_kept - 2
+    assert len(born._OBSERVED) == n_kept - 3

@@ -53,7 +53,7 @@ class Observations:
         lo = int(y.min(initial=0))
         counts = (y >= 0).sum(axis=1) if lo < 0 else np.full(y.shape[0], self.n)
         narrow = np.promote_types(np.min_scalar_type(min(lo, -d)), np.int8)  # holds every outcome
-        self.Y = xp.asarray(y.astype(narrow, copy=False))
+        self.Y = xp.asarray(y.astype(narrow))  # a copy: kept observations must not hold their outcomes
         self.full = counts == self.n
         everyone = xp.arange(self.n, dtype=np.int64) if self.full.any() else None
         self.steps = []
