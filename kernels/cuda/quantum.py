@@ -48,11 +48,20 @@ def make_quantum_kernels(d: int, dtype, modes: tuple | None = None) -> dict:
     the kernels fewer registers and less local memory (each mode set is a kernel of its own, compiled at
     its first launch and cached on disk); the other kernels are those of ``modes=None`` (one dispatcher
     each, whatever the modes). None: the codes are read from that argument at run time."""
-    if modes is not None:
-        modes = tuple(int(m) for m in modes)
-        if len(modes) != 4:
-            raise ValueError(f"modes: four codes (coupling, basis, gate, newton), got {modes!r}")
-    return _quantum_kernels(int(d), np.dtype(dtype).name, modes)
+    raw = (d, dtype, modes if modes is None else tuple(modes))
+    ks = _BY_ARGUMENTS.get(raw)  # (a launch's lookup: normalising costs more than the launch's own work)
+    if ks is None:
+        modes = raw[2]
+        if modes is not None:
+            modes = tuple(int(m) for m in modes)
+            if len(modes) != 4:
+                raise ValueError(f"modes: four codes (coupling, basis, gate, newton), got {modes!r}")
+        ks = _BY_ARGUMENTS[raw] = _quantum_kernels(int(d), np.dtype(dtype).name, modes)
+    return ks
+
+
+# The kernel sets by the arguments as given (every spelling of one set maps to the same dictionary).
+_BY_ARGUMENTS: dict = {}
 
 
 _CHANNEL = ("channel_step", "channel_step_vjp")

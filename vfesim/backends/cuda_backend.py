@@ -110,10 +110,13 @@ class FirstUse:
     def __init__(self):
         self.seen: set = set()
 
-    def begin(self, key, what: str) -> tuple[str, float] | None:
+    def begin(self, key, what) -> tuple[str, float] | None:
+        """Announce the kernels ``key`` at their first use (``what``: their description, or a function
+        making it: made only then)."""
         if SIMULATOR or key in self.seen:
             return None
         self.seen.add(key)
+        what = what() if callable(what) else what
         log.info("preparing CUDA kernels: %s (compiled once, cached in %s)", what, kernel_cache_dir())
         return what, time.perf_counter()
 
@@ -865,21 +868,12 @@ def pairwise_dense_senders(A, c, m, inv_s, abar, B_s, s0: int, kappa: float, agg
     return kappa * gB.astype(np.float64)
 
 
-# (d, dtype as passed, modes) -> the kernel set: a launch's host work is one lookup (a rollout step makes
-# several launches, and a host-bound rollout waits on each; NumPy's dtype names are slow properties).
-_QUANTUM_SETS: dict = {}
-
-
 def _quantum_launch(name: str, N: int, d: int, dtype, *args, modes=None) -> None:
     """Launch density-matrix kernel ``name`` with N threads (vfesim.quantum.kernel_ops): one per agent, or
     per part of an agent's work (``energy_prep``: N = 3 x agents). The channel step's kernels are compiled
     for their ``modes`` (make_quantum_kernels: the other modes' branches compile away)."""
-    key = (d, dtype, modes if modes is None else tuple(modes))
-    ks = _QUANTUM_SETS.get(key)
-    if ks is None:
-        dt = np.dtype(dtype)
-        ks = _QUANTUM_SETS[key] = kc.make_quantum_kernels(d, dt.name, modes)
-        FIRST_USE.begin(("quantum", d, dt.str), f"density-matrix agents, d={d}, {dt}")
+    ks = kc.make_quantum_kernels(d, dtype, modes)
+    FIRST_USE.begin(("quantum", d, dtype), lambda: f"density-matrix agents, d={d}, {np.dtype(dtype)}")
     _launch(ks[name], _cdiv(N, kc.BLOCK), kc.BLOCK, *args)
 
 
