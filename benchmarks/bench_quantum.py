@@ -11,9 +11,10 @@ for NumPy-backed states on a GPU, transfers). ``--oracle`` also times the naive 
 (tests/reference/quantum.py, energy only) at N = 64 against the numba backend's energy + gradient.
 ``--pairs`` also times the pairwise part alone with its FLOP/s (8 d^2 N (N - 1), :func:`pair_flops`) and,
 on a GPU, the cuBLAS GEMM rate as the ceiling; ``--stages`` times the per-agent forward and backward
-passes (``QuantumOps``) and the pairs alone, where an evaluation's time goes; ``--torch`` adds the PyTorch
-autograd baseline (benchmarks/torch_quantum_baseline.py). Medians of repeated calls after one warm-up
-(which compiles). Writes DIR/quantum_bench.jsonl and .txt.
+passes (``QuantumOps``) and the pairs alone, where an evaluation's time goes (on cuda from d = 6 also the
+forward pass with one thread per eigen-decomposition instead of eight, ``forward_1thr``); ``--torch`` adds
+the PyTorch autograd baseline (benchmarks/torch_quantum_baseline.py). Medians of repeated calls after one
+warm-up (which compiles). Writes DIR/quantum_bench.jsonl and .txt.
 """
 
 from __future__ import annotations
@@ -108,12 +109,31 @@ def bench_stages(backend_name: str, N: int, d: int, dtype: str) -> list[dict]:
         "pairs": lambda: be.pairwise_dense(A, B, c, 1.0, "softmin"),
         "backward": lambda: ops.backward(a, fw, WEIGHTS, cot),
     }
+    serial = _serial_eigh_ops(backend_name, d)
+    if serial is not None:  # the same forward pass with one thread per eigen-decomposition
+        calls["forward_1thr"] = lambda: serial.forward(a, WEIGHTS)
     rows = []
     for name, fn in calls.items():
         t, reps = timeit(fn, lambda: _sync(be))
         row = dict(kind="stage", backend=backend_name, N=N, d=d, dtype=dtype, stage=name, t_s=t, reps=reps)
         rows.append(row)
     return rows
+
+
+def _serial_eigh_ops(backend_name: str, d: int):
+    """On the cuda backend from d = COOP_MIN_D, its per-agent kernels with the forward pass's
+    eigen-decompositions inside ``energy_prep`` (one thread each) instead of the cooperative ``eigh``
+    launch: the comparison of ``--stages`` (stage ``forward_1thr``); None elsewhere."""
+    if backend_name != "cuda":
+        return None
+    from vfesim_kernels.cuda.eigh import COOP_MIN_D
+
+    from vfesim.backends import cuda_backend as cb
+    from vfesim.quantum.kernel_ops import kernel_ops
+
+    if not COOP_MIN_D <= d <= cb.QUANTUM_KERNEL_MAX_D:
+        return None
+    return kernel_ops(cb.array_module, cb._quantum_launch, agent_minor=True)
 
 
 def gemm_ceiling(dtype: str, n: int = 8192) -> dict:

@@ -15,6 +15,10 @@ The same operations as the NumPy stages of ``vfesim.quantum`` (the vectorised re
 - :func:`gibbs_agent`: the Gibbs prior ``sigma = exp(-H/T)/Z``, its log and log-eigenvalues
   ``l = -h/T - log Z`` (a log-sum-exp, no ``log p``);
 - :func:`frames_agent`: ``U = exp(-i phi . J)`` through the eigen-decomposition of ``phi . J``;
+- each of these three as an eigen-decomposition and a ``*_from_eig`` completion (:func:`log_from_eig`,
+  :func:`gibbs_from_eig`, :func:`frames_from_eig`), which :func:`energy_mats_agent` /
+  :func:`energy_finish_agent` run around a batched eigensolver of the three matrices per agent (the CUDA
+  kernels' cooperative Jacobi at large d, ``vfesim_kernels.cuda.eigh``);
 - :func:`pull_features` / :func:`pull_vjp_add`: the pairwise feature rows of pulled-back states,
   ``A = hvec(U^dagger a U)``, ``B = -2 hvec(U^dagger (log a) U)``, and their adjoint;
 - :func:`dk_log`, :func:`dk_exp`, :func:`frames_vjp`: Daleckii–Krein adjoints of ``log``, ``exp`` and
@@ -59,7 +63,7 @@ def jacobi_eigh(A, w, V, tol2):
     Sweeps stop when the squared off-diagonal norm is at most ``tol2`` times the squared Frobenius norm.
     """
     d = A.shape[0]
-    R = w.dtype.type  # the rotations in the matrices' precision (float32 for complex64)
+    one = w.dtype.type(1.0)  # the rotations in the matrices' precision (float32 for complex64)
     for r in range(d):
         for c in range(d):
             V[r, c] = 0.0
@@ -75,20 +79,9 @@ def jacobi_eigh(A, w, V, tol2):
             break
         for p in range(d - 1):
             for q in range(p + 1, d):
-                apq = A[p, q]
-                g = abs(apq)
-                if g == 0.0:
+                if A[p, q].real == 0.0 and A[p, q].imag == 0.0:
                     continue
-                e = apq / g
-                tau = (A[q, q].real - A[p, p].real) / (R(2.0) * g)
-                at = abs(tau)
-                t = R(0.5) / at if at > _TAU_BIG else R(1.0) / (at + math.sqrt(R(1.0) + tau * tau))
-                if tau < 0.0:
-                    t = -t
-                c = R(1.0) / math.sqrt(R(1.0) + t * t)
-                s = t * c
-                se = s * e
-                sec = s * e.conjugate()
+                c, se, sec = jacobi_rotation(A, p, q, one)
                 for k in range(d):  # A <- A G (columns p, q)
                     akp = A[k, p]
                     akq = A[k, q]
@@ -110,6 +103,25 @@ def jacobi_eigh(A, w, V, tol2):
                     V[k, q] = se * vkp + c * vkq
     for k in range(d):
         w[k] = A[k, k].real
+
+
+def jacobi_rotation(A, p, q, one):
+    """The rotation of :func:`jacobi_eigh` that zeroes A[p, q] (non-zero) of a Hermitian A: (c, s e,
+    s conj(e)), computed in the precision of ``one`` (1 in A's real type). It depends on the 2 x 2 block
+    of rows and columns p, q alone (the parallel orderings of ``vfesim_kernels.cuda.eigh`` rotate disjoint
+    pairs at once)."""
+    apq = A[p, q]
+    g = abs(apq)
+    e = apq / g
+    two = one + one
+    tau = (A[q, q].real - A[p, p].real) / (two * g)
+    at = abs(tau)
+    t = one / (two * at) if at > _TAU_BIG else one / (at + math.sqrt(one + tau * tau))
+    if tau < 0.0:
+        t = -t
+    c = one / math.sqrt(one + t * t)
+    s = t * c
+    return c, s * e, s * e.conjugate()
 
 
 def eigh_agent(X, n, tol2, w_out, V_out, A, w, V):
@@ -298,25 +310,35 @@ def dd_expi_conj(ka, kb, R):
 def eig_log_agent(x, n, s, W, logx, xlx, A, r, tol2):
     """s[n], W[n]: eigen-decomposition of herm(x[n]); logx[n] = W diag(log s) W^dagger; xlx[n] = tr(x log x).
     Scratch A (d, d), r (d,)."""
-    d = A.shape[0]
     load_herm(x, n, A)
     jacobi_eigh(A, s[n], W[n], tol2)
+    xlx[n] = log_from_eig(s[n], W[n], logx[n], r)
+
+
+def log_from_eig(sn, Wn, logx_n, r):
+    """logx_n = W diag(log s) W^dagger from the eigen-decomposition (sn, Wn) of a state; returns
+    tr(x log x) = sum s log s. Scratch r (d,)."""
     h = 0.0
-    for k in range(d):
-        r[k] = math.log(s[n, k])
-        h += s[n, k] * r[k]
-    from_eig(W[n], r, logx[n])
-    xlx[n] = h
+    for k in range(r.shape[0]):
+        r[k] = math.log(sn[k])
+        h += sn[k] * r[k]
+    from_eig(Wn, r, logx_n)
+    return h
 
 
 def gibbs_agent(H, T, n, sigma, logsig, l, p, V, A, tol2):
     """Gibbs prior of agent n: herm(H[n]) = V diag(h) V^dagger, l = -h/T - log Z (log-sum-exp with the
     maximum shifted out), p = exp(l), sigma = V diag(p) V^dagger, logsig = V diag(l) V^dagger."""
-    d = A.shape[0]
     load_herm(H, n, A)
-    ln = l[n]
-    jacobi_eigh(A, ln, V[n], tol2)
-    tn = T[n]
+    jacobi_eigh(A, l[n], V[n], tol2)
+    gibbs_from_eig(l[n], T[n], p[n], V[n], sigma[n], logsig[n], A)
+
+
+def gibbs_from_eig(ln, tn, pn, Vn, sigma_n, logsig_n, S):
+    """The Gibbs prior at temperature tn from the eigen-decomposition (ln = h, Vn) of its Hamiltonian:
+    ln <- -h/T - log Z, pn = exp(ln), sigma_n = V diag(p) V^dagger, logsig_n = V diag(l) V^dagger. S: any
+    scratch of d rows (the loops' size)."""
+    d = S.shape[0]
     m = -ln[0] / tn
     for k in range(1, d):
         m = max(m, -ln[k] / tn)
@@ -326,27 +348,37 @@ def gibbs_agent(H, T, n, sigma, logsig, l, p, V, A, tol2):
     lz = m + math.log(acc)
     for k in range(d):
         ln[k] = -ln[k] / tn - lz
-        p[n, k] = math.exp(ln[k])
-    from_eig(V[n], p[n], sigma[n])
-    from_eig(V[n], ln, logsig[n])
+        pn[k] = math.exp(ln[k])
+    from_eig(Vn, pn, sigma_n)
+    from_eig(Vn, ln, logsig_n)
 
 
 def frames_agent(phi, J, n, U, k, V, A, tol2):
     """U[n] = exp(-i phi[n] . J) = V diag(exp(-i k)) V^dagger with phi[n] . J = V diag(k) V^dagger."""
+    generator(phi, J, n, A)
+    jacobi_eigh(A, k[n], V[n], tol2)
+    frames_from_eig(k[n], V[n], U[n], A)
+
+
+def generator(phi, J, n, A):
+    """A = phi[n] . J."""
     d = A.shape[0]
     for r in range(d):
         for c in range(d):
             A[r, c] = phi[n, 0] * J[0, r, c] + phi[n, 1] * J[1, r, c] + phi[n, 2] * J[2, r, c]
-    kn = k[n]
-    Vn = V[n]
-    jacobi_eigh(A, kn, Vn, tol2)
+
+
+def frames_from_eig(kn, Vn, Un, S):
+    """Un = V diag(exp(-i k)) V^dagger from the eigen-decomposition (kn, Vn) of phi . J. S: any scratch of
+    d rows (the loops' size)."""
+    d = S.shape[0]
     for r in range(d):
         for c in range(d):
             acc = Vn.dtype.type(0)
             for j in range(d):
                 z = Vn.dtype.type(complex(math.cos(kn[j]), -math.sin(kn[j])))
                 acc += Vn[r, j] * z * Vn[c, j].conjugate()
-            U[n, r, c] = acc
+            Un[r, c] = acc
 
 
 def pull_features(Un, a, loga, Arow, Brow, T1, T2):
@@ -442,6 +474,59 @@ def energy_prep_agent(
             gibbs_agent(H, T, n, sigma, logsig, l, p, V, Ms, tol2)
     elif fb or fp:
         frames_agent(phi, J, n, U, k, Vf, Ms, tol2)
+
+
+def energy_mats_agent(t, rho, H, phi, J, fs, fb, fp, eps, x, M):
+    """The matrices of :func:`energy_prep_agent`'s three eigen-decompositions, for a batched eigensolver:
+    part t // N of agent n = t % N writes M[t] (a (3 N, d, d) batch): 0 the floored belief x[n] (also
+    stored in x), 1 herm(H[n]), 2 phi[n] . J; zeros for a part whose terms are off. Then
+    :func:`energy_finish_agent` on their eigen-decompositions completes the pass."""
+    N = rho.shape[0]
+    part = t // N
+    n = t - part * N
+    Mt = M[t]
+    d = Mt.shape[0]
+    if part == 0:
+        floored(rho[n], eps, x[n])
+    on = (part == 0 and (fs or fb)) or (part == 1 and (fs or fp)) or (part == 2 and (fb or fp))
+    if not on:
+        for r in range(d):
+            for c in range(d):
+                Mt[r, c] = 0.0
+    elif part == 0:
+        _copy(x[n], Mt)
+    elif part == 1:
+        load_herm(H, n, Mt)
+    else:
+        generator(phi, J, n, Mt)
+
+
+def energy_finish_agent(t, T, fs, fb, fp, ew, eV, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf, r):
+    """:func:`energy_prep_agent`'s part t // N of agent n = t % N from the eigen-decomposition (ew[t],
+    eV[t]) of :func:`energy_mats_agent`'s M[t]: the same outputs. Scratch r (d,)."""
+    N = s.shape[0]
+    part = t // N
+    n = t - part * N
+    d = r.shape[0]
+    if part == 0:
+        if fs or fb:
+            _eig_copy(ew, eV, t, s[n], W[n], d)
+            xlx[n] = log_from_eig(s[n], W[n], logx[n], r)
+    elif part == 1:
+        if fs or fp:
+            _eig_copy(ew, eV, t, l[n], V[n], d)
+            gibbs_from_eig(l[n], T[n], p[n], V[n], sigma[n], logsig[n], r)
+    elif fb or fp:
+        _eig_copy(ew, eV, t, k[n], Vf[n], d)
+        frames_from_eig(k[n], Vf[n], U[n], r)
+
+
+def _eig_copy(ew, eV, t, w, V, d):
+    """w, V = ew[t], eV[t]."""
+    for i in range(d):
+        w[i] = ew[t, i]
+        for j in range(d):
+            V[i, j] = eV[t, i, j]
 
 
 def energy_features_agent(y, fs, fb, fp, fo, n, x, logx, xlx, sigma, logsig, l, p, U, e, A, B, c, T1, T2):
@@ -1053,6 +1138,7 @@ def channel_step_vjp_agent(
 # In dependency order (callees first): :func:`link` compiles them in this order.
 FUNCTIONS = (
     "jacobi_eigh",
+    "jacobi_rotation",
     "load_herm",
     "eigh_agent",
     "born_logp_entry",
@@ -1071,8 +1157,12 @@ FUNCTIONS = (
     "dd_exp",
     "dd_expi_conj",
     "eig_log_agent",
+    "log_from_eig",
     "gibbs_agent",
+    "gibbs_from_eig",
     "frames_agent",
+    "generator",
+    "frames_from_eig",
     "_push_diag",
     "_copy",
     "_trace_re",
@@ -1083,6 +1173,9 @@ FUNCTIONS = (
     "dk_exp",
     "frames_vjp",
     "energy_prep_agent",
+    "energy_mats_agent",
+    "energy_finish_agent",
+    "_eig_copy",
     "energy_features_agent",
     "energy_backward_agent",
     "sender_state_agent",

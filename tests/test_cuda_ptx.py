@@ -198,6 +198,19 @@ def test_quantum_kernel_compiles_for_sm90(dtype, name):
         assert f64 < f32 / 2, f"{name}: {f64} float64 operations against {f32} float32"
 
 
+@pytest.mark.parametrize("dtype", ["complex128", "complex64"])
+def test_cooperative_eigh_compiles_for_sm90(dtype):
+    """From d = 6 the ``eigh`` kernel is the cooperative one (vfesim_kernels.cuda.eigh): its matrices in
+    shared memory, its threads synchronised per warp and stopping by a warp vote, nothing in local memory."""
+    ks = kc.make_quantum_kernels(8, dtype)
+    assert ks["_lanes"] == {"eigh": kc.eigh.COOP_LANES}
+    ptx = kc.cuda.compile_ptx(ks["_py"]["eigh"], kc.quantum_kernel_signatures(dtype)["eigh"], cc=(9, 0))[0]
+    assert ".target sm_90" in ptx and re.search(r"\.entry\s", ptx)
+    assert ".shared" in ptx and "bar.warp.sync" in ptx and "vote.sync.all" in ptx
+    assert _depot(ptx) == 0
+    assert kc.make_quantum_kernels(4, dtype)["_lanes"] == {}  # one thread per matrix below COOP_MIN_D
+
+
 def _instructions(ptx: str) -> int:
     return len(re.findall(r"^\s+[a-z][\w.]*\s.*;", ptx, re.M))
 
@@ -283,8 +296,10 @@ def test_quantum_kernel_signatures_are_the_launched_types(dtype):
         if modes is not None:  # the codes the kernels are compiled for, and their array argument's
             modes_of[name] = (modes, tuple(args[{"channel_step": 12, "channel_step_vjp": 13}[name]]))
 
-    ops = kernel_ops(lambda: np, record, agent_minor=True)
+    ops = kernel_ops(lambda: np, record, agent_minor=True, batched_eigh_from=kc.eigh.COOP_MIN_D)
     stage_outputs(ops, stage_inputs(4, dtype, N=6))
+    # d = 8: the forward's eigen-decompositions as one cooperative eigh launch (kernels recorded, not run)
+    ops.forward(stage_inputs(8, dtype, N=6)[0], (1.0, 1.0, 1.0, 1.0))
     P, rho, dyn = channel_case(4, dtype, "C1", "computational", "none", N=9)
     out = ops.channel_step(P, rho, 0.1, dyn)
     ops.step_vjp(4)(P, out, out, 0.1, dyn)
@@ -292,7 +307,7 @@ def test_quantum_kernel_signatures_are_the_launched_types(dtype):
     ops.born.logp(ops.born.start(np, out.shape[0]), out, obs, 0)
     ops.born.add(np.zeros_like(out), out, obs, 0, 1.0)
     sigs = kc.quantum_kernel_signatures(dtype)
-    assert set(launched) == set(sigs) - {"eigh"}  # (the array code's eigensolver: tests/cudasim)
+    assert set(launched) == set(sigs)
     newton = int(dtype == "complex64")
     assert modes_of == {k: ((1, 0, 0, newton),) * 2 for k in ("channel_step", "channel_step_vjp")}
     for name, types in launched.items():

@@ -9,7 +9,7 @@
 - :mod:`.checks`: input checks of a Gaussian state on the device (every variable's largest entry, the
   covariances' SPD verdicts and condition-number bounds) in one launch;
 - :mod:`.quantum`: density-matrix per-agent stages (Jacobi eigensolver, Daleckii–Krein adjoints), one
-  thread per agent;
+  thread per agent; :mod:`.eigh` the batched eigensolver with eight threads per matrix (large d);
 - :mod:`.launch`: launches that keep each argument's kernel form (numba re-derives it every launch);
 - :mod:`.ahead`: compiling the kernels a computation will launch ahead of it, in parallel processes;
 - :mod:`.reduce`: whole-array sums and max |x| (numba kernels instead of CuPy's CUB reductions, which
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ahead, checks, gaussian, launch, pair_mma, quantum, reduce, warp
+from . import ahead, checks, eigh, gaussian, launch, pair_mma, quantum, reduce, warp
 from .core import (
     BLOCK,
     PAIR_OPTS,
@@ -64,6 +64,7 @@ from .quantum import make_quantum_kernels
 __all__ = [
     "ahead",
     "checks",
+    "eigh",
     "launch",
     "gaussian",
     "quantum",
@@ -158,6 +159,11 @@ def quantum_kernel_signatures(dtype: str) -> dict[str, str]:
         "energy_prep": (
             f"void({m}, {m}, {r1}, {t2}, {J}, int64, int64, int64, float64, float64, {m}, {t2}, {m}, "
             f"{m}, {r1}, {m}, {m}, {t2}, {t2}, {m}, {m}, {t2}, {m})"
+        ),
+        "energy_mats": f"void({m}, {m}, {t2}, {J}, int64, int64, int64, float64, {m}, {J})",
+        "energy_finish": (
+            f"void({r1}, int64, int64, int64, {r2}, {J}, {t2}, {m}, {m}, {r1}, {m}, {m}, {t2}, {t2}, {m}, "
+            f"{m}, {t2}, {m})"
         ),
         "energy_features": (
             f"void(int64[::1], int64, int64, int64, int64, {m}, {m}, {r1}, {m}, {m}, {t2}, {t2}, {m}, "

@@ -14,11 +14,14 @@ from numba import complex64, complex128
 
 from .. import quantum_math as _qm
 from .core import _NB, compile_kernels, cuda, device
+from .eigh import COOP_MIN_D, make_coop_eigh
 
 __all__ = ["make_quantum_kernels"]
 
 _m = _qm.link(device, "cuda")
 _energy_prep_agent = _m.energy_prep_agent
+_energy_mats_agent = _m.energy_mats_agent
+_energy_finish_agent = _m.energy_finish_agent
 _energy_features_agent = _m.energy_features_agent
 _energy_backward_agent = _m.energy_backward_agent
 _sender_state_agent = _m.sender_state_agent
@@ -95,6 +98,17 @@ def _compile(d: int, dtype: str, modes: tuple | None) -> dict:
                 t, rho, H, T, phi, J, fs, fb, fp, eps, tol2, x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k,
                 Vf, Ms, r,
             )  # fmt: skip
+
+    def energy_mats(rho, H, phi, J, fs, fb, fp, eps, x, M):
+        for t in range(cuda.grid(1), 3 * rho.shape[0], cuda.gridsize(1)):
+            _energy_mats_agent(t, rho, H, phi, J, fs, fb, fp, eps, x, M)
+
+    def energy_finish(T, fs, fb, fp, ew, eV, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf):
+        for t in range(cuda.grid(1), 3 * s.shape[0], cuda.gridsize(1)):
+            r = cuda.local.array(d, rdt)
+            _energy_finish_agent(
+                t, T, fs, fb, fp, ew, eV, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf, r
+            )
 
     def energy_features(y, fs, fb, fp, fo, x, logx, xlx, sigma, logsig, l, p, U, e, A, B, c):
         for n in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
@@ -182,6 +196,8 @@ def _compile(d: int, dtype: str, modes: tuple | None) -> dict:
 
     pyfuncs = {
         "energy_prep": energy_prep,
+        "energy_mats": energy_mats,
+        "energy_finish": energy_finish,
         "energy_features": energy_features,
         "energy_backward": energy_backward,
         "sender_states": sender_states,
@@ -192,4 +208,9 @@ def _compile(d: int, dtype: str, modes: tuple | None) -> dict:
         "born_logp": born_logp,
         "born_add": born_add,
     }
-    return compile_kernels(pyfuncs)
+    if d >= COOP_MIN_D:  # eight threads a matrix (vfesim_kernels.cuda.eigh)
+        del pyfuncs["eigh"]
+        coop = make_coop_eigh(d, dtype)
+        ks = compile_kernels(pyfuncs)
+        return ks | {"eigh": coop["eigh"], "_py": ks["_py"] | coop["_py"], "_lanes": {"eigh": coop["lanes"]}}
+    return compile_kernels(pyfuncs) | {"_lanes": {}}

@@ -54,6 +54,20 @@ def test_cuda_kernels_with_terms_off(weights, agent_minor):
     assert_stages_match(poisoned, stage_inputs(2, "complex128", N=5, seed=3), 1e-12, weights)
 
 
+@pytest.mark.parametrize("weights", [(0.0, 1.0, 0.0, 0.0), (1.0, 0.0, 0.0, 1.0)])
+def test_cooperative_eigh_forward_with_terms_off(weights):
+    """From d = 6 the forward pass runs energy_mats, the cooperative eigh and energy_finish: with a part
+    of the terms off and the buffers starting as NaN, it reads only what it wrote and matches the array
+    code."""
+    from vfesim_kernels.cuda.eigh import COOP_MIN_D
+
+    from vfesim.backends.cuda_backend import _quantum_launch
+    from vfesim.quantum.kernel_ops import kernel_ops
+
+    poisoned = kernel_ops(lambda: POISONED, _quantum_launch, agent_minor=True, batched_eigh_from=COOP_MIN_D)
+    assert_stages_match(poisoned, stage_inputs(COOP_MIN_D, "complex128", N=4, seed=5), 1e-12, weights)
+
+
 def _is_agent_minor(a, axis=0):
     return np.moveaxis(np.asarray(a), axis, -1).flags.c_contiguous
 
@@ -139,11 +153,13 @@ def test_cuda_channel_step_vjp_matches_the_cpu_kernel():
 
 
 @pytest.mark.parametrize("d, dtype, tol", [(2, "complex128", 1e-13), (4, "complex128", 1e-13),
-                                           (3, "complex64", 5e-6)])  # fmt: skip
+                                           (3, "complex64", 5e-6), (6, "complex128", 1e-13),
+                                           (7, "complex64", 5e-6)])  # fmt: skip
 def test_batched_eigh_kernel_against_numpy(d, dtype, tol, monkeypatch):
     """The cuda backend's eigensolver of the array code (the ``eigh`` kernel, registered for CuPy arrays in
     vfesim.quantum.linalg.EIGENSOLVERS) under the simulator: any leading batch shape, ascending eigenvalues,
-    columns that are eigenvectors, launched with the argument types of its signature."""
+    columns that are eigenvectors, launched with the argument types of its signature. From d = 6 the
+    kernel is the cooperative one (vfesim_kernels.cuda.eigh), odd d with its dummy index."""
     import numba
     from numba.core import sigutils
     from vfesim_kernels import cuda as kc

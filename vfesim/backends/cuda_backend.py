@@ -202,6 +202,8 @@ def quantum_jobs(d: int, dtype: str, aggregator: str, dense: bool) -> list:
     rdt = np.finfo(np.dtype(dtype)).dtype.name
     plan = _Plan()
     stages = ("energy_backward", "energy_prep", "energy_features")
+    if d >= kc.eigh.COOP_MIN_D:  # the forward's eigen-decompositions as one cooperative eigh launch
+        stages = ("energy_backward", "eigh", "energy_mats", "energy_finish", "energy_features")
     plan.add(kc.quantum, "make_quantum_kernels", (d, cdt), kc.quantum_kernel_signatures(cdt), *stages)
     streaming = d * d <= STREAM_MAX_D
     plan.pairs(d * d, rdt, aggregator, dense, streaming=streaming)
@@ -874,7 +876,11 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args, modes=None) -> None
     for their ``modes`` (make_quantum_kernels: the other modes' branches compile away)."""
     ks = kc.make_quantum_kernels(d, dtype, modes)
     FIRST_USE.begin(("quantum", d, dtype), lambda: f"density-matrix agents, d={d}, {np.dtype(dtype)}")
-    _launch(ks[name], _cdiv(N, kc.BLOCK), kc.BLOCK, *args)
+    lanes = ks["_lanes"].get(name)  # (threads per item of the cooperative eigensolver)
+    if lanes is None:
+        _launch(ks[name], _cdiv(N, kc.BLOCK), kc.BLOCK, *args)
+    else:
+        _launch(ks[name], _cdiv(N * lanes, kc.eigh.COOP_THREADS), kc.eigh.COOP_THREADS, *args)
 
 
 # One thread per agent up to d = 8 (each matrix in local memory, the agents' arrays agent-minor: a warp's
@@ -908,6 +914,7 @@ QUANTUM_OPS = sized_ops(
         _quantum_launch,
         (_pairwise_dense, _pairwise_sparse),
         agent_minor=True,
+        batched_eigh_from=kc.eigh.COOP_MIN_D,
     ),
     NUMPY_OPS,
     QUANTUM_KERNEL_MAX_D,

@@ -86,6 +86,7 @@ def kernel_ops(
     launch: Callable,
     pairwise: tuple = (None, None),
     agent_minor: bool = False,
+    batched_eigh_from: int | None = None,
 ) -> QuantumOps:
     """A :class:`QuantumOps` whose passes run ``launch`` on arrays of ``array_module()``: the free energy's
     per-agent forward pass in two kernels (``energy_prep`` over 3 N threads, ``energy_features``), its
@@ -93,7 +94,9 @@ def kernel_ops(
     The channel steps make a run's constants once per cache (:func:`.evolve.resident`). ``pairwise``: the
     backend's (pairwise_dense,
     pairwise_sparse) for the free energy of rollouts and mirror steps. ``agent_minor``: the layout of the
-    module docstring."""
+    module docstring. ``batched_eigh_from``: the d from which the forward pass's eigen-decompositions run
+    as one batched ``eigh`` launch over the 3 N matrices (the cuda backend's cooperative solver), between
+    ``energy_mats`` and ``energy_finish``, instead of inside ``energy_prep`` (None: never)."""
     c, empty = _arranger(array_module, agent_minor)
 
     def forward(arrays, weights):
@@ -119,7 +122,15 @@ def kernel_ops(
         prep = (x, s, W, logx, xlx, sigma, logsig, l, p, V, U, k, Vf)
         # 3 N threads: the floored belief's, the prior's and the frame's eigen-decompositions in parallel
         tol2 = jacobi_tol2(rho.dtype)
-        launch("energy_prep", 3 * N, d, rho.dtype, rho, H, T, phi, J, fs, fb, fp, eps, tol2, *prep)
+        if batched_eigh_from is None or d < batched_eigh_from:
+            launch("energy_prep", 3 * N, d, rho.dtype, rho, H, T, phi, J, fs, fb, fp, eps, tol2, *prep)
+        else:
+            M = xp.empty((3 * N, d, d), rho.dtype)
+            ew = xp.empty((3 * N, d), rdt)
+            eV = xp.empty((3 * N, d, d), rho.dtype)
+            launch("energy_mats", 3 * N, d, rho.dtype, rho, H, phi, J, fs, fb, fp, eps, x, M)
+            launch("eigh", 3 * N, d, rho.dtype, M, tol2, ew, eV)
+            launch("energy_finish", 3 * N, d, rho.dtype, T, fs, fb, fp, ew, eV, *prep[1:])
         launch("energy_features", N, d, rho.dtype, y, *on, x, logx, xlx, sigma, logsig, l, p, U, e, A, B, cf)
         energies = {name: e[i] for i, (name, f) in enumerate((("self", fs), ("observation", fo))) if f}
         on_slots = zip(_SLOTS, (fb, fp), strict=True)
