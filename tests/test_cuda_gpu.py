@@ -160,7 +160,7 @@ def test_block_kernels_parity(K, dtype, aggregator):
 def test_block_kernels_row_blocks_and_sparse(monkeypatch, dtype):
     from vfesim.pairwise import gemm
 
-    monkeypatch.setattr(gemm, "GEMM_BLOCK_ELEMENTS", 500 * 97)  # 6 receiver blocks at N = 500
+    monkeypatch.setattr(gemm, "GEMM_BLOCK_BYTES", 500 * 97 * 8)  # 3-6 receiver blocks at N = 500
     cfg = vfesim.ModelConfig(K=21, **BASE)
     _parity(cfg, _arrays(cfg, 500, dtype, seed=1))
     rng = np.random.default_rng(2)

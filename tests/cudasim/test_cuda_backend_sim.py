@@ -192,7 +192,7 @@ def test_large_k_path(monkeypatch, mode, neighbours, aggregator, dtype):
     strided element loops) or, where their shared matrices do not fit, batched array code; GEMM pairs."""
     sparse = neighbours == "sparse"
     monkeypatch.setattr(cb, "LARGE_K", 3)
-    monkeypatch.setattr(gemm, "GEMM_BLOCK_ELEMENTS", 24)  # several receiver blocks at N = 9
+    monkeypatch.setattr(gemm, "GEMM_BLOCK_BYTES", 24 * 8)  # several receiver blocks at N = 9
     if mode == "batched":
         monkeypatch.setattr(kc.gaussian, "BLOCK_SHARED_BYTES", 0)
     assert cb._mode(3, np.dtype(dtype)) == mode

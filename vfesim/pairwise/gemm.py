@@ -3,17 +3,38 @@
 ``KL_ij / kappa = Ah_i . B_j + ch_i`` with receiver features pre-scaled by ``1 / (2 kappa)``. Each block of
 receiver rows is one GEMM (logits), one row kernel (max shift, weights W_ij, row energies and sums,
 :func:`vfesim_kernels.cuda.make_gemm_row_kernel`) and two GEMMs (``W B`` and ``W^T Ah``). Peak memory
-O(block * N); every sum in a fixed order (no atomics).
+O(block * N) (:func:`block_rows`); every sum in a fixed order (no atomics).
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
+
 from ..arrays import array_module
 
-__all__ = ["pairwise_gemm", "pairwise_dense_gemm", "GEMM_BLOCK_ELEMENTS"]
+__all__ = ["pairwise_gemm", "pairwise_dense_gemm", "block_rows", "GEMM_BLOCK_BYTES"]
 
-# Elements of one (receiver block, N) slab: 2^25 float64 = 256 MB per temporary.
-GEMM_BLOCK_ELEMENTS = 1 << 25
+# Bytes of one (receiver block, N) logit slab: 1 GiB, or a sixteenth of the GPU's memory where that is less.
+# Fewer, larger blocks run faster (larger GEMMs, fewer launches); on an H100 (benchmarks/results/
+# gemm_block_h100_stop38.txt), 256 MB -> 1 GB slabs made the density-matrix pairs at d = 8 (D = 64) 7.1 ->
+# 6.3 ms (complex128) and 6.2 -> 5.0 ms (complex64) at N = 16 384, 116 -> 98 and 99 -> 78 ms at 65 536.
+GEMM_BLOCK_BYTES = 1 << 30
+
+
+def block_rows(N: int, dtype, xp) -> int:
+    """Receiver rows per GEMM block for N senders in ``dtype`` (GEMM_BLOCK_BYTES, or a sixteenth of the
+    current device's memory for CuPy arrays ``xp``), at least 1 and at most N."""
+    limit = GEMM_BLOCK_BYTES
+    if xp is not np:
+        limit = min(limit, _device_memory(xp.cuda.Device().id, xp) // 16)
+    return max(1, min(N, limit // (N * np.dtype(dtype).itemsize)))
+
+
+@functools.cache
+def _device_memory(device_id: int, xp) -> int:
+    return int(xp.cuda.Device(device_id).mem_info[1])
 
 
 def pairwise_gemm(Ah, B, ch, aggregator: str, out=None):
@@ -33,7 +54,7 @@ def pairwise_gemm(Ah, B, ch, aggregator: str, out=None):
         for a in out:
             a.fill(0)
         return out
-    block = max(1, min(N, GEMM_BLOCK_ELEMENTS // N))
+    block = block_rows(N, Ah.dtype, xp)
     rows = kc.make_gemm_row_kernel(Ah.dtype.name, aggregator)["rows"]
     # The kernel takes contiguous vectors (the simulator transfers nothing else).
     wsum_c = wsum if wsum.flags.c_contiguous else xp.empty(N, Ah.dtype)
