@@ -12,8 +12,9 @@ for NumPy-backed states on a GPU, transfers). ``--oracle`` also times the naive 
 ``--pairs`` also times the pairwise part alone with its FLOP/s (8 d^2 N (N - 1), :func:`pair_flops`) and,
 on a GPU, the cuBLAS GEMM rate as the ceiling; ``--stages`` times the per-agent forward and backward
 passes (``QuantumOps``) and the pairs alone, where an evaluation's time goes (on cuda from d = 6 also the
-forward pass with one thread per eigen-decomposition instead of eight, ``forward_1thr``); ``--torch`` adds
-the PyTorch autograd baseline (benchmarks/torch_quantum_baseline.py). Medians of repeated calls after one
+forward pass with one thread per eigen-decomposition instead of eight, ``forward_1thr``); ``--gemm-blocks``
+times the GEMM pairs (cuda, d >= 5) with logit slabs of 2^28 .. 2^31 bytes; ``--torch`` adds the PyTorch
+autograd baseline (benchmarks/torch_quantum_baseline.py). Medians of repeated calls after one
 warm-up (which compiles). Writes DIR/quantum_bench.jsonl and .txt.
 """
 
@@ -120,6 +121,32 @@ def bench_stages(backend_name: str, N: int, d: int, dtype: str) -> list[dict]:
     return rows
 
 
+def bench_gemm_blocks(N: int, d: int, dtype: str) -> list[dict]:
+    """The cuda backend's GEMM pairs (feature width d^2 above the streaming kernels') with logit slabs of
+    2^28 .. 2^31 bytes (vfesim.pairwise.gemm.GEMM_BLOCK_BYTES; the default restored after)."""
+    from vfesim.backends import cuda_backend as cb
+    from vfesim.pairwise import gemm
+
+    be = get("cuda")
+    cfg = config(d, "belief")
+    st = vfesim.random_state(cfg, n_agents=N, seed=0, dtype=dtype)
+    arrays = be.to_device({k: st[k].values for k in st.data_vars})
+    A, B, c = be.agent_ops["quantum"].forward(arrays, WEIGHTS).features["belief_align"]
+    assert A.shape[1] > cb.STREAM_MAX_D, "--gemm-blocks: d^2 must exceed the streaming kernels' width"
+    rows, default = [], gemm.GEMM_BLOCK_BYTES
+    try:
+        for log2 in (28, 29, 30, 31):
+            gemm.GEMM_BLOCK_BYTES = 1 << log2
+            t, reps = timeit(lambda: be.pairwise_dense(A, B, c, 1.0, "softmin"), lambda: _sync(be))
+            block = gemm.block_rows(N, A.dtype, be.array_module())
+            rows.append(
+                dict(kind="gemm_block", N=N, d=d, dtype=dtype, slab_bytes=1 << log2, rows=block, t_s=t)
+            )
+    finally:
+        gemm.GEMM_BLOCK_BYTES = default
+    return rows
+
+
 def _serial_eigh_ops(backend_name: str, d: int):
     """On the cuda backend from d = COOP_MIN_D, its per-agent kernels with the forward pass's
     eigen-decompositions inside ``energy_prep`` (one thread each) instead of the cooperative ``eigh``
@@ -174,6 +201,11 @@ def table(rows: list[dict]) -> str:
         elif r["kind"] == "stage":
             t = r["t_s"] * 1e3
             lines.append(f"   stage {r['stage']:>14} {r['d']:3d} {r['dtype']:>10} {r['N']:8d} {t:10.3f}")
+        elif r["kind"] == "gemm_block":
+            lines.append(
+                f"GEMM pairs {r['d']:3d} {r['dtype']:>10} {r['N']:8d}: slab 2^"
+                f"{r['slab_bytes'].bit_length() - 1} bytes ({r['rows']} rows) {r['t_s'] * 1e3:8.3f} ms"
+            )
         elif r["kind"] == "gemm":
             lines.append(f"GEMM ceiling ({r['dtype']}, {r['n']}^3): {r['tflops']:.1f} TFLOP/s")
         elif r["kind"] == "torch":
@@ -198,6 +230,7 @@ def main(argv=None) -> None:
     ap.add_argument("--pairs", action="store_true", help="also time the pairwise part alone (FLOP/s)")
     ap.add_argument("--stages", action="store_true", help="time the per-agent passes, the pairs")
     ap.add_argument("--torch", type=int, nargs="*", help="PyTorch autograd baseline at these N (GPU)")
+    ap.add_argument("--gemm-blocks", action="store_true", help="cuda, d >= 5: the GEMM pairs' slab sizes")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -214,6 +247,8 @@ def main(argv=None) -> None:
                         print(json.dumps(rows[-1]), flush=True)
                     if args.stages:
                         rows += bench_stages(backend, N, d, dtype)
+                    if args.gemm_blocks and backend == "cuda":
+                        rows += bench_gemm_blocks(N, d, dtype)
             if args.pairs and backend == "cuda":
                 rows.append(gemm_ceiling(dtype))
     if args.torch:

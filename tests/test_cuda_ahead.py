@@ -269,15 +269,20 @@ def test_a_worker_that_cannot_start_is_logged_and_this_process_does_its_work(stu
     assert report["failed"] == [] and report["compiled"] == 2 and "no worker process" in caplog.text
 
 
-@pytest.mark.parametrize("d", [2, 4, 5])
+@pytest.mark.parametrize("d", [2, 4, 5, 6])
 @pytest.mark.parametrize("dtype", ["complex64", "complex128"])
 @pytest.mark.parametrize("dense", [True, False])
 def test_density_matrix_plan_names_real_kernels_with_fitting_signatures(d, dtype, dense):
+    from vfesim_kernels.cuda.eigh import COOP_MIN_D
+
     from vfesim.backends import cuda_backend as cb
 
     jobs = cb.quantum_jobs(d, dtype, "expected", dense)
     names = {j.kernel for j in jobs}
-    assert {"energy_prep", "energy_features", "energy_backward", "partial_sum"} <= names
+    assert {"energy_features", "energy_backward", "partial_sum"} <= names
+    # from COOP_MIN_D the forward's eigen-decompositions are one cooperative eigh launch
+    split = {"energy_mats", "eigh", "energy_finish"}
+    assert (split <= names, "energy_prep" in names) == ((True, False) if d >= COOP_MIN_D else (False, True))
     assert ("stats" in names) == (dense and d * d <= cb.STREAM_MAX_D)
     for job in jobs:
         params = inspect.signature(job.dispatcher().py_func).parameters

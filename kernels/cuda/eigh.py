@@ -2,14 +2,14 @@
 at large d (:data:`COOP_MIN_D` and up), where one thread per matrix leaves the GPU nearly idle.
 
 One thread per matrix (:func:`vfesim_kernels.quantum_math.eigh_agent`) runs a cyclic Jacobi sweep as one
-serial chain over the matrix in local memory; at d = 8 the batch of an evaluation (3 x 16 384 matrices)
-is about 3 warps per SM, and the chain's latency is the time. Here eight threads share a matrix in shared
-memory. Each step of a sweep rotates ceil(d / 2) disjoint index pairs at once (the round-robin ordering of
-:func:`round_robin_pair`: d - 1 steps cover every pair, d + 1 for odd d with a dummy index), thread
-2 k + h applying rotation k to its half h of the rows (columns): first A <- A G and V <- V G (columns p,
-q of rows in its half), then, after a barrier, A <- G^dagger A (rows p, q, columns in its half). Disjoint
-rotations commute, and each one's angle depends only on the 2 x 2 block it zeroes, which the others leave
-alone: a step is the product of its rotations, computed by
+serial chain over the matrix in local memory; at d = 8 the batch of an evaluation (3 x 16 384 matrices) is
+about 12 warps per SM of an H100, and the chain's latency is the time. Here eight threads share a matrix
+in shared memory. Each step of a sweep rotates ceil(d / 2) disjoint index pairs at once (the round-robin
+ordering of :func:`round_robin_pair`: d - 1 steps cover every pair, d steps for odd d with a dummy index),
+thread 2 k + h applying rotation k to its half h of the rows (columns): first A <- A G and V <- V G
+(columns p, q of the rows in its half), then, after a barrier, A <- G^dagger A (rows p, q, the columns in
+its half). Disjoint rotations commute, and each one's angle depends only on the 2 x 2 block it zeroes,
+which the others leave alone: a step is the product of its rotations, each computed by
 :func:`vfesim_kernels.quantum_math.jacobi_rotation`, the serial solver's formula.
 
 Sweeps stop at the serial solver's test (squared off-diagonal norm at most ``tol2`` times the squared
@@ -34,9 +34,11 @@ from .core import SIMULATOR, compile_kernels, cuda, device
 __all__ = ["make_coop_eigh", "round_robin_pair", "COOP_LANES", "COOP_THREADS", "COOP_MIN_D", "COOP_MAX_D"]
 
 # Threads per matrix (up to four rotations of two halves each), threads per block (the simulator: one
-# matrix a block), and the sizes that take this solver. On an H100 (3 x 16 384 matrices; one thread a
-# matrix against eight, benchmarks/results/quantum_eigh_h100_stop38.txt): d = 8 complex128 4.38 -> 1.26 ms,
-# complex64 1.43 -> 1.02 ms; at d = 5 and below one thread a matrix is as fast or faster.
+# matrix a block), and the sizes that take this solver. On an H100, the forward pass of an evaluation at
+# N = 16 384 with its eigen-decompositions one thread a matrix against eight (benchmarks/results/
+# quantum_bench_h100_stop38.txt, stages forward_1thr / forward): d = 8 4.67 -> 2.22 ms (complex128), 1.89 ->
+# 1.38 ms (complex64); d = 6 1.54 -> 0.99 and 0.93 -> 0.76 ms. Below d = 6 one thread a matrix stays (its
+# Jacobi chain is short; the kernel was not faster there when tried).
 COOP_LANES = 8
 COOP_THREADS = COOP_LANES if SIMULATOR else 128
 COOP_MIN_D = 6

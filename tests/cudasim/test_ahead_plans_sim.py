@@ -76,6 +76,7 @@ def test_a_first_run_launches_only_planned_specialisations(launches, K, dtype, p
         (4, "complex128", "dense", "softmin"),
         (3, "complex64", "sparse", "expected"),
         (5, "complex128", "dense", "expected"),
+        (6, "complex64", "dense", "softmin"),  # the cooperative eigh between energy_mats and energy_finish
     ],
 )
 def test_a_first_density_matrix_energy_launches_only_planned_specialisations(
