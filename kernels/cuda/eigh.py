@@ -93,6 +93,17 @@ def _nan_last_less(a, b, i, j) -> bool:
 _before = device(_nan_last_less)
 
 
+def _group_sum_py(red, g, k):
+    """red[g, k, 0] + ... + red[g, k, L - 1], in that order (every thread of the group gets the same bits)."""
+    acc = 0.0
+    for i in range(red.shape[2]):
+        acc += red[g, k, i]
+    return acc
+
+
+_group_sum = device(_group_sum_py)
+
+
 @functools.cache
 def make_coop_eigh(d: int, dtype: str) -> dict:
     """``{"eigh": kernel, "lanes": COOP_LANES}``: ``eigh(X, tol2, w_out, V_out)`` with the contract of the
@@ -112,7 +123,7 @@ def make_coop_eigh(d: int, dtype: str) -> dict:
     def eigh(X, tol2, w_out, V_out):
         As = cuda.shared.array((G, d, d), cdt)
         Vs = cuda.shared.array((G, d, d), cdt)
-        red = cuda.shared.array((G, L), float64)
+        red = cuda.shared.array((G, 2, L), float64)  # per thread: off-diagonal, diagonal sums
         tid = cuda.threadIdx.x
         g = tid // L
         lane = tid - g * L
@@ -137,18 +148,13 @@ def make_coop_eigh(d: int, dtype: str) -> dict:
                 dg = A[lane, lane].real * A[lane, lane].real
                 for c in range(lane + 1, d):
                     off += A[lane, c].real * A[lane, c].real + A[lane, c].imag * A[lane, c].imag
+            # (the last step's barrier ordered these reads after every write to A; the step loop's
+            # barriers order the sums' reads of red before the next sweep's writes)
+            red[g, 0, lane] = off
+            red[g, 1, lane] = dg
             _sync()
-            red[g, lane] = off
-            _sync()
-            off = 0.0
-            for i in range(L):
-                off += red[g, i]
-            _sync()
-            red[g, lane] = dg
-            _sync()
-            dg = 0.0
-            for i in range(L):
-                dg += red[g, i]
+            off = _group_sum(red, g, 0)
+            dg = _group_sum(red, g, 1)
             if off <= tol2 * (dg + 2.0 * off) or sweep == sweeps:
                 done = True
             if _all(done):
