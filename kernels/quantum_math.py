@@ -116,7 +116,7 @@ def jacobi_rotation(A, p, q, one):
     two = one + one
     tau = (A[q, q].real - A[p, p].real) / (two * g)
     at = abs(tau)
-    t = one / (two * at) if at > _TAU_BIG else one / (at + math.sqrt(one + tau * tau))
+    t = (one / two) / at if at > _TAU_BIG else one / (at + math.sqrt(one + tau * tau))
     if tau < 0.0:
         t = -t
     c = one / math.sqrt(one + t * t)
@@ -1137,8 +1137,8 @@ def channel_step_vjp_agent(
 
 # In dependency order (callees first): :func:`link` compiles them in this order.
 FUNCTIONS = (
-    "jacobi_eigh",
     "jacobi_rotation",
+    "jacobi_eigh",
     "load_herm",
     "eigh_agent",
     "born_logp_entry",
@@ -1174,8 +1174,8 @@ FUNCTIONS = (
     "frames_vjp",
     "energy_prep_agent",
     "energy_mats_agent",
-    "energy_finish_agent",
     "_eig_copy",
+    "energy_finish_agent",
     "energy_features_agent",
     "energy_backward_agent",
     "sender_state_agent",

@@ -29,3 +29,4 @@ class _FakeCupy:
 
 def test_block_rows_take_a_sixteenth_of_a_small_device():
     assert block_rows(16384, "float64", _FakeCupy) == (1 << 28) // (16384 * 8)
+    assert block_rows(16384, "float64", _FakeCupy, device=1) == (1 << 28) // (16384 * 8)  # the arrays' GPU

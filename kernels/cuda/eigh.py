@@ -43,6 +43,8 @@ COOP_LANES = 8
 COOP_THREADS = COOP_LANES if SIMULATOR else 128
 COOP_MIN_D = 6
 COOP_MAX_D = 8
+# whole warps per block: the warp-wide barriers and votes take every lane of a warp
+assert COOP_THREADS % COOP_LANES == 0 and (SIMULATOR or COOP_THREADS % 32 == 0)
 
 _rotation = device(_qm.jacobi_rotation)
 _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex128}
@@ -108,7 +110,8 @@ _group_sum = device(_group_sum_py)
 def make_coop_eigh(d: int, dtype: str) -> dict:
     """``{"eigh": kernel, "lanes": COOP_LANES}``: ``eigh(X, tol2, w_out, V_out)`` with the contract of the
     one-thread ``eigh`` (:func:`vfesim_kernels.cuda.quantum.make_quantum_kernels`) for matrices of size
-    ``d`` in complex ``dtype``, launched with ``lanes`` threads per matrix in blocks of COOP_THREADS."""
+    ``d`` in complex ``dtype``, launched with ``lanes`` threads per matrix in blocks of COOP_THREADS
+    (``ceil(n lanes / COOP_THREADS)`` blocks for n matrices: no grid-stride loop)."""
     if not 2 <= d <= COOP_MAX_D:
         raise ValueError(f"d: the cooperative eigensolver takes 2 <= d <= {COOP_MAX_D}, got {d}")
     cdt = _COMPLEX[np.dtype(dtype)]

@@ -38,12 +38,16 @@ _COMPLEX = {np.dtype(np.complex64): complex64, np.dtype(np.complex128): complex1
 def make_quantum_kernels(d: int, dtype, modes: tuple | None = None) -> dict:
     """The per-agent kernels for matrices of size ``d`` and complex ``dtype``: energy_prep (launched
     with 3 N threads: the forward pass's three independent parts), energy_features, energy_backward (the
-    free energy's per-agent passes), sender_states, channel_step, channel_step_vjp,
-    incoming (arguments as the CPU kernels of :mod:`vfesim_kernels.quantum_cpu`, without the agent
-    range), and ``eigh(X, tol2, w, V)``: the ascending eigenvalues w (N, d) and eigenvectors V (N, d, d)
-    of herm(X) for a batch X (N, d, d), all C-contiguous (the array code's batched eigh); ``born_logp``,
-    ``born_add`` (one thread per observed entry of a rollout's Born loss, ``vfesim.quantum.kernel_ops.
-    kernel_born``).
+    free energy's per-agent passes; ``energy_mats`` and ``energy_finish``, 3 N threads each, the same
+    forward part around a batched ``eigh`` of its 3 N matrices), sender_states, channel_step,
+    channel_step_vjp, incoming (arguments as the CPU kernels of :mod:`vfesim_kernels.quantum_cpu`,
+    without the agent range), and ``eigh(X, tol2, w, V)``: the ascending eigenvalues w (N, d) and
+    eigenvectors V (N, d, d) of herm(X) for a batch X (N, d, d), all C-contiguous (the array code's
+    batched eigh); ``born_logp``, ``born_add`` (one thread per observed entry of a rollout's Born loss,
+    ``vfesim.quantum.kernel_ops.kernel_born``). From d = COOP_MIN_D (up to 8) ``eigh`` is the
+    cooperative kernel of :mod:`.eigh`, and ``"_lanes"`` maps it to its threads per matrix (the launch's
+    grid: ``vfesim.backends.cuda_backend._quantum_launch``); below, ``"_lanes"`` is empty (one thread per
+    item).
 
     ``modes``: the channel step's four mode codes (:func:`vfesim_kernels.quantum_math.channel_step_agent`)
     as compile-time constants of ``channel_step`` and ``channel_step_vjp``, whose ``modes`` argument must

@@ -884,15 +884,17 @@ def _quantum_launch(name: str, N: int, d: int, dtype, *args, modes=None) -> None
 
 
 # One thread per agent up to d = 8 (each matrix in local memory, the agents' arrays agent-minor: a warp's
-# accesses coalesce); above, the batched CuPy stages (cuSOLVER's eigh).
+# accesses coalesce; from d = 6 the eigen-decompositions eight threads per matrix, vfesim_kernels.cuda.eigh);
+# above, the batched CuPy stages (cuSOLVER's eigh).
 QUANTUM_KERNEL_MAX_D = 8
 
 
 def batched_eigh(X):
     """(w ascending (..., d), V (..., d, d)) of herm(X) for a device batch X (..., d, d) of complex
-    matrices: the ``eigh`` kernel (Jacobi, one thread per matrix, to :func:`jacobi_tol2`) for d up to
-    QUANTUM_KERNEL_MAX_D, the array module's ``linalg.eigh`` (cuSOLVER) otherwise. Registered as the
-    array code's eigensolver of CuPy arrays (``vfesim.quantum.linalg.EIGENSOLVERS``)."""
+    matrices: the ``eigh`` kernel (Jacobi to :func:`jacobi_tol2`, one thread per matrix; eight from
+    ``vfesim_kernels.cuda.eigh.COOP_MIN_D``) for d up to QUANTUM_KERNEL_MAX_D, the array module's
+    ``linalg.eigh`` (cuSOLVER) otherwise. Registered as the array code's eigensolver of CuPy arrays
+    (``vfesim.quantum.linalg.EIGENSOLVERS``)."""
     xp = array_module()
     X = xp.asarray(X)
     d = X.shape[-1]

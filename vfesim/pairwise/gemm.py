@@ -23,12 +23,13 @@ __all__ = ["pairwise_gemm", "pairwise_dense_gemm", "block_rows", "GEMM_BLOCK_BYT
 GEMM_BLOCK_BYTES = 1 << 30
 
 
-def block_rows(N: int, dtype, xp) -> int:
-    """Receiver rows per GEMM block for N senders in ``dtype`` (GEMM_BLOCK_BYTES, or a sixteenth of the
-    current device's memory for CuPy arrays ``xp``), at least 1 and at most N."""
+def block_rows(N: int, dtype, xp, device: int | None = None) -> int:
+    """Receiver rows per GEMM block for N senders in ``dtype`` (GEMM_BLOCK_BYTES, or for CuPy arrays
+    (``xp``) a sixteenth of the memory of GPU ``device``, the current one if None), at least 1 and at most
+    N."""
     limit = GEMM_BLOCK_BYTES
     if xp is not np:
-        limit = min(limit, _device_memory(xp.cuda.Device().id, xp) // 16)
+        limit = min(limit, _device_memory(xp.cuda.Device().id if device is None else device, xp) // 16)
     return max(1, min(N, limit // (N * np.dtype(dtype).itemsize)))
 
 
@@ -54,7 +55,7 @@ def pairwise_gemm(Ah, B, ch, aggregator: str, out=None):
         for a in out:
             a.fill(0)
         return out
-    block = block_rows(N, Ah.dtype, xp)
+    block = block_rows(N, Ah.dtype, xp, getattr(getattr(Ah, "device", None), "id", None))
     rows = kc.make_gemm_row_kernel(Ah.dtype.name, aggregator)["rows"]
     # The kernel takes contiguous vectors (the simulator transfers nothing else).
     wsum_c = wsum if wsum.flags.c_contiguous else xp.empty(N, Ah.dtype)

@@ -89,7 +89,8 @@ def kernel_ops(
     batched_eigh_from: int | None = None,
 ) -> QuantumOps:
     """A :class:`QuantumOps` whose passes run ``launch`` on arrays of ``array_module()``: the free energy's
-    per-agent forward pass in two kernels (``energy_prep`` over 3 N threads, ``energy_features``), its
+    per-agent forward pass in two kernels (``energy_prep`` over 3 N threads, ``energy_features``; four
+    with ``batched_eigh_from``), its
     backward pass in one (``energy_backward``), and ``step_vjp`` :func:`kernel_step_vjp` for every d.
     The channel steps make a run's constants once per cache (:func:`.evolve.resident`). ``pairwise``: the
     backend's (pairwise_dense,
