@@ -136,6 +136,12 @@ def test_riemannian_leapfrog_is_refused_on_dask():
 
 
 # ---- a LocalCluster of two worker processes, one killed mid-run -----------------------------------------
+# Seconds to wait for both workers. On a loaded 2-core CI machine (stop 38), three tests after the
+# killed-worker ones each waited 30 s in vain for the nanny's replacement (it imports the package again);
+# those tests now have a cluster of their own (killing_client), and every wait is longer.
+WORKER_WAIT_S = 180
+
+
 def _kill_once(marker: str, at_step: int, step: int, r0: int) -> None:
     """Task hook: the first task of chunk 0 at ``at_step`` kills its worker process (once: ``marker``)."""
     if step != at_step or r0 != 0:
@@ -147,8 +153,7 @@ def _kill_once(marker: str, at_step: int, step: int, r0: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-@pytest.fixture(scope="module")
-def client():
+def _local_cluster():
     cluster = distributed.LocalCluster(
         n_workers=2,
         threads_per_worker=1,
@@ -162,10 +167,23 @@ def client():
     cluster.close()
 
 
+@pytest.fixture(scope="module")
+def client():
+    """Two worker processes for the tests that keep them alive."""
+    yield from _local_cluster()
+
+
+@pytest.fixture(scope="module")
+def killing_client():
+    """Two worker processes of their own for the tests that kill one (the others then need not wait for
+    the nanny's replacement)."""
+    yield from _local_cluster()
+
+
 def _arm(client, tmp_path, at_step: int) -> str:
     """Every worker (both must be up: a worker without the hook could take chunk 0) kills itself in
     chunk 0's first task of ``at_step``, once."""
-    client.wait_for_workers(2, timeout=30)
+    client.wait_for_workers(2, timeout=WORKER_WAIT_S)
     marker = str(tmp_path / "killed")
     client.run(set_task_hook, functools.partial(_kill_once, marker, at_step))
     return marker
@@ -175,7 +193,8 @@ def _disarm(client) -> None:
     client.run(set_task_hook, None)
 
 
-def test_killed_worker_is_recovered_and_the_run_unchanged(client, reference, tmp_path, caplog):
+def test_killed_worker_is_recovered_and_the_run_unchanged(killing_client, reference, tmp_path, caplog):
+    client = killing_client
     marker = _arm(client, tmp_path, at_step=3)
     pids = set(client.run(os.getpid).values())
     try:
@@ -184,7 +203,7 @@ def test_killed_worker_is_recovered_and_the_run_unchanged(client, reference, tmp
     finally:
         _disarm(client)
     assert os.path.exists(marker)  # a worker died in the step-3 task
-    client.wait_for_workers(2, timeout=30)
+    client.wait_for_workers(2, timeout=WORKER_WAIT_S)
     assert set(client.run(os.getpid).values()) != pids  # and was replaced
     assert "dashboard" in caplog.text
     _same_runs(reference, tmp_path / "r.zarr")  # the same as on the threaded scheduler, bit for bit
@@ -193,7 +212,9 @@ def test_killed_worker_is_recovered_and_the_run_unchanged(client, reference, tmp
     assert info["scheduler"].startswith("distributed")
 
 
-def test_killed_worker_without_retries_stops_with_the_last_checkpoint(client, reference, tmp_path):
+def test_killed_worker_without_retries_stops_with_the_last_checkpoint(killing_client, reference, tmp_path):
+    client = killing_client
+
     def allowed_failures(n, dask_scheduler=None):
         old, dask_scheduler.allowed_failures = dask_scheduler.allowed_failures, n
         return old
@@ -294,7 +315,7 @@ def test_warnings_of_chunk_tasks_reach_the_caller_with_global_agents(method):
 
 def _bytes_moved(client, scenario: dict, path) -> int:
     """Bytes the workers received from each other while ``scenario`` ran on ``client``."""
-    client.wait_for_workers(2, timeout=30)
+    client.wait_for_workers(2, timeout=WORKER_WAIT_S)
     client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
     with client.as_current():
         simulate(scenario, out=path, progress=False)
@@ -327,7 +348,7 @@ def test_chunk_workers_follow_the_data_within_a_balanced_share(client):
     from vfesim.backends.dask_backend import blocks, chunk_workers
 
     assert chunk_workers((0, 2, 4, 5)) == [None] * 3
-    client.wait_for_workers(2, timeout=30)
+    client.wait_for_workers(2, timeout=WORKER_WAIT_S)
     w0, w1 = sorted(client.scheduler_info()["workers"])
     with client.as_current():
         assert chunk_workers((0, 3, 6, 9, 12)) == [w0, w0, w1, w1]
