@@ -212,9 +212,8 @@ def _compile(d: int, dtype: str, modes: tuple | None) -> dict:
         "born_logp": born_logp,
         "born_add": born_add,
     }
+    lanes = {}
     if d >= COOP_MIN_D:  # eight threads a matrix (vfesim_kernels.cuda.eigh)
-        del pyfuncs["eigh"]
         coop = make_coop_eigh(d, dtype)
-        ks = compile_kernels(pyfuncs)
-        return ks | {"eigh": coop["eigh"], "_py": ks["_py"] | coop["_py"], "_lanes": {"eigh": coop["lanes"]}}
-    return compile_kernels(pyfuncs) | {"_lanes": {}}
+        pyfuncs["eigh"], lanes = coop["_py"]["eigh"], {"eigh": coop["lanes"]}
+    return compile_kernels(pyfuncs) | {"_lanes": lanes}
