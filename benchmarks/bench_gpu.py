@@ -174,8 +174,9 @@ def tune(out_rows):
     """Threads per block x owners per thread of the SIMT dense kernels at N = 65536, K = 3 (float64 too:
     its tensor-core kernels are set aside for the sweep)."""
     N, K = 65536, 3
-    keep = (kp.PAIR_THREADS, dict(kc.PAIR_OPTS), kp.DENSE_MMA)
+    keep = (kp.PAIR_THREADS, dict(kc.PAIR_OPTS), kp.DENSE_MMA, dict(kc.PAIR_OPTS_NARROW))
     kp.DENSE_MMA = frozenset()
+    kc.PAIR_OPTS_NARROW.clear()  # (the sweep's owners at every width)
     try:
         for dtype in DTYPES:
             for threads in (128, 256):
@@ -188,6 +189,7 @@ def tune(out_rows):
     finally:
         kp.PAIR_THREADS, kp.DENSE_MMA = keep[0], keep[2]
         kc.PAIR_OPTS.update(keep[1])
+        kc.PAIR_OPTS_NARROW.update(keep[3])
 
 
 # Register caps (stats, grads) of the dense pair kernels tried by --tune-registers: each a resident block
@@ -347,7 +349,8 @@ def main(argv=None):
     rows: list[dict] = []
     dev = cp.cuda.runtime.getDeviceProperties(0)
     info = dict(kind="device", name=dev["name"].decode(), sms=dev["multiProcessorCount"],
-                mem_gib=dev["totalGlobalMem"] / 2**30, threads=kc.PAIR_THREADS, opt=kc.PAIR_OPTS)  # fmt: skip
+                mem_gib=dev["totalGlobalMem"] / 2**30, threads=kc.PAIR_THREADS, opt=kc.PAIR_OPTS,
+                opt_narrow=kc.PAIR_OPTS_NARROW)  # fmt: skip
     log(info)
     ceil = ceilings()
     rows += [info, dict(kind="ceilings", **ceil)]

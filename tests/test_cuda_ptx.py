@@ -77,6 +77,10 @@ def test_kernel_compiles_for_sm90(K, dtype, fam, name):
     if fam.startswith("dense") and name in ("stats", "grads"):
         if dtype == "float32":
             assert not re.search(r"\.f64\b", ptx), "float64 arithmetic in a float32 pairwise kernel"
+            # logits in base-2 units: the exponential is the hardware's ex2, with no scaling per pair
+            assert "ex2.approx.ftz.f32" in ptx
+            if name == "stats":  # the rescaling branch taken by whole warps, on a vote
+                assert "vote.sync.any.pred" in ptx
         if K == 3:
             assert ".local" not in ptx, "per-thread arrays spilled to local memory at K = 3"
         if dtype == "float64":  # the tensor-core kernels: the sm_90 shapes, not Ampere's m8n8k4
@@ -387,3 +391,19 @@ def test_fold_kernel_compiles_for_sm90(dtype):
     ptx, _ = kc.cuda.compile_ptx(k["_py"]["fold"], kc.reduce.reduce_signatures(dtype)["fold"], cc=(9, 0))
     assert ".target sm_90" in ptx and re.search(r"\.entry\s", ptx)
     assert bool(re.search(r"add(\.rn)?\.f64", ptx)) == (dtype == "float64")
+
+
+def test_dense_owners_per_thread_by_dtype_and_width():
+    """Owners per thread of the SIMT dense kernels: float32 rows up to D = 10 take 2 (PAIR_OPTS_NARROW),
+    wider rows 3; float64 2. The launch layout and the kernels made agree."""
+    widest, narrow = kc.PAIR_OPTS_NARROW["float32"]
+    assert kc.pair_opt("float32", widest) == narrow == 2
+    assert kc.pair_opt("float32", widest + 1) == kc.pair_opt("float32") == kc.PAIR_OPTS["float32"] == 3
+    assert kc.pair_opt("float64", 4) == kc.pair_opt("float64", 64) == 2
+    for D, opt in ((10, 2), (16, 3)):
+        ks = kc.make_dense_kernels(D, "float32", "softmin")
+        assert ks["opt"] == opt
+        assert kc.dense_layout(D, "float32") == (ks["threads"], ks["per_block"]) == (
+            kc.PAIR_THREADS,
+            opt * kc.PAIR_THREADS,
+        )

@@ -20,6 +20,7 @@ __all__ = [
     "BLOCK",
     "PAIR_THREADS",
     "PAIR_OPTS",
+    "PAIR_OPTS_NARROW",
     "pair_opt",
     "SHARED_BYTES",
     "NB_TYPES",
@@ -52,13 +53,24 @@ BLOCK = 8 if SIMULATOR else 128
 # (200 registers at D = 16, 2 blocks per SM) were slower. float64 keeps 2: 3 owners made the complex128 pairs
 # at 65 536 53.5 -> 61 ms and Gaussian float64 87 -> 92 ms. (float64 dense pairs now default to the
 # tensor-core kernels of vfesim_kernels.cuda.pair_mma; these serve them with ``mma=False``.)
+# Stop 39's kernels (fewer instructions per pair, so occupancy counts for more) moved float32 feature rows up
+# to D = 10 back to 2 owners (PAIR_OPTS_NARROW): Gaussian K = 3 (D = 10, one term) at N = 65 536 took
+# 15.3-16.4 ms against 16.7-16.9 (expected) and 12.5-12.6 against 12.9 (softmin), its statistics kernel 120
+# registers against 162 (expected); the density-matrix pairs (D = 16) stayed faster at 3 (17.3-17.8 against
+# 18.2 ms at 65 536; benchmarks/results/gpu_pairs_h100_stop39.txt).
 PAIR_THREADS = 4 if SIMULATOR else 128
 PAIR_OPTS = {"float32": 3, "float64": 2}
+PAIR_OPTS_NARROW = {"float32": (10, 2)}  # dtype -> (widest D, owners per thread up to that width)
 
 
-def pair_opt(dtype) -> int:
-    """Owners per thread of the dense pair kernels in ``dtype`` (PAIR_OPTS)."""
-    return PAIR_OPTS[np.dtype(dtype).name]
+def pair_opt(dtype, D: int | None = None) -> int:
+    """Owners per thread of the dense pair kernels in ``dtype`` for feature width D (PAIR_OPTS, and
+    PAIR_OPTS_NARROW for narrow rows; D None: PAIR_OPTS)."""
+    name = np.dtype(dtype).name
+    narrow = PAIR_OPTS_NARROW.get(name)
+    if D is not None and narrow is not None and D <= narrow[0]:
+        return narrow[1]
+    return PAIR_OPTS[name]
 
 
 # Static shared memory per block stays under the 48 KB that needs no opt-in.

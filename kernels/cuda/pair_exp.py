@@ -27,15 +27,23 @@ from numba import float32
 
 from .core import SIMULATOR, device
 
-__all__ = ["PAIR_EXP"]
+__all__ = ["PAIR_EXP", "PAIR_EXPB"]
 
 
 def _exp(x):
     return math.exp(x)
 
 
+_LN2 = math.log(2.0)
+
+
+def _exp2_sim(y):
+    return math.exp(y * _LN2)
+
+
 if SIMULATOR:
     PAIR_EXP = {np.dtype(np.float32): device(_exp), np.dtype(np.float64): device(_exp)}
+    _EX2 = device(_exp2_sim)  # (the base-2 units run in the simulator too)
 else:
     from llvmlite import ir
     from numba.cuda import cgutils
@@ -60,3 +68,16 @@ else:
         return _ex2_ftz(x * _LOG2E)
 
     PAIR_EXP = {np.dtype(np.float32): device(_fast_expf), np.dtype(np.float64): device(_exp)}
+
+    def _exp2(y):
+        return _ex2_ftz(y)
+
+    _EX2 = device(_exp2)
+
+# The SIMT dense kernels' exponential in their logit units, ``PAIR_EXPB[dtype] = (ex, LB)``: logits scaled by
+# LB (folded into the features as they are loaded), so that ex(y) = exp(y / LB) is one instruction in float32
+# (ex2 of a logit in base-2 units: LB = log2(e)) and libdevice's exponential in float64 (LB = 1).
+PAIR_EXPB = {
+    np.dtype(np.float32): (_EX2, np.float32(1.0 / _LN2)),
+    np.dtype(np.float64): (device(_exp), np.float64(1.0)),
+}

@@ -31,7 +31,7 @@ import functools
 import math
 
 import numpy as np
-from numba import int32
+from numba import int64, uint32
 
 from .core import (
     _NB,
@@ -51,15 +51,15 @@ from .core import (
     pair_logit,
     pair_opt,
     pair_weight,
-    pair_weight_e,
     pair_weight_w,
     row_abar,
     row_energy,
     row_means_w,
     row_unit_energy_w,
 )
-from .pair_exp import PAIR_EXP
+from .pair_exp import PAIR_EXPB
 from .pair_mma import make_mma_kernels, mma_layout
+from .warp import warp_any
 
 __all__ = [
     "make_dense_kernels",
@@ -249,8 +249,13 @@ def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]
 # 10 float64 (128, 128) gave 0.955 of free alone (35.9 against 37.6 ms) but made whole Gaussian K = 3 calls at
 # 65 536 on an H100 far slower (65.8 / 66.0 ms against 44.2-45.0; gpu_caps_ab_h100_stop30.txt); D = 10 float32
 # (96, 96) 0.947 and (80, 128) 0.952 alone are the caps stop 27 found slower in whole calls (above), not tried
-# again. No cap is kept.
-DENSE_REGISTERS: dict = {}
+# again. No cap was kept until stop 39, whose kernels (logits in the exponential's units, a warp vote for the
+# rescaling, unsigned while loops) gave the float32 D = 10 ``grads`` 156 registers (110 before; its tile loads
+# unroll), 3 blocks per SM: capped at 128 it keeps 4, and whole Gaussian K = 3 calls at N = 65 536 on an H100
+# took 12.9-13.1 ms against 14.2 uncapped (expected: 16.7 against 16.9-17.2), while the D = 16 density-matrix
+# pairs (complex64, d = 4) lost under the same cap (18.0-18.6 ms against 17.6): kept for D = 10 only
+# (benchmarks/results/gpu_pairs_h100_stop39.txt).
+DENSE_REGISTERS: dict = {("float32", 10): (None, 128)}
 
 
 def dense_registers(D: int, dtype) -> tuple:
@@ -271,7 +276,7 @@ def dense_layout(D: int, dtype) -> tuple[int, int]:
     and ``dtype`` (their ``threads`` and ``per_block``), known before they are made."""
     if np.dtype(dtype).name in DENSE_MMA:
         return mma_layout(D)
-    return PAIR_THREADS, PAIR_THREADS * pair_opt(dtype)
+    return PAIR_THREADS, PAIR_THREADS * pair_opt(dtype, D)
 
 
 def make_dense_kernels(
@@ -287,7 +292,7 @@ def make_dense_kernels(
     feature width D, ``dtype`` and ``aggregator``, with their launch layout: ``threads`` per block,
     ``per_block`` owners per block. ``mma`` (None: ``dtype`` in DENSE_MMA): the float64 tensor-core
     kernels of :mod:`.pair_mma`; otherwise the SIMT kernels with ``threads`` (PAIR_THREADS) and ``opt``
-    owners per thread (the dtype's :func:`~.core.pair_opt`) and register caps ``registers``."""
+    owners per thread (:func:`~.core.pair_opt` of ``dtype`` and D) and register caps ``registers``."""
     dtype = np.dtype(dtype).name
     mma = dtype in DENSE_MMA if mma is None else mma
     if mma:
@@ -298,13 +303,14 @@ def make_dense_kernels(
             )
         return _mma_dense_kernels(D, aggregator)
     threads = PAIR_THREADS if threads is None else threads
-    return _dense_kernels(D, dtype, aggregator, threads, pair_opt(dtype) if opt is None else opt, registers)
+    opt = pair_opt(dtype, D) if opt is None else opt
+    return _dense_kernels(D, dtype, aggregator, threads, opt, registers)
 
 
 @functools.cache
 def _mma_dense_kernels(D: int, aggregator: str) -> dict:
     """:func:`.pair_mma.make_mma_kernels` completed by the SIMT set's ``merge`` (the same statistics)."""
-    simt = _dense_kernels(D, "float64", aggregator, PAIR_THREADS, pair_opt("float64"), None)
+    simt = _dense_kernels(D, "float64", aggregator, PAIR_THREADS, pair_opt("float64", D), None)
     ks = make_mma_kernels(D, aggregator)
     py = ks["_py"] | {"merge": simt["_py"]["merge"]}
     return ks | {"merge": simt["merge"], "_py": py, "registers": (None, None), "mma": True}
@@ -338,6 +344,12 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
     The pair i == j is skipped by a per-pair test only in the shared tiles that hold one of the block's
     own agents (and, in ``grads``, owners past the end only in the last block); every other tile runs
     the same loop without the tests.
+    Inside the passes the logits are in the exponential's units (:data:`.pair_exp.PAIR_EXPB`: base 2 in
+    float32, so each exponential is one ex2): the owners' (and, in ``grads``, the receivers') rows are
+    loaded times -scale LB, their constant is the first term of each dot product (in ``grads`` less the
+    receiver's maximum), and the outputs go back to natural units as they are stored. In ``stats`` a warp
+    whose owners all stay below their running maxima (after the first senders, nearly always) skips the
+    rescaling branch on a warp vote.
     ``registers``: (stats, grads) register caps; None: :func:`dense_registers` (the tuned table, cached
     on disk); given: this variant only, not cached on disk (a sweep's).
     """
@@ -347,17 +359,17 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
     ninf = np.dtype(dtype).type(-np.inf)
     agg = AGG_CODES[aggregator]
     expected = aggregator == "expected"
-    ex = PAIR_EXP[np.dtype(dtype)]
+    ex, LB = PAIR_EXPB[np.dtype(dtype)]
+    inv_lb = one / LB
     TS = _tile_rows(D, np.dtype(dtype).itemsize, threads)
     OPT = opt
     NT = threads
+    one_u = np.uint32(1)
 
     def dots(own, rw, kl):
-        """kl[o] = own[o] . rw[0] for every owner o, as two partial sums (even and odd features): 2 OPT
-        independent FMA chains in flight instead of one chain of D dependent FMAs at a time."""
-        for o in range(OPT):
-            kl[o, 0] = zero
-            kl[o, 1] = zero
+        """kl[o, 0] + kl[o, 1] += own[o] . rw[0] for every owner o, as two partial sums (even and odd
+        features; the caller sets their first terms): 2 OPT independent FMA chains in flight instead of
+        one chain of D dependent FMAs at a time."""
         for d in range(0, D - 1, 2):
             for o in range(OPT):
                 kl[o, 0] += own[o, d] * rw[0, d]
@@ -366,33 +378,35 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
             for o in range(OPT):
                 kl[o, 0] += own[o, D - 1] * rw[0, D - 1]
 
-    def push(o, rw, kl, x, e, m, s, t, acc, accx, px):
-        """Owner o (a receiver) meets one more sender (row rw, KL' kl, logit x, e = exp(-|x - m[o]|)):
-        online log-sum-exp statistics and the sums of sender rows weighted by exp(x - m), rescaled when
+    def add(o, rw, x, y, e, s, t, acc, accx, px):
+        """Owner o meets a sender (row rw, logit x, y = x - m[o] <= 0, e = ex(y)) below its maximum."""
+        for d in range(D):
+            acc[o, d] += e * rw[0, d]
+        if expected:  # delta = m - x = -y >= 0; t sums e x
+            ed = -(e * y)
+            for d in range(D):
+                accx[o, d] += ed * rw[0, d]
+            px[o] += ed
+            t[o] += e * x
+        s[o] += e
+
+    def push(o, rw, x, y, e, m, s, t, acc, accx, px):
+        """Owner o (a receiver) meets one more sender (row rw, logit x, y = x - m[o], e = ex(-|y|)):
+        online log-sum-exp statistics and the sums of sender rows weighted by ex(x - m), rescaled when
         the maximum m moves."""
-        mo = m[o]
-        if x > mo:  # a new maximum: the sums so far scale by e = exp(m_old - x); this row has weight 1
-            if expected and s[o] > zero:
-                sh = x - mo  # every delta so far grows by the shift
+        if y > zero:  # a new maximum: the sums so far scale by e = ex(m_old - x); this row has weight 1
+            if expected and s[o] > zero:  # every delta so far grows by the shift y
                 for d in range(D):
-                    accx[o, d] = e * (accx[o, d] + sh * acc[o, d])
-                px[o] = e * (px[o] + sh * s[o])
+                    accx[o, d] = e * (accx[o, d] + y * acc[o, d])
+                px[o] = e * (px[o] + y * s[o])
             for d in range(D):
                 acc[o, d] = acc[o, d] * e + rw[0, d]
             m[o] = x
             s[o] = s[o] * e + one
             if expected:  # (softmin needs no mean KL: its t, and abar, stay 0)
-                t[o] = t[o] * e + kl
+                t[o] = t[o] * e + x
         else:
-            for d in range(D):
-                acc[o, d] += e * rw[0, d]
-            if expected:
-                ed = e * (mo - x)
-                for d in range(D):
-                    accx[o, d] += ed * rw[0, d]
-                px[o] += ed
-                t[o] += e * kl
-            s[o] += e
+            add(o, rw, x, y, e, s, t, acc, accx, px)
 
     def owner(q):
         """The number of the thread's owner that is the agent q rows after its first owner (its owners are
@@ -400,18 +414,30 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
         return q // NT if q >= 0 and q % NT == 0 and q < NT * OPT else -1
 
     def meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, skip):
-        """Every owner but number ``skip`` (-1: none) meets sender row rw: the KLs and exponentials of
-        all owners first (independent work in flight), then the updates."""
+        """Every owner but number ``skip`` (-1: none) meets sender row rw: the logits and exponentials of
+        all owners first (independent work in flight), then the updates. The maximum of an owner moves
+        rarely after its first senders: a warp whose owners all stay below theirs takes the updates
+        without the rescaling branch (one vote per sender instead of a divergent branch per owner)."""
+        for o in range(OPT):
+            kl[o, 0] = oc[o]
+            kl[o, 1] = zero
         dots(own, rw, kl)
+        up = False
         for o in range(OPT):
-            k = (kl[o, 0] + kl[o, 1]) + oc[o]
-            x = pair_logit(k, one)
-            xe[o, 0] = k
-            xe[o, 1] = x
-            xe[o, 2] = ex(-abs(x - m[o]))
-        for o in range(OPT):
-            if o != skip:
-                push(o, rw, xe[o, 0], xe[o, 1], xe[o, 2], m, s, t, acc, accx, px)
+            x = kl[o, 0] + kl[o, 1]
+            y = x - m[o]
+            xe[o, 0] = x
+            xe[o, 1] = y
+            xe[o, 2] = ex(-abs(y))
+            up = up | ((y > zero) & (o != skip))
+        if warp_any(up):
+            for o in range(OPT):
+                if o != skip:
+                    push(o, rw, xe[o, 0], xe[o, 1], xe[o, 2], m, s, t, acc, accx, px)
+        else:
+            for o in range(OPT):
+                if o != skip:
+                    add(o, rw, xe[o, 0], xe[o, 1], xe[o, 2], s, t, acc, accx, px)
 
     def stats(A, B, c, scale, r0, f0, chunk, pm, ps, pt, gAr, gAx):
         """Receiver pass over one slice of senders: row statistics and weighted sums of sender rows."""
@@ -438,13 +464,14 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
         rw = cuda.local.array((1, D), dt)
         kl = cuda.local.array((OPT, 2), dt)
         xe = cuda.local.array((OPT, 3), dt)
+        nsl = -(scale * LB)  # logits in the exponential's units: x = -KL' LB = (-scale LB) (A . B + c)
         for o in range(OPT):
             ii = min(i0 + o * NT, NR - 1)
             for d in range(D):
-                own[o, d] = A[f, ii, d] * scale
+                own[o, d] = A[f, ii, d] * nsl
                 acc[o, d] = zero
                 accx[o, d] = zero
-            oc[o] = c[f, ii] * scale
+            oc[o] = c[f, ii] * nsl
             m[o] = ninf
             s[o] = zero
             t[o] = zero
@@ -457,30 +484,35 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                 if j0 + row < j_end:
                     sX[row, r - row * D] = B[f, j0 + row, r - row * D]
             cuda.syncthreads()
-            nj = int32(min(TS, j_end - j0))  # (32-bit loop counters: fewer instructions per pair)
+            # (unsigned 32-bit counters in while loops: 4 instructions of loop control and addressing per
+            # sender, against 12 for a range loop over int32, which also wraps negative indices)
+            nj = uint32(min(TS, j_end - j0))
+            jj = uint32(0)
             if j0 < hi and j0 + nj > lo:  # a tile with the block's own agents: skip i == j
-                for jj in range(nj):
+                while jj < nj:
                     for d in range(D):  # the sender's row once into registers, for all OPT owners
                         rw[0, d] = sX[jj, d]
-                    skip = owner(j0 + jj - g0)  # the owner that is this sender, if any
+                    skip = owner(j0 - g0 + int64(jj))  # the owner that is this sender, if any
                     meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, skip)
+                    jj = uint32(jj + one_u)
             else:
-                for jj in range(nj):
+                while jj < nj:
                     for d in range(D):
                         rw[0, d] = sX[jj, d]
                     meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, -1)
-        for o in range(OPT):
+                    jj = uint32(jj + one_u)
+        for o in range(OPT):  # back to natural units: logits, KL' and deltas divide by LB (t sums e x)
             i = i0 + o * NT
             if i < NR:
-                pm[sl, f, i] = m[o]
+                pm[sl, f, i] = m[o] * inv_lb
                 ps[sl, f, i] = s[o]
-                pt[sl, f, i] = t[o]
+                pt[sl, f, i] = -(t[o] * inv_lb)
                 for d in range(D):
                     gAr[sl, f, i, d] = acc[o, d]
                 if expected:
                     for d in range(D):
-                        gAx[sl, f, i, d] = accx[o, d]
-                    gAx[sl, f, i, D] = px[o]
+                        gAx[sl, f, i, d] = accx[o, d] * inv_lb
+                    gAx[sl, f, i, D] = px[o] * inv_lb
 
     def merge(pm, ps, pt, kappa, f0, m, inv_s, abar, energy, gAr, gAx):
         """Merge the slices' statistics in slice order; per-receiver energy kappa * A_kappa'; the slices'
@@ -529,18 +561,24 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
             total = v if sl == 0 else total + v
         gAr[0, f, i, col] = total
 
-    def send(own, rw, rc, rm, ri, ra, acc, kl, skip, n_own):
-        """Receiver row rw (statistics rc, rm, ri, ra) meets owners o < n_own but ``skip`` (senders):
-        acc[o] += W A'_i, the KLs and exponentials of all owners first (independent work in flight)."""
+    def send(own, rw, rc, ri, rq, acc, kl, skip, n_own):
+        """Receiver row rw (rc: its logits' constant, less its maximum; ri = 1 / s; rq: ``expected``'s
+        constant) meets owners o < n_own but ``skip`` (senders): acc[o] += W LB^e A''_i (A'' = -scale LB A,
+        the row as loaded; e = 1 for ``expected``), the logits and exponentials of all owners first. (The
+        exponent keeps no log s: a rounded y of magnitude log2 s would cost its weights precision.)"""
+        for o in range(OPT):
+            kl[o, 0] = rc
+            kl[o, 1] = zero
         dots(own, rw, kl)
         for o in range(OPT):
-            k = (kl[o, 0] + kl[o, 1]) + rc
-            kl[o, 0] = ex(pair_logit(k, one) - rm)
-            kl[o, 1] = k
+            y = kl[o, 0] + kl[o, 1]  # = LB (x - m) <= 0
+            w = ex(y) * ri  # beta
+            if expected:  # W LB = beta LB (1 + abar - KL') = beta (y + rq), KL' = -(y / LB + m)
+                w *= y + rq
+            kl[o, 0] = w
         for o in range(OPT):
             if o != skip and o < n_own:
-                w = pair_weight_e(kl[o, 0], kl[o, 1], ri, ra, one, agg)
-                accumulate_row(acc, o, w, rw, 0)
+                accumulate_row(acc, o, kl[o, 0], rw, 0)
 
     def grads(A, B, c, scale, m, inv_s, abar, r0, f0, chunk, gBs):
         """Sender pass: per slice of receivers, sum_i W_ij A'_i for each sender j."""
@@ -567,44 +605,52 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                 acc[o, d] = zero
         sX = cuda.shared.array((TS, D), dt)
         sc = cuda.shared.array(TS, dt)
-        sm = cuda.shared.array(TS, dt)
         si = cuda.shared.array(TS, dt)
-        sa = cuda.shared.array(TS, dt)
+        sq = cuda.shared.array(TS, dt)
+        nsl = -(scale * LB)
         for k0 in range(k_begin, k_end, TS):
             cuda.syncthreads()
             for r in range(tid, TS * D, NT):
                 row = r // D
                 if k0 + row < k_end:
                     col = r - row * D
-                    sX[row, col] = A[f, k0 + row, col] * scale
+                    sX[row, col] = A[f, k0 + row, col] * nsl
             for r in range(tid, TS, NT):
                 if k0 + r < k_end:
-                    sc[r] = c[f, k0 + r] * scale
-                    sm[r] = m[f, k0 + r]
-                    si[r] = inv_s[f, k0 + r]
-                    sa[r] = abar[f, k0 + r]
+                    k = k0 + r
+                    sc[r] = c[f, k] * nsl - LB * m[f, k]
+                    si[r] = inv_s[f, k]
+                    if expected:
+                        sq[r] = LB * ((one + abar[f, k]) + m[f, k])
             cuda.syncthreads()
-            nk = int32(min(TS, k_end - k0))
+            nk = uint32(min(TS, k_end - k0))
             # Checked pairs: tiles with the block's own agents (skip i == j) and the last, partial block
             # (skip owners past the end, whose clamped loads would count a sender twice).
             checked = (r0 + k0 < hi and r0 + k0 + nk > lo) or b0 + NT * OPT > N
-            for kk in range(nk):
-                for d in range(D):  # the receiver's row once into registers, for all OPT owners
-                    rw[0, d] = sX[kk, d]
-                rc, rm, ri, ra = sc[kk], sm[kk], si[kk], sa[kk]
-                if checked:
-                    skip = owner(r0 + k0 + kk - lo - tid)  # the owner that is this receiver, if any
-                    send(own, rw, rc, rm, ri, ra, acc, kl, skip, n_own)
-                else:
-                    send(own, rw, rc, rm, ri, ra, acc, kl, -1, OPT)
+            kk = uint32(0)
+            if checked:
+                while kk < nk:
+                    for d in range(D):  # the receiver's row once into registers, for all OPT owners
+                        rw[0, d] = sX[kk, d]
+                    skip = owner(r0 + k0 - lo - tid + int64(kk))  # the owner that is this receiver, if any
+                    send(own, rw, sc[kk], si[kk], sq[kk], acc, kl, skip, n_own)
+                    kk = uint32(kk + one_u)
+            else:
+                while kk < nk:
+                    for d in range(D):
+                        rw[0, d] = sX[kk, d]
+                    send(own, rw, sc[kk], si[kk], sq[kk], acc, kl, -1, OPT)
+                    kk = uint32(kk + one_u)
+        out = -(inv_lb * inv_lb) if expected else -inv_lb  # W A' = (W LB^e) A'' (-1 / LB^(1 + e))
         for o in range(OPT):
             i = i0 + o * NT
             if i < N:
                 for d in range(D):
-                    gBs[sl, f, i, d] = acc[o, d]
+                    gBs[sl, f, i, d] = acc[o, d] * out
 
     dots = device(dots)
     owner = device(owner)
+    add = device(add)
     push = device(push)
     meet = device(meet)
     send = device(send)

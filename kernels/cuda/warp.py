@@ -15,6 +15,10 @@ These layouts were checked against NumPy on an H100 (benchmarks/results/gpu_dmma
 both shapes run at 51-65 TFLOP/s against 30-31 for Ampere's m8n8k4. Each product is a float64 fused
 multiply-add; the tensor cores' order within a row is their own but fixed: the same bits run to run.
 
+``warp_any(flag)``: whether ``flag`` holds in any lane of the warp (the same answer in every lane: a
+branch on it is uniform); in the simulator, over the block (the simulator's pair kernels run blocks of at
+most a warp of threads).
+
 ``quad_sum(v)`` / ``quad_max(v)``: the sum (v_0 + v_1) + (v_2 + v_3) (resp. the maximum) over the lanes
 4g .. 4g + 3, returned to each of them, by two butterfly shuffles. ``fmax(a, b)``: the larger of a and b,
 ignoring a NaN (IEEE maxNum, the device's ``max``; quad_max takes it too), on either target.
@@ -32,7 +36,7 @@ from numba import float64, types
 
 from .core import SIMULATOR, cuda, device
 
-__all__ = ["dmma_k8", "dmma_k4", "fmax", "quad_sum", "quad_max", "SIM_THREADS_MAX"]
+__all__ = ["dmma_k8", "dmma_k4", "fmax", "quad_sum", "quad_max", "warp_any", "SIM_THREADS_MAX"]
 
 # Threads per block the simulator's scratch holds.
 SIM_THREADS_MAX = 128
@@ -106,6 +110,9 @@ if SIMULATOR:
     def _quad_sum(v):
         return _quad(v, False)
 
+    def _warp_any(flag):
+        return cuda.syncthreads_or(flag)  # (the simulator's blocks are at most a warp of threads)
+
     def _quad_max(v):
         return _quad(v, True)
 
@@ -158,6 +165,9 @@ else:
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
         return max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
 
+    def _warp_any(flag):
+        return cuda.any_sync(0xFFFFFFFF, flag)
+
     def _fmax(a, b):
         return max(a, b)  # (numba's float max on the device: libdevice fmax, which ignores a NaN)
 
@@ -167,3 +177,4 @@ dmma_k4 = device(_dmma_k4)
 quad_sum = device(_quad_sum)
 quad_max = device(_quad_max)
 fmax = device(_fmax)
+warp_any = device(_warp_any)
