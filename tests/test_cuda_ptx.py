@@ -403,7 +403,5 @@ def test_dense_owners_per_thread_by_dtype_and_width():
     for D, opt in ((10, 2), (16, 3)):
         ks = kc.make_dense_kernels(D, "float32", "softmin")
         assert ks["opt"] == opt
-        assert kc.dense_layout(D, "float32") == (ks["threads"], ks["per_block"]) == (
-            kc.PAIR_THREADS,
-            opt * kc.PAIR_THREADS,
-        )
+        layout = (kc.PAIR_THREADS, opt * kc.PAIR_THREADS)
+        assert kc.dense_layout(D, "float32") == (ks["threads"], ks["per_block"]) == layout
