@@ -172,7 +172,8 @@ def check_baseline(K: int, dtype: str = "float64", N: int = 256) -> dict:
 
 def tune(out_rows):
     """Threads per block x owners per thread of the SIMT dense kernels at N = 65536, K = 3 (float64 too:
-    its tensor-core kernels are set aside for the sweep)."""
+    its tensor-core kernels are set aside for the sweep). The register caps of DENSE_REGISTERS stay on
+    (numba's disk cache does not key on a cap: the table's kernels must keep theirs)."""
     N, K = 65536, 3
     keep = (kp.PAIR_THREADS, dict(kc.PAIR_OPTS), kp.DENSE_MMA, dict(kc.PAIR_OPTS_NARROW))
     kp.DENSE_MMA = frozenset()

@@ -1,21 +1,28 @@
-"""The dense pair kernels' exponential, ``PAIR_EXP[dtype](x)``, for the arguments they take: x <= 0 (a
-logit less the row's running maximum), -inf (an empty row's maximum), or NaN.
+"""The dense pair kernels' exponentials, for the arguments they take: a logit less the row's running
+maximum (<= 0, or a little above 0 by rounding), -inf (an empty row's maximum), or NaN.
 
-float32: the hardware's ex2.approx.ftz of x log2(e): 2 instructions instead of libdevice's 14, and 6 fewer
-per pair than libdevice's fast_expf, which scales inputs below -126 around the same instruction to keep
-subnormal results. Relative error ~ 1e-7 |x|, far inside the 1e-4 of float32 results. Results below 2^-126
-flush to zero: such a weight is below 1e-38 of its row's largest, under float32's resolution of any row sum.
+``PAIR_EXPB[dtype] = (ex, LB)``: the SIMT kernels' exponential in their logit units. The kernels load
+their feature rows times LB, so a logit y in those units has exp(y / LB) = ex(y):
 
-float64 and the simulator: ``math.exp`` (libdevice's: a reduction to |r| <= ln2 / 2 and a degree-11
-polynomial, about 18 double-precision operations). A table-driven exponential (2^(j/32) from shared memory,
-a degree-6 polynomial, 10 operations, within 1 ulp of ``math.exp``) made the pair kernels slower on an H100
-(density-matrix pairs, complex128, N = 65 536: 53.5 -> 59.6 ms per evaluation; Gaussian float64 K = 3:
-87 -> 101 ms): its shared-memory load sits in the middle of each exponential's dependent chain, which two
-resident warps per scheduler cannot hide. A variant without memory access (2^(j/8) picked by selects, a
-degree-8 polynomial, 13 operations against 16, within 1 ulp) was slower still (62.3 against 52.7 ms;
-Gaussian 107 against 86 ms): its floor test, word access and selects cost more than the operations saved,
-where libdevice's exponential is one predicated sequence. Both are described in
-benchmarks/results/gpu_exp64_h100_stop31.txt.
+- float32: LB = log2(e) and ex = the hardware's ex2.approx.ftz, one instruction per pair (libdevice's
+  expf is 14, its fast_expf scales inputs below -126 around the same instruction to keep subnormal
+  results; multiplying by log2(e) per pair cost one more until stop 39 folded it into the features). The
+  relative error is that of the rounded argument, about 6e-8 |y| ln 2, far inside the 1e-4 of float32
+  results. Results below 2^-126 flush to zero: such a weight is below 1e-38 of its row's largest, under
+  float32's resolution of any row sum. The simulator computes exp(y ln 2), so the unit conversions run in
+  CI too.
+- float64: LB = 1 and ``math.exp``.
+
+``PAIR_EXP[float64]``: the tensor-core kernels' exponential of natural logits, ``math.exp`` (libdevice's: a
+reduction to |r| <= ln2 / 2 and a degree-11 polynomial, about 18 double-precision operations). A
+table-driven exponential (2^(j/32) from shared memory, a degree-6 polynomial, 10 operations, within 1 ulp
+of ``math.exp``) made the pair kernels slower on an H100 (density-matrix pairs, complex128, N = 65 536:
+53.5 -> 59.6 ms per evaluation; Gaussian float64 K = 3: 87 -> 101 ms): its shared-memory load sits in the
+middle of each exponential's dependent chain, which two resident warps per scheduler cannot hide. A variant
+without memory access (2^(j/8) picked by selects, a degree-8 polynomial, 13 operations against 16, within 1
+ulp) was slower still (62.3 against 52.7 ms; Gaussian 107 against 86 ms): its floor test, word access and
+selects cost more than the operations saved, where libdevice's exponential is one predicated sequence. Both
+are described in benchmarks/results/gpu_exp64_h100_stop31.txt.
 """
 
 from __future__ import annotations
@@ -41,9 +48,11 @@ def _exp2_sim(y):
     return math.exp(y * _LN2)
 
 
+_EXP = device(_exp)
+PAIR_EXP = {np.dtype(np.float64): _EXP}
+
 if SIMULATOR:
-    PAIR_EXP = {np.dtype(np.float32): device(_exp), np.dtype(np.float64): device(_exp)}
-    _EX2 = device(_exp2_sim)  # (the base-2 units run in the simulator too)
+    _EX2 = device(_exp2_sim)
 else:
     from llvmlite import ir
     from numba.cuda import cgutils
@@ -62,22 +71,12 @@ else:
 
         return float32(float32), codegen
 
-    _LOG2E = np.float32(1.0 / np.log(2.0))
-
-    def _fast_expf(x):
-        return _ex2_ftz(x * _LOG2E)
-
-    PAIR_EXP = {np.dtype(np.float32): device(_fast_expf), np.dtype(np.float64): device(_exp)}
-
     def _exp2(y):
         return _ex2_ftz(y)
 
     _EX2 = device(_exp2)
 
-# The SIMT dense kernels' exponential in their logit units, ``PAIR_EXPB[dtype] = (ex, LB)``: logits scaled by
-# LB (folded into the features as they are loaded), so that ex(y) = exp(y / LB) is one instruction in float32
-# (ex2 of a logit in base-2 units: LB = log2(e)) and libdevice's exponential in float64 (LB = 1).
 PAIR_EXPB = {
     np.dtype(np.float32): (_EX2, np.float32(1.0 / _LN2)),
-    np.dtype(np.float64): (device(_exp), np.float64(1.0)),
+    np.dtype(np.float64): (_EXP, np.float64(1.0)),
 }

@@ -252,7 +252,8 @@ def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]
 # again. No cap was kept until stop 39, whose kernels (logits in the exponential's units, a warp vote for the
 # rescaling, unsigned while loops) gave the float32 D = 10 ``grads`` 156 registers (110 before; its tile loads
 # unroll), 3 blocks per SM: capped at 128 it keeps 4, and whole Gaussian K = 3 calls at N = 65 536 on an H100
-# took 12.9-13.1 ms against 14.2 uncapped (expected: 16.7 against 16.9-17.2), while the D = 16 density-matrix
+# took 12.9-13.1 ms against 14.2 uncapped at 3 owners per thread (expected: 16.7 against 16.9-17.2; 2 owners
+# came later, core.PAIR_OPTS_NARROW), while the D = 16 density-matrix
 # pairs (complex64, d = 4) lost under the same cap (18.0-18.6 ms against 17.6): kept for D = 10 only
 # (benchmarks/results/gpu_pairs_h100_stop39.txt).
 DENSE_REGISTERS: dict = {("float32", 10): (None, 128)}
@@ -338,7 +339,7 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
     scale = 1 / (2 kappa), c' likewise, scaled where loaded) and kappa' = 1: W'_ij = W_ij, energy = kappa
     E', sum_i W_ij A'_i = (sum_i W_ij A_i) / (2 kappa). Per pair: two exponentials and three D-wide
     dot/axpy passes (three and five before the receiver sums moved into the statistics sweep).
-    Each sender (receiver) row meets all OPT owners of a thread at once: their KLs as two partial sums
+    Each sender (receiver) row meets all OPT owners of a thread at once: their logits as two partial sums
     each (even and odd features), then their exponentials, then the updates, so that 2 OPT independent
     FMA chains are in flight instead of one (the order of every sum is still fixed).
     The pair i == j is skipped by a per-pair test only in the shared tiles that hold one of the block's
@@ -365,6 +366,8 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
     OPT = opt
     NT = threads
     one_u = np.uint32(1)
+    if not SIMULATOR and threads % 32:
+        raise ValueError(f"threads: whole warps (the stats kernel votes over all 32 lanes), got {threads}")
 
     def dots(own, rw, kl):
         """kl[o, 0] + kl[o, 1] += own[o] . rw[0] for every owner o, as two partial sums (even and odd
@@ -488,7 +491,7 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
             # sender, against 12 for a range loop over int32, which also wraps negative indices)
             nj = uint32(min(TS, j_end - j0))
             jj = uint32(0)
-            if j0 < hi and j0 + nj > lo:  # a tile with the block's own agents: skip i == j
+            if j0 < hi and j0 + int64(nj) > lo:  # a tile with the block's own agents: skip i == j
                 while jj < nj:
                     for d in range(D):  # the sender's row once into registers, for all OPT owners
                         rw[0, d] = sX[jj, d]
@@ -626,7 +629,7 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
             nk = uint32(min(TS, k_end - k0))
             # Checked pairs: tiles with the block's own agents (skip i == j) and the last, partial block
             # (skip owners past the end, whose clamped loads would count a sender twice).
-            checked = (r0 + k0 < hi and r0 + k0 + nk > lo) or b0 + NT * OPT > N
+            checked = (r0 + k0 < hi and r0 + k0 + int64(nk) > lo) or b0 + NT * OPT > N
             kk = uint32(0)
             if checked:
                 while kk < nk:
