@@ -113,8 +113,8 @@ def pair_flops(N: int, K: int, nterms: int) -> float:
     return float(N) * (N - 1) * nterms * (8 * D + 14)
 
 
-def config(K: int, terms: str) -> vfesim.ModelConfig:
-    return vfesim.ModelConfig(K=K, lambda_prior=1.0 if terms == "both" else 0.0)
+def config(K: int, terms: str, aggregator: str = "expected") -> vfesim.ModelConfig:
+    return vfesim.ModelConfig(K=K, lambda_prior=1.0 if terms == "both" else 0.0, aggregator=aggregator)
 
 
 def bench_cuda(N, K, dtype, cfg):
@@ -324,6 +324,8 @@ def main(argv=None):
     ap.add_argument("--ks", type=int, nargs="*", default=KS)
     ap.add_argument("--dtypes", nargs="*", default=DTYPES)
     ap.add_argument("--min-n", type=int, default=0, help="measure only sizes >= this")
+    ap.add_argument("--aggregator", choices=["expected", "softmin"], default="expected",
+                    help="the energy table's aggregator (default: the config's default)")  # fmt: skip
     ap.add_argument("--steps", action="store_true", help="only the full-step sweep (step_sweep below)")
     ap.add_argument("--step-sizes", type=int, nargs="*", default=STEP_SIZES)
     ap.add_argument("--api", action="store_true", help="only the public-API overhead sweep (api_sweep)")
@@ -351,7 +353,7 @@ def main(argv=None):
     dev = cp.cuda.runtime.getDeviceProperties(0)
     info = dict(kind="device", name=dev["name"].decode(), sms=dev["multiProcessorCount"],
                 mem_gib=dev["totalGlobalMem"] / 2**30, threads=kc.PAIR_THREADS, opt=kc.PAIR_OPTS,
-                opt_narrow=kc.PAIR_OPTS_NARROW)  # fmt: skip
+                opt_narrow=kc.PAIR_OPTS_NARROW, aggregator=args.aggregator)  # fmt: skip
     log(info)
     ceil = ceilings()
     rows += [info, dict(kind="ceilings", **ceil)]
@@ -379,7 +381,7 @@ def main(argv=None):
                     )
                     log(f"skip N={N} K={K} {dtype}: predicted {last[1] * (N / last[0]) ** 2:.0f} s")
                     continue
-                cfg = config(K, "belief")
+                cfg = config(K, "belief", args.aggregator)
                 t, reps, peak, used = bench_cuda(N, K, dtype, cfg)
                 last = (N, t)
                 fl = pair_flops(N, K, 1)
@@ -396,7 +398,7 @@ def main(argv=None):
                 rows.append(row)
                 log(json.dumps(row))
                 if N == 65536 and K == 3:
-                    t2, reps2, peak2, _ = bench_cuda(N, K, dtype, config(K, "both"))
+                    t2, reps2, peak2, _ = bench_cuda(N, K, dtype, config(K, "both", args.aggregator))
                     fl2 = pair_flops(N, K, 2)
                     row2 = dict(kind="cuda", N=N, K=K, dtype=dtype, terms="both", t_s=t2, reps=reps2,
                                 peak_bytes=peak2, flops_model=fl2, flops_per_s=fl2 / t2,
@@ -409,6 +411,8 @@ def main(argv=None):
 def format_table(rows) -> str:
     lines = []
     for r in rows:
+        if r["kind"] == "device" and "aggregator" in r:
+            lines.append(f"aggregator: {r['aggregator']}")
         if r["kind"] == "ceilings":
             lines.append(
                 f"ceilings: GEMM fp32 {r['gemm_float32_flops'] / 1e12:.1f} TFLOP/s, fp64 "
