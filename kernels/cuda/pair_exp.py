@@ -1,8 +1,8 @@
-"""The dense pair kernels' exponentials, for the arguments they take: a logit less the row's running
+"""The dense pair kernels' exponential, for the arguments they take: a logit less the row's running
 maximum (<= 0, or a little above 0 by rounding), -inf (an empty row's maximum), or NaN.
 
-``PAIR_EXPB[dtype] = (ex, LB)``: the SIMT kernels' exponential in their logit units. The kernels load
-their feature rows times LB, so a logit y in those units has exp(y / LB) = ex(y):
+``PAIR_EXPB[dtype] = (ex, LB)``: the exponential in the kernels' logit units. The SIMT kernels load their
+feature rows times LB, so a logit y in those units has exp(y / LB) = ex(y):
 
 - float32: LB = log2(e) and ex = the hardware's ex2.approx.ftz, one instruction per pair (libdevice's
   expf is 14, its fast_expf scales inputs below -126 around the same instruction to keep subnormal
@@ -11,9 +11,7 @@ their feature rows times LB, so a logit y in those units has exp(y / LB) = ex(y)
   results. Results below 2^-126 flush to zero: such a weight is below 1e-38 of its row's largest, under
   float32's resolution of any row sum. The simulator computes exp(y ln 2), so the unit conversions run in
   CI too.
-- float64: LB = 1 and ``math.exp``.
-
-``PAIR_EXP[float64]``: the tensor-core kernels' exponential of natural logits, ``math.exp`` (libdevice's: a
+- float64: LB = 1 (natural units, also the tensor-core kernels') and ``math.exp`` (libdevice's: a
 reduction to |r| <= ln2 / 2 and a degree-11 polynomial, about 18 double-precision operations). A
 table-driven exponential (2^(j/32) from shared memory, a degree-6 polynomial, 10 operations, within 1 ulp
 of ``math.exp``) made the pair kernels slower on an H100 (density-matrix pairs, complex128, N = 65 536:
@@ -34,7 +32,7 @@ from numba import float32
 
 from .core import SIMULATOR, device
 
-__all__ = ["PAIR_EXP", "PAIR_EXPB"]
+__all__ = ["PAIR_EXPB"]
 
 
 def _exp(x):
@@ -47,9 +45,6 @@ _LN2 = math.log(2.0)
 def _exp2_sim(y):
     return math.exp(y * _LN2)
 
-
-_EXP = device(_exp)
-PAIR_EXP = {np.dtype(np.float64): _EXP}
 
 if SIMULATOR:
     _EX2 = device(_exp2_sim)
@@ -78,5 +73,5 @@ else:
 
 PAIR_EXPB = {
     np.dtype(np.float32): (_EX2, np.float32(1.0 / _LN2)),
-    np.dtype(np.float64): (_EXP, np.float64(1.0)),
+    np.dtype(np.float64): (device(_exp), np.float64(1.0)),
 }

@@ -35,7 +35,7 @@ import functools
 import numpy as np
 
 from .core import AGG_CODES, SHARED_BYTES, SIMULATOR, compile_kernels, cuda, device, pair_weight_e
-from .pair_exp import PAIR_EXP
+from .pair_exp import PAIR_EXPB
 from .warp import dmma_k4, dmma_k8, fmax, quad_max, quad_sum
 
 __all__ = ["make_mma_kernels", "mma_layout", "MMA_WARPS"]
@@ -82,7 +82,8 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
     one = dt(1.0)
     agg = AGG_CODES[aggregator]
     expected = aggregator == "expected"
-    ex = PAIR_EXP[np.dtype(dt)]
+    ex, LB = PAIR_EXPB[np.dtype(dt)]
+    assert LB == 1  # (natural logits: float64's exponential takes them as they are)
     K8, K4, NC = _chunks(D)
     KL = K8 + K4
     G = _groups(D)
