@@ -582,9 +582,10 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
 
     def send(own, rw, rc, ri, rq, acc, kl, skip, n_own):
         """Receiver row rw (rc: its logits' constant, less its maximum; ri = 1 / s; rq: ``expected``'s
-        constant LB (1 + abar + m) / s) meets owners o < n_own but ``skip`` (senders): acc[o] += W LB^e A''_i (A'' = -scale LB A,
-        the row as loaded; e = 1 for ``expected``), the logits and exponentials of all owners first. (The
-        exponent keeps no log s: a rounded y of magnitude log2 s would cost its weights precision.)"""
+        constant LB (1 + abar + m) / s) meets owners o < n_own but ``skip`` (senders): acc[o] += W LB^e A''_i
+        (A'' = -scale LB A, the row as loaded; e = 1 for ``expected``), the logits and exponentials of all
+        owners first. (The exponent keeps no log s: a rounded y of magnitude log2 s would cost its weights
+        precision.)"""
         for o in range(OPT):
             kl[o, 0] = rc
             kl[o, 1] = zero
