@@ -347,12 +347,10 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
     the same loop without the tests.
     Inside the passes the logits are in the exponential's units (:data:`.pair_exp.PAIR_EXPB`: base 2 in
     float32, so each exponential is one ex2): the owners' (and, in ``grads``, the receivers') rows are
-    loaded times -scale LB, their constant less their maximum is the first term of each dot product (in
-    ``stats`` the owner's running maximum: the products give x - m with no subtraction per pair; an apparent
-    new maximum sums its logit x afresh), and the outputs go back to natural units as they are stored.
-    ``expected``'s sum of e x is not summed per pair: it is m s - sum e delta, made as it is stored. In
-    ``stats`` a warp whose owners all stay below their running maxima (after the first senders, nearly
-    always) skips the rescaling branch on a warp vote.
+    loaded times -scale LB, their constant is the first term of each dot product (in ``grads`` less the
+    receiver's maximum), and the outputs go back to natural units as they are stored. In ``stats`` a warp
+    whose owners all stay below their running maxima (after the first senders, nearly always) skips the
+    rescaling branch on a warp vote.
     ``registers``: (stats, grads) register caps; None: :func:`dense_registers` (the tuned table, cached
     on disk); given: this variant only, not cached on disk (a sweep's).
     """
@@ -383,79 +381,66 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
             for o in range(OPT):
                 kl[o, 0] += own[o, D - 1] * rw[0, D - 1]
 
-    def dot1(own, o, rw, c0):
-        """c0 + own[o] . rw[0] for one owner, summed exactly as :func:`dots` sums it (the same x)."""
-        a = c0
-        b = zero
-        for d in range(0, D - 1, 2):
-            a += own[o, d] * rw[0, d]
-            b += own[o, d + 1] * rw[0, d + 1]
-        if D % 2:
-            a += own[o, D - 1] * rw[0, D - 1]
-        return a + b
-
-    def add(o, rw, y, e, s, acc, accx, px):
-        """Owner o meets a sender (row rw, y = x - m[o] <= 0, e = ex(y)) below its maximum."""
+    def add(o, rw, x, y, e, s, t, acc, accx, px):
+        """Owner o meets a sender (row rw, logit x, y = x - m[o] <= 0, e = ex(y)) below its maximum."""
         for d in range(D):
             acc[o, d] += e * rw[0, d]
-        if expected:  # delta = m - x = -y >= 0 (the sum of e x is m s - px, made when stored)
+        if expected:  # delta = m - x = -y >= 0; t sums e x
             ed = -(e * y)
             for d in range(D):
                 accx[o, d] += ed * rw[0, d]
             px[o] += ed
+            t[o] += e * x
         s[o] += e
 
-    def push(o, own, rw, oc, om, y, e, m, s, acc, accx, px):
-        """Owner o (a receiver) meets one more sender (row rw; y, e = ex(-|y|) from the logit less the
-        maximum as :func:`meet` summed it): online log-sum-exp statistics and the sums of sender rows
-        weighted by ex(x - m), rescaled when the maximum m moves. An apparent new maximum (y > 0; every
-        first sender, whose m is -inf) is decided on the logit x itself, summed afresh."""
-        if y > zero:
-            x = dot1(own, o, rw, oc[o])
-            y = x - m[o]
-            e = ex(-abs(y))
-            if y > zero:  # a new maximum: the sums so far scale by e = ex(m_old - x); this row has weight 1
-                if expected and s[o] > zero:  # every delta so far grows by the shift y
-                    for d in range(D):
-                        accx[o, d] = e * (accx[o, d] + y * acc[o, d])
-                    px[o] = e * (px[o] + y * s[o])
+    def push(o, rw, x, y, e, m, s, t, acc, accx, px):
+        """Owner o (a receiver) meets one more sender (row rw, logit x, y = x - m[o], e = ex(-|y|)):
+        online log-sum-exp statistics and the sums of sender rows weighted by ex(x - m), rescaled when
+        the maximum m moves."""
+        if y > zero:  # a new maximum: the sums so far scale by e = ex(m_old - x); this row has weight 1
+            if expected and s[o] > zero:  # every delta so far grows by the shift y
                 for d in range(D):
-                    acc[o, d] = acc[o, d] * e + rw[0, d]
-                m[o] = x
-                om[o] = oc[o] - x
-                s[o] = s[o] * e + one
-                return
-        add(o, rw, y, e, s, acc, accx, px)
+                    accx[o, d] = e * (accx[o, d] + y * acc[o, d])
+                px[o] = e * (px[o] + y * s[o])
+            for d in range(D):
+                acc[o, d] = acc[o, d] * e + rw[0, d]
+            m[o] = x
+            s[o] = s[o] * e + one
+            if expected:  # (softmin needs no mean KL: its t, and abar, stay 0)
+                t[o] = t[o] * e + x
+        else:
+            add(o, rw, x, y, e, s, t, acc, accx, px)
 
     def owner(q):
         """The number of the thread's owner that is the agent q rows after its first owner (its owners are
         NT rows apart), or -1: the pair that owner would skip (i == j)."""
         return q // NT if q >= 0 and q % NT == 0 and q < NT * OPT else -1
 
-    def meet(own, rw, oc, om, kl, xe, m, s, acc, accx, px, skip):
-        """Every owner but number ``skip`` (-1: none) meets sender row rw: the logits less the owners'
-        maxima (each dot product starts at the owner's constant less its maximum, ``om``) and their
-        exponentials first (independent work in flight), then the updates. The maximum of an owner moves
+    def meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, skip):
+        """Every owner but number ``skip`` (-1: none) meets sender row rw: the logits and exponentials of
+        all owners first (independent work in flight), then the updates. The maximum of an owner moves
         rarely after its first senders: a warp whose owners all stay below theirs takes the updates
         without the rescaling branch (one vote per sender instead of a divergent branch per owner)."""
         for o in range(OPT):
-            kl[o, 0] = om[o]
+            kl[o, 0] = oc[o]
             kl[o, 1] = zero
         dots(own, rw, kl)
         up = False
         for o in range(OPT):
-            y = kl[o, 0] + kl[o, 1]
-            xe[o, 0] = y
-            xe[o, 1] = ex(-abs(y))
+            x = kl[o, 0] + kl[o, 1]
+            y = x - m[o]
+            xe[o, 0] = x
+            xe[o, 1] = y
+            xe[o, 2] = ex(-abs(y))
             up = up | ((y > zero) & (o != skip))
         if warp_any(up):
             for o in range(OPT):
                 if o != skip:
-                    push(o, own, rw, oc, om, xe[o, 0], xe[o, 1], m, s, acc, accx, px)
+                    push(o, rw, xe[o, 0], xe[o, 1], xe[o, 2], m, s, t, acc, accx, px)
         else:
             for o in range(OPT):
                 if o != skip:
-                    add(o, rw, xe[o, 0], xe[o, 1], s, acc, accx, px)
+                    add(o, rw, xe[o, 0], xe[o, 1], xe[o, 2], s, t, acc, accx, px)
 
     def stats(A, B, c, scale, r0, f0, chunk, pm, ps, pt, gAr, gAx):
         """Receiver pass over one slice of senders: row statistics and weighted sums of sender rows."""
@@ -475,13 +460,13 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
         oc = cuda.local.array(OPT, dt)
         m = cuda.local.array(OPT, dt)
         s = cuda.local.array(OPT, dt)
-        om = cuda.local.array(OPT, dt)
+        t = cuda.local.array(OPT, dt)
         acc = cuda.local.array((OPT, D), dt)
         accx = cuda.local.array((OPT, D), dt)
         px = cuda.local.array(OPT, dt)
         rw = cuda.local.array((1, D), dt)
         kl = cuda.local.array((OPT, 2), dt)
-        xe = cuda.local.array((OPT, 2), dt)
+        xe = cuda.local.array((OPT, 3), dt)
         nsl = -(scale * LB)  # logits in the exponential's units: x = -KL' LB = (-scale LB) (A . B + c)
         for o in range(OPT):
             ii = min(i0 + o * NT, NR - 1)
@@ -491,8 +476,8 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                 accx[o, d] = zero
             oc[o] = c[f, ii] * nsl
             m[o] = ninf
-            om[o] = -ninf  # (oc - m: every first sender is a new maximum)
             s[o] = zero
+            t[o] = zero
             px[o] = zero
         sX = cuda.shared.array((TS, D), dt)
         for j0 in range(j_begin, j_end, TS):
@@ -511,21 +496,20 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                     for d in range(D):  # the sender's row once into registers, for all OPT owners
                         rw[0, d] = sX[jj, d]
                     skip = owner(j0 - g0 + int64(jj))  # the owner that is this sender, if any
-                    meet(own, rw, oc, om, kl, xe, m, s, acc, accx, px, skip)
+                    meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, skip)
                     jj = uint32(jj + one_u)
             else:
                 while jj < nj:
                     for d in range(D):
                         rw[0, d] = sX[jj, d]
-                    meet(own, rw, oc, om, kl, xe, m, s, acc, accx, px, -1)
+                    meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, -1)
                     jj = uint32(jj + one_u)
-        for o in range(OPT):  # back to natural units: logits, KL' and deltas divide by LB
+        for o in range(OPT):  # back to natural units: logits, KL' and deltas divide by LB (t sums e x)
             i = i0 + o * NT
             if i < NR:
                 pm[sl, f, i] = m[o] * inv_lb
                 ps[sl, f, i] = s[o]
-                # the sum of e KL' = -(sum of e x) / LB, with sum e x = m s - px (x = m - delta); softmin: 0
-                pt[sl, f, i] = (px[o] - m[o] * s[o]) * inv_lb if expected and s[o] > zero else zero
+                pt[sl, f, i] = -(t[o] * inv_lb)
                 for d in range(D):
                     gAr[sl, f, i, d] = acc[o, d]
                 if expected:
@@ -582,20 +566,19 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
 
     def send(own, rw, rc, ri, rq, acc, kl, skip, n_own):
         """Receiver row rw (rc: its logits' constant, less its maximum; ri = 1 / s; rq: ``expected``'s
-        constant LB (1 + abar + m) / s) meets owners o < n_own but ``skip`` (senders): acc[o] += W LB^e A''_i
-        (A'' = -scale LB A, the row as loaded; e = 1 for ``expected``), the logits and exponentials of all
-        owners first. (The exponent keeps no log s: a rounded y of magnitude log2 s would cost its weights
-        precision.)"""
+        constant) meets owners o < n_own but ``skip`` (senders): acc[o] += W LB^e A''_i (A'' = -scale LB A,
+        the row as loaded; e = 1 for ``expected``), the logits and exponentials of all owners first. (The
+        exponent keeps no log s: a rounded y of magnitude log2 s would cost its weights precision.)"""
         for o in range(OPT):
             kl[o, 0] = rc
             kl[o, 1] = zero
         dots(own, rw, kl)
         for o in range(OPT):
             y = kl[o, 0] + kl[o, 1]  # = LB (x - m) <= 0
-            if expected:  # W LB = beta LB (1 + abar - KL') = ex(y) (y / s + rq), KL' = -(y / LB + m)
-                kl[o, 0] = ex(y) * (ri * y + rq)
-            else:
-                kl[o, 0] = ex(y) * ri  # beta
+            w = ex(y) * ri  # beta
+            if expected:  # W LB = beta LB (1 + abar - KL') = beta (y + rq), KL' = -(y / LB + m)
+                w *= y + rq
+            kl[o, 0] = w
         for o in range(OPT):
             if o != skip and o < n_own:
                 accumulate_row(acc, o, kl[o, 0], rw, 0)
@@ -641,7 +624,7 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                     sc[r] = c[f, k] * nsl - LB * m[f, k]
                     si[r] = inv_s[f, k]
                     if expected:
-                        sq[r] = inv_s[f, k] * (LB * ((one + abar[f, k]) + m[f, k]))
+                        sq[r] = LB * ((one + abar[f, k]) + m[f, k])
             cuda.syncthreads()
             nk = uint32(min(TS, k_end - k0))
             # Checked pairs: tiles with the block's own agents (skip i == j) and the last, partial block
@@ -669,7 +652,6 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                     gBs[sl, f, i, d] = acc[o, d] * out
 
     dots = device(dots)
-    dot1 = device(dot1)
     owner = device(owner)
     add = device(add)
     push = device(push)
