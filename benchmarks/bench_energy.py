@@ -94,7 +94,7 @@ _TABLE_CASE = textwrap.dedent(
 
     K, repeat = int(sys.argv[1]), int(sys.argv[2])
     Ns = [int(n) for n in sys.argv[3].split(",")]
-    cases = [(N, b, d) for N in Ns for b in ("numpy", "numba") for d in ("float64", "float32")]
+    cases = [(N, b, d) for N in Ns for b in sys.argv[4].split(",") for d in ("float64", "float32")]
     cfg = vfesim.ModelConfig(K=K)
     dts = ("float64", "float32")
     states = {(N, d): vfesim.random_state(cfg, N, seed=0, dtype=d) for N in Ns for d in dts}
@@ -124,14 +124,26 @@ def dtype_table(trees, Ns, K, repeat, rounds, emit) -> None:
             env = dict(os.environ)
             if t != ".":
                 env["PYTHONPATH"] = os.pathsep.join([t] + [p for p in [env.get("PYTHONPATH")] if p])
-            cmd = [sys.executable, "-c", _TABLE_CASE, str(K), str(per_round), ",".join(map(str, Ns))]
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-            out = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if not out:
-                sys.stderr.write(f"tree {t} failed:\n{proc.stderr[-3000:]}\n")
-                return
-            for c, v in json.loads(out[-1][7:]).items():
-                pooled[t].setdefault(c, []).extend(v)
+            # One process per backend: NumPy's BLAS threads spin for a while after each call, and on a
+            # 2-core machine they took the cores from Numba's threads timed right after them (numba
+            # float64, N = 4096: 0.094 s interleaved in one process, 0.063 s with OPENBLAS_NUM_THREADS=1).
+            for backend in ("numpy", "numba"):
+                cmd = [
+                    sys.executable,
+                    "-c",
+                    _TABLE_CASE,
+                    str(K),
+                    str(per_round),
+                    ",".join(map(str, Ns)),
+                    backend,
+                ]
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+                out = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if not out:
+                    sys.stderr.write(f"tree {t} ({backend}) failed:\n{proc.stderr[-3000:]}\n")
+                    return
+                for c, v in json.loads(out[-1][7:]).items():
+                    pooled[t].setdefault(c, []).extend(v)
     emit(f"# K={K}; per case: median wall s (median CPU s, both threads) of {rounds * per_round} calls")
     emit("# speedups: f64/f32 = numba float64 time / numba float32 time; np64/x = numpy float64 time / x")
     for t in trees:

@@ -43,8 +43,11 @@ TAYLOR_DEGREE = 12
 THETA = 0.25
 # Agents per parallel work item (results do not depend on it).
 AGENT_BLOCK = 8
-# Sum over agents of K^3 below which the serial builds run: waking the thread pool costs more.
-SERIAL_WORK = 1 << 20
+# Sum over agents of K^3 below which the serial builds run: waking the thread pool costs more. At 2^16 the
+# per-agent stages of N = 4096, K = 3 (1.1e5) run in parallel, right after the pair kernels' parallel
+# region: on the 2-core machine, one call took 42-44 ms in float64 and 26-28 ms in float32 against 53-63 and
+# 30-33 serial (2^20, stop 39's threshold); N = 1024 (2.8e4) stays serial.
+SERIAL_WORK = 1 << 16
 
 _inline = numba.njit(inline="always", nogil=True, cache=True)
 _parallel = numba.njit(parallel=True, nogil=True, cache=True)

@@ -310,6 +310,40 @@ def test_jitter_counts_in_the_condition_number():
     validate_state(a, ModelConfig(K=3, jitter=1e-3))  # S + 1e-3 I: condition number ~1e3
 
 
+@pytest.mark.parametrize("K", [1, 2, 3, 8, 9, 21])
+def test_host_condition_bounds_bound_the_condition_numbers(K):
+    from vfesim.state import condition_bounds
+
+    rng = np.random.default_rng(K)
+    X = rng.normal(size=(300, K, K))
+    S = X @ X.transpose(0, 2, 1) + np.logspace(-6, 0, 300)[:, None, None] * np.eye(K)
+    w = np.linalg.eigvalsh(S)
+    cond = w[:, -1] / w[:, 0]
+    b = condition_bounds(S, np.linalg.cholesky(S))
+    assert b.dtype == np.float64 and b.shape == (300,)
+    assert (b >= cond * (1 - 1e-10)).all()
+    assert (
+        b <= cond * K * np.sqrt(K) * (1 + 1e-10)
+    ).all()  # (||S||_F <= sqrt(K) ||S||, ||L^-1||_F^2 <= K ||S^-1||)
+
+
+def test_host_conditioning_solves_only_the_agents_a_bound_flags(monkeypatch):
+    """The exact mode's eigenvalues on the host go to the agents whose bound exceeds the warning level
+    (none for an ordinary state): the same verdicts, without an eigensolver per agent."""
+    calls = []
+    eigvalsh = np.linalg.eigvalsh
+    monkeypatch.setattr(np.linalg, "eigvalsh", lambda S: calls.append(S.shape[0]) or eigvalsh(S))
+    a = arrays()
+    validate_state(a, CFG)
+    assert calls == []
+    a["sigma_q"][4] = _with_condition(a["sigma_q"][4], 1e8)
+    with pytest.warns(
+        vfesim.ConditioningWarning, match=r"^sigma_q\[agent=4\]: condition number 1e\+08 \(worst of 1"
+    ):
+        validate_state(a, CFG)
+    assert calls and calls[0] < a["sigma_q"].shape[0]
+
+
 def test_condition_estimate_mode_refuses_without_warning():
     a = arrays()
     a["sigma_q"][0] = np.diag([1.0, 1.0, 1e-8])

@@ -298,7 +298,8 @@ def check_conditioning(S, L, name: str, mode: str = "exact", bounds=None, worst=
     mode "exact": cond = lambda_max / lambda_min (eigvalsh, float64); above ``COND_MAX`` raise
     :class:`StateError`, above ``COND_WARN`` warn (:class:`ConditioningWarning`), naming the worst agent.
     Given ``bounds``, upper bounds of the condition numbers (N,) (the device check of
-    :func:`check_spd_batch`), eigenvalues are computed only for agents whose bound exceeds ``COND_WARN``
+    :func:`check_spd_batch`; on the host :func:`condition_bounds` of the Cholesky factor L), eigenvalues are
+    computed only for agents whose bound exceeds ``COND_WARN``
     (the same verdicts, usually no eigensolver at all). ``worst``, the largest of ``bounds`` as a host
     float: when it is within the mode's limit, nothing is computed (no device round trip).
     mode "estimate" (cheap, for every integrator step): the lower bound (max L_kk / min L_kk)^2 from the
@@ -312,6 +313,8 @@ def check_conditioning(S, L, name: str, mode: str = "exact", bounds=None, worst=
     dtype = np.dtype(S.dtype).name
     if worst is not None and worst <= (COND_WARN if mode == "exact" else COND_MAX)[dtype]:
         return
+    if mode == "exact" and bounds is None and L is not None and xp is np:
+        bounds = condition_bounds(S, L)  # (the host's eigenvalues then only where a bound is high)
     if mode == "exact" and bounds is not None:
         sel = xp.flatnonzero(bounds > COND_WARN[dtype])
         if sel.size == 0:
@@ -348,6 +351,27 @@ def check_conditioning(S, L, name: str, mode: str = "exact", bounds=None, worst=
             ConditioningWarning,
             stacklevel=2,
         )
+
+
+def condition_bounds(S: np.ndarray, L: np.ndarray) -> np.ndarray:
+    """Upper bounds ||S||_F ||L^-1||_F^2 >= ||S|| ||S^-1|| (float64, (N,)) of the 2-norm condition numbers of
+    S = L L^T (N, K, K) on the host: the device check's bound (:mod:`vfesim_kernels.cuda.checks`). L^-1 by
+    forward substitution over the whole batch at once for small K (as :func:`batch_cholesky`), LAPACK above.
+    """
+    L = L.astype(np.float64, copy=False)
+    n, K = L.shape[:2]
+    if K > BATCH_CHOLESKY_MAX_K:
+        inv = (np.linalg.inv(L) ** 2).sum(axis=(1, 2))
+    else:
+        inv = np.zeros(n)
+        for col in range(K):  # column col of L^-1: L y = e_col, y[:col] = 0
+            y = np.zeros((n, K))
+            for r in range(col, K):
+                rhs = (1.0 if r == col else 0.0) - np.einsum("nk,nk->n", L[:, r, col:r], y[:, col:r])
+                y[:, r] = rhs / L[:, r, r]
+            inv += np.einsum("nk,nk->n", y, y)
+    frob = np.sqrt(np.einsum("nij,nij->n", S, S, dtype=np.float64))
+    return frob * inv
 
 
 def cholesky_named(S, name: str):
