@@ -318,7 +318,8 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
                 ok = k0 + r < k_end
                 sc[r] = -(c[f, k0 + r] * scale) - m[f, k0 + r] if ok else zero
                 si[r] = inv_s[f, k0 + r] if ok else zero
-                if expected:
+                if expected:  # (a receiver without senders has 1 / s = 0 and m = -inf: 0, not NaN)
+                    ok = ok and inv_s[f, k0 + r] > zero
                     sa[r] = inv_s[f, k0 + r] * ((one + abar[f, k0 + r]) + m[f, k0 + r]) if ok else zero
             cuda.syncthreads()
             for t in range(-(-min(TS, k_end - k0) // 8)):
@@ -334,16 +335,17 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
                     j_lo = base + 16 * gr + g  # the lane's senders: j_lo, j_lo + 8
                     for i in range(4):
                         r = kk + i % 2
-                        y = ws[gr, i]
-                        if checked:  # (senders past N: computed, not stored)
-                            ok = k0 + r < k_end and r0 + k0 + r != j_lo + 8 * (i // 2)
-                            e = ex(y) if ok else zero
+                        j = j_lo + 8 * (i // 2)
+                        # (senders past N: not stored, computed outside checked tiles; a receiver without
+                        # senders, N = 1, has m = -inf and an infinite exponent: its weights are set to 0)
+                        if checked and (k0 + r >= k_end or r0 + k0 + r == j or j >= N):
+                            ws[gr, i] = zero
                         else:
-                            e = ex(y)
-                        if expected:  # W = beta (1 + abar - KL') = e (y / s + (1 + abar + m) / s)
-                            ws[gr, i] = e * (si[r] * y + sa[r])
-                        else:
-                            ws[gr, i] = e * si[r]
+                            y = ws[gr, i]
+                            if expected:  # W = beta (1 + abar - KL') = e (y / s + (1 + abar + m) / s)
+                                ws[gr, i] = ex(y) * (si[r] * y + sa[r])
+                            else:
+                                ws[gr, i] = ex(y) * si[r]
                 for gr in range(G):
                     accumulate(acc, gr, ws, sA, t, lane)
         for gr in range(G):
