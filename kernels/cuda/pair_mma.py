@@ -17,19 +17,13 @@ g and g + 8 against others 2q and 2q + 1; their exponentials are that lane's A o
 m16n8k8 products as they stand (the others in the order 0, 2, 4, 6, 1, 3, 5, 7 along k), so no value
 moves between lanes. Feature columns are padded with zeros.
 
-The owners' rows are loaded negated, and each logit product's accumulator starts at the owner's (in
-``grads`` the receiver's) constant: the products give the logit x = -KL' (in ``grads`` the exponent
--KL' - m_i) with no addition per pair. ``stats`` keeps the online log-sum-exp per owner row: the row's
-maximum over each tile of 8 others by two shuffles, the sums rescaled when it moves (at most once per
-tile, rarely after the first tiles), one exponential per pair. The pair i == j and others past the slice's
-end get logit -inf, weight 0 (the rows past the end are zeros in shared memory; the row j = i is not, so a
-NaN or infinite feature of agent i also reaches its own sums, as 0 * NaN: such a state's energy is NaN
-either way). Those tests run only in the tiles that need them (warp-uniform: the slice's partial last
-tile, and tiles holding one of the warp's own agents); every other tile takes its 8 others per row as they
-are. ``expected`` adds the sums of e (m - x) (B, 1), one more product per tile and feature chunk; the sum
-of e KL' is not summed but made from them (sum e (m - x) - m sum e). ``grads`` needs no maximum: the
-weights come from the receivers' merged statistics (``expected``'s as e (y / s + (1 + abar + m) / s), y
-the exponent). Each step runs for all of a warp's
+``stats`` keeps the online log-sum-exp per owner row: the row's maximum over each tile of 8 others by two
+shuffles, the sums rescaled when it moves (at most once per tile, rarely after the first tiles), one
+exponential per pair. The pair i == j and others past the slice's end get logit -inf, weight 0 (the rows
+past the end are zeros in shared memory; the row j = i is not, so a NaN or infinite feature of agent i
+also reaches its own sums, as 0 * NaN: such a state's energy is NaN either way). ``expected`` adds the
+sums of e (m - x) (B, 1) and e KL: one more product per tile and feature chunk. ``grads`` needs no
+maximum: the weights come from the receivers' merged statistics. Each step runs for all of a warp's
 groups before the next (independent products and exponentials in flight). Every sum runs in a fixed
 order: bitwise reproducible on one device.
 """
@@ -40,7 +34,7 @@ import functools
 
 import numpy as np
 
-from .core import SHARED_BYTES, SIMULATOR, compile_kernels, cuda, device
+from .core import AGG_CODES, SHARED_BYTES, SIMULATOR, compile_kernels, cuda, device, pair_weight_e
 from .pair_exp import PAIR_EXPB
 from .warp import dmma_k4, dmma_k8, fmax, quad_max, quad_sum
 
@@ -86,6 +80,7 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
     zero = dt(0.0)
     ninf = dt(-np.inf)
     one = dt(1.0)
+    agg = AGG_CODES[aggregator]
     expected = aggregator == "expected"
     ex, LB = PAIR_EXPB[np.dtype(dt)]
     assert LB == 1  # (natural logits: float64's exponential takes them as they are)
@@ -130,11 +125,10 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
                 col = 8 * kc + q + 4 * (i // 2)
                 own[gr, kc, i] = X[f, hi if i % 2 else lo, col] * scale if col < D else zero
 
-    def logits(own, gr, sL, t, lane, c0, c1, c2, c3):
-        """d_i = c_i + owner row g + 8 (i // 2) (group gr) . other 2q + i % 2 of tile t, for lane (g, q):
-        the feature chunks alternately in two chains (half the dependent products; the first starts at
-        the constants c_i, so they cost no addition), then added."""
-        x0, x1, x2, x3 = c0, c1, c2, c3
+    def logits(own, gr, sL, t, lane):
+        """d_i = owner row g + 8 (i // 2) (group gr) . other 2q + i % 2 of tile t, for lane (g, q): the
+        feature chunks alternately in two chains (half the dependent products), then added."""
+        x0, x1, x2, x3 = zero, zero, zero, zero
         y0, y1, y2, y3 = zero, zero, zero, zero
         for kc in range(K8):
             a0, a1, a2, a3 = own[gr, kc, 0], own[gr, kc, 1], own[gr, kc, 2], own[gr, kc, 3]
@@ -185,21 +179,24 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
         own = cuda.local.array((G, KL, 4), dt)
         acc = cuda.local.array((G, NC, 4), dt)
         accx = cuda.local.array((G, NC, 4), dt)
-        oc = cuda.local.array((G, 2), dt)  # per owner row (g, g + 8): the logits' constant, running max, sums
+        oc = cuda.local.array((G, 2), dt)  # per owner row (g, g + 8): c, running max, sums
         m = cuda.local.array((G, 2), dt)
         s = cuda.local.array((G, 2), dt)
+        t_ = cuda.local.array((G, 2), dt)
         px = cuda.local.array((G, 2), dt)
         tm = cuda.local.array((G, 2), dt)
-        xs = cuda.local.array((G, 4), dt)  # per tile: the lane's logits, weights, weighted deltas
+        kl = cuda.local.array((G, 4), dt)  # per tile: the lane's KL', logits, weights, weighted deltas
+        xs = cuda.local.array((G, 4), dt)
         es = cuda.local.array((G, 4), dt)
         ds = cuda.local.array((G, 4), dt)
         for gr in range(G):
             first = base + 16 * gr
-            load_owners(A, f, first, NR, -scale, own, gr, g, q)  # (negated: the products give x = -KL')
+            load_owners(A, f, first, NR, scale, own, gr, g, q)
             for hh in range(2):
-                oc[gr, hh] = -(c[f, min(first + g + 8 * hh, NR - 1)] * scale)
+                oc[gr, hh] = c[f, min(first + g + 8 * hh, NR - 1)] * scale
                 m[gr, hh] = ninf
                 s[gr, hh] = zero
+                t_[gr, hh] = zero
                 px[gr, hh] = zero
             for nc in range(NC):
                 for i in range(4):
@@ -208,28 +205,20 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
         sL = cuda.shared.array((T8, KL, 2, 32), dt)
         sA = cuda.shared.array((T8, NC, 2, 32), dt)
         clear(sL, sA)
-        lo = r0 + base  # the warp's receivers (global index): lo .. lo + 16 G - 1
         for j0 in range(j_begin, j_end, TS):
             cuda.syncthreads()
             load(B, f, j0, j_end, one, sL, sA)
             cuda.syncthreads()
             for t in range(-(-min(TS, j_end - j0) // 8)):
-                jt = j0 + 8 * t  # the tile's senders: jt .. jt + 7
-                # Checked tiles (warp-uniform): a partial last tile, or one holding a receiver of this warp
-                # (the pair i == j). Every other tile has 8 real senders per row and no pair to skip: its
-                # logits go in as they are, and the row maxima it gives are finite.
-                checked = jt + 8 > j_end or (jt < lo + 16 * G and jt + 8 > lo)
-                jb = jt + 2 * q  # the lane's first sender (global index)
+                jb = j0 + 8 * t + 2 * q  # the lane's first sender (global index)
                 for gr in range(G):
-                    xs[gr, 0], xs[gr, 1], xs[gr, 2], xs[gr, 3] = logits(
-                        own, gr, sL, t, lane, oc[gr, 0], oc[gr, 0], oc[gr, 1], oc[gr, 1]
-                    )
-                    if checked:
-                        i_lo = lo + 16 * gr + g  # the lane's receivers (global index): i_lo, i_lo + 8
-                        for i in range(4):
-                            j = jb + i % 2
-                            if j >= j_end or j == i_lo + 8 * (i // 2):
-                                xs[gr, i] = ninf
+                    i_lo = r0 + base + 16 * gr + g  # the lane's receivers (global index): i_lo, i_lo + 8
+                    kl[gr, 0], kl[gr, 1], kl[gr, 2], kl[gr, 3] = logits(own, gr, sL, t, lane)
+                    for i in range(4):
+                        k = kl[gr, i] + oc[gr, i // 2]
+                        kl[gr, i] = k
+                        j = jb + i % 2
+                        xs[gr, i] = -k if j < j_end and j != i_lo + 8 * (i // 2) else ninf
                 for gr in range(G):
                     for hh in range(2):
                         tm[gr, hh] = quad_max(fmax(xs[gr, 2 * hh], xs[gr, 2 * hh + 1]))
@@ -250,28 +239,22 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
                                 for e in range(2 * hh, 2 * hh + 2):
                                     acc[gr, nc, e] *= sc
                             s[gr, hh] *= sc
+                            t_[gr, hh] *= sc
                             m[gr, hh] = tm[gr, hh]
                 for gr in range(G):
-                    if checked:  # (a skipped pair, -inf, may meet a maximum still -inf: weight 0, not NaN)
-                        for i in range(4):
-                            x = xs[gr, i]
-                            es[gr, i] = ex(x - m[gr, i // 2] if x != ninf else ninf)  # (NaN stays NaN)
-                    else:
-                        for i in range(4):
-                            es[gr, i] = ex(xs[gr, i] - m[gr, i // 2])
+                    for i in range(4):
+                        x = xs[gr, i]
+                        es[gr, i] = ex(x - m[gr, i // 2] if x != ninf else ninf)  # (NaN stays NaN)
                     for hh in range(2):
                         s[gr, hh] += es[gr, 2 * hh] + es[gr, 2 * hh + 1]
                 for gr in range(G):
                     accumulate(acc, gr, es, sA, t, lane)
-                if expected:  # (the sum of e KL' is not summed: it is sum e delta - m s, made at the end)
+                if expected:
                     for gr in range(G):
-                        if checked:
-                            for i in range(4):
-                                x = xs[gr, i]
-                                ds[gr, i] = es[gr, i] * (m[gr, i // 2] - x) if x != ninf else zero
-                        else:
-                            for i in range(4):
-                                ds[gr, i] = es[gr, i] * (m[gr, i // 2] - xs[gr, i])
+                        for i in range(4):
+                            x = xs[gr, i]
+                            ds[gr, i] = es[gr, i] * (m[gr, i // 2] - x) if x != ninf else zero
+                            t_[gr, i // 2] += es[gr, i] * kl[gr, i] if x != ninf else zero
                         for hh in range(2):
                             px[gr, hh] += ds[gr, 2 * hh] + ds[gr, 2 * hh + 1]
                         accumulate(accx, gr, ds, sA, t, lane)
@@ -279,13 +262,13 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
             first = base + 16 * gr
             for hh in range(2):
                 ssum = quad_sum(s[gr, hh])
+                tsum = quad_sum(t_[gr, hh])
                 psum = quad_sum(px[gr, hh])
                 i = first + g + 8 * hh
                 if i < NR and q == 0:
                     pm[sl, f, i] = m[gr, hh]
                     ps[sl, f, i] = ssum
-                    # sum e KL' = -(sum e x) = sum e delta - m s (x = m - delta); softmin keeps 0
-                    pt[sl, f, i] = psum - m[gr, hh] * ssum if expected and ssum > zero else zero
+                    pt[sl, f, i] = tsum
                     if expected:
                         gAx[sl, f, i, D] = psum
             store_rows(gAr, sl, f, first, acc, gr, g, q, NR)
@@ -299,16 +282,18 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
         lane, g, q, f, sl, base, k_begin, k_end = coords(f0, chunk, NR)  # (base: a sender)
         own = cuda.local.array((G, KL, 4), dt)
         acc = cuda.local.array((G, NC, 4), dt)
-        ws = cuda.local.array((G, 4), dt)  # per tile: the lane's exponents, then weights
+        kl = cuda.local.array((G, 4), dt)  # per tile: the lane's KL' and weights
+        ws = cuda.local.array((G, 4), dt)
         for gr in range(G):
-            load_owners(B, f, base + 16 * gr, N, -one, own, gr, g, q)  # (negated: -KL' from the products)
+            load_owners(B, f, base + 16 * gr, N, one, own, gr, g, q)
             for nc in range(NC):
                 for i in range(4):
                     acc[gr, nc, i] = zero
         sL = cuda.shared.array((T8, KL, 2, 32), dt)
         sA = cuda.shared.array((T8, NC, 2, 32), dt)
-        sc = cuda.shared.array(TS, dt)  # per receiver: -c' - m (the exponent's constant), 1 / s, and for
-        si = cuda.shared.array(TS, dt)  # expected (1 + abar + m) / s: W = e (y / s + that), y = -KL' - m
+        sc = cuda.shared.array(TS, dt)
+        sm = cuda.shared.array(TS, dt)
+        si = cuda.shared.array(TS, dt)
         sa = cuda.shared.array(TS, dt)
         clear(sL, sA)
         for k0 in range(k_begin, k_end, TS):
@@ -316,36 +301,23 @@ def make_mma_kernels(D: int, aggregator: str) -> dict:
             load(A, f, k0, k_end, scale, sL, sA)
             for r in range(cuda.threadIdx.x, TS, NT):
                 ok = k0 + r < k_end
-                sc[r] = -(c[f, k0 + r] * scale) - m[f, k0 + r] if ok else zero
+                sc[r] = c[f, k0 + r] * scale if ok else zero
+                sm[r] = m[f, k0 + r] if ok else zero
                 si[r] = inv_s[f, k0 + r] if ok else zero
-                if expected:  # (a receiver without senders has 1 / s = 0 and m = -inf: 0, not NaN)
-                    ok = ok and inv_s[f, k0 + r] > zero
-                    sa[r] = inv_s[f, k0 + r] * ((one + abar[f, k0 + r]) + m[f, k0 + r]) if ok else zero
+                sa[r] = abar[f, k0 + r] if ok else zero
             cuda.syncthreads()
             for t in range(-(-min(TS, k_end - k0) // 8)):
                 kk = 8 * t + 2 * q  # the lane's first receiver in the tile
-                kt = r0 + k0 + 8 * t  # the tile's receivers (global index): kt .. kt + 7
-                # Checked tiles (warp-uniform): a partial last tile, or one holding a sender of this warp
-                checked = k0 + 8 * t + 8 > k_end or (kt < base + 16 * G and kt + 8 > base)
                 for gr in range(G):
-                    ws[gr, 0], ws[gr, 1], ws[gr, 2], ws[gr, 3] = logits(
-                        own, gr, sL, t, lane, sc[kk], sc[kk + 1], sc[kk], sc[kk + 1]
-                    )
+                    kl[gr, 0], kl[gr, 1], kl[gr, 2], kl[gr, 3] = logits(own, gr, sL, t, lane)
                 for gr in range(G):
                     j_lo = base + 16 * gr + g  # the lane's senders: j_lo, j_lo + 8
                     for i in range(4):
                         r = kk + i % 2
-                        j = j_lo + 8 * (i // 2)
-                        # (senders past N: not stored, computed outside checked tiles; a receiver without
-                        # senders, N = 1, has m = -inf and an infinite exponent: its weights are set to 0)
-                        if checked and (k0 + r >= k_end or r0 + k0 + r == j or j >= N):
-                            ws[gr, i] = zero
-                        else:
-                            y = ws[gr, i]
-                            if expected:  # W = beta (1 + abar - KL') = e (y / s + (1 + abar + m) / s)
-                                ws[gr, i] = ex(y) * (si[r] * y + sa[r])
-                            else:
-                                ws[gr, i] = ex(y) * si[r]
+                        k = kl[gr, i] + sc[r]
+                        j = j_lo + 8 * (i // 2)  # (senders past N: computed, not stored)
+                        ok = k0 + r < k_end and r0 + k0 + r != j and j < N
+                        ws[gr, i] = pair_weight_e(ex(-k - sm[r] if ok else ninf), k, si[r], sa[r], one, agg)
                 for gr in range(G):
                     accumulate(acc, gr, ws, sA, t, lane)
         for gr in range(G):
