@@ -15,10 +15,12 @@ in float64; it runs where N <= --loop-max-n.
     python benchmarks/bench_energy.py --dtype-table --tree /old/pp --tree /new/pp   # before/after
 
 ``--dtype-table`` (issue 9, items 3-4): numpy and numba in float64 and float32 at K = 3 and N in
-{1024, 4096, 16384}, all cases in one process and interleaved (each repetition times every case once,
-in a rotated order), so that the load of a shared machine hits every case alike; wall and CPU time
-medians and their ratios. Each ``--tree`` (a directory holding ``vfesim/`` and ``vfesim_kernels/``,
-put first on PYTHONPATH) gets its own process; the trees alternate for ``--rounds`` rounds.
+{1024, 4096, 16384}, one process per backend and round, its cases interleaved (each repetition times
+every case once, in a rotated order), so that the load of a shared machine hits every case alike; wall
+and CPU time medians and their ratios. (The backends run apart: NumPy's BLAS threads spin on after each
+call and, on two cores, took the cores from the numba calls timed next to them.) Each ``--tree`` (a
+directory holding ``vfesim/`` and ``vfesim_kernels/``, put first on PYTHONPATH) gets its own processes;
+the trees alternate for ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ _TABLE_CASE = textwrap.dedent(
 
 
 def dtype_table(trees, Ns, K, repeat, rounds, emit) -> None:
-    """The interleaved numpy/numba x float64/float32 table (see the module doc), one block per tree."""
+    """The numpy/numba x float64/float32 table (see the module doc), one block per tree."""
     per_round = max(1, -(-repeat // rounds))
     pooled = {t: {} for t in trees}
     for _ in range(rounds):
@@ -202,7 +204,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--quick", action="store_true", help="N in {64, 256, 1024}, K = 3, float64")
     p.add_argument("--out", type=Path, default=None, help="also write the table to this file")
-    p.add_argument("--dtype-table", action="store_true", help="interleaved numpy/numba x f64/f32 table")
+    p.add_argument("--dtype-table", action="store_true", help="numpy/numba x f64/f32 table")
     p.add_argument("--tree", action="append", default=None, help="--dtype-table: code tree (repeatable)")
     p.add_argument("--rounds", type=int, default=1, help="--dtype-table: alternations of the trees")
     a = p.parse_args(argv)

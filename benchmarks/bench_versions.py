@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="*", default=["float32", "float64"])
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--prior", action="store_true", help="Gaussian cases with the prior alignment term")
-    ap.add_argument("--aggregator", nargs="*", default=[None], help="aggregators (default: each config's)")
+    ap.add_argument("--aggregator", nargs="+", default=[None], help="aggregators (default: each config's)")
     ap.add_argument("--accuracy", action="store_true", help="narrow dtypes: errors against the wide dtype")
     ap.add_argument("--quantum-d", nargs="*", type=int, default=[], help="density-matrix cases of these d")
     args = ap.parse_args()

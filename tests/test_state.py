@@ -310,21 +310,52 @@ def test_jitter_counts_in_the_condition_number():
     validate_state(a, ModelConfig(K=3, jitter=1e-3))  # S + 1e-3 I: condition number ~1e3
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e-170, 1e150])
 @pytest.mark.parametrize("K", [1, 2, 3, 8, 9, 21])
-def test_host_condition_bounds_bound_the_condition_numbers(K):
+def test_host_condition_bounds_bound_the_condition_numbers(K, scale):
     from vfesim.state import condition_bounds
 
     rng = np.random.default_rng(K)
     X = rng.normal(size=(300, K, K))
-    S = X @ X.transpose(0, 2, 1) + np.logspace(-6, 0, 300)[:, None, None] * np.eye(K)
+    S = (X @ X.transpose(0, 2, 1) + np.logspace(-6, 0, 300)[:, None, None] * np.eye(K)) * scale
     w = np.linalg.eigvalsh(S)
     cond = w[:, -1] / w[:, 0]
-    b = condition_bounds(S, np.linalg.cholesky(S))
+    b = condition_bounds(S, np.linalg.cholesky(S))  # (no squares of tiny or huge entries)
     assert b.dtype == np.float64 and b.shape == (300,)
     assert (b >= cond * (1 - 1e-10)).all()
     assert (
         b <= cond * K * np.sqrt(K) * (1 + 1e-10)
     ).all()  # (||S||_F <= sqrt(K) ||S||, ||L^-1||_F^2 <= K ||S^-1||)
+
+
+@pytest.mark.parametrize("K", [2, 3, 21])
+def test_host_condition_bounds_of_float32_factors(K):
+    """float32 covariances through the host SPD check's own factor: within L's rounding of an upper bound
+    (check_conditioning doubles them before comparing with the warning level)."""
+    from vfesim.state import check_spd_batch, condition_bounds
+
+    rng = np.random.default_rng(K)
+    Q = np.linalg.qr(rng.normal(size=(400, K, K)))[0]
+    lam = np.exp(rng.uniform(0, np.log(3e4), size=(400, K)))
+    S = ((Q * lam[:, None, :]) @ Q.transpose(0, 2, 1)).astype(np.float32)
+    S = (S + S.transpose(0, 2, 1)) / 2
+    L, _, _ = check_spd_batch(S, "sigma_q")
+    w = np.linalg.eigvalsh(S.astype(np.float64))
+    cond = w[:, -1] / w[:, 0]
+    assert (condition_bounds(S, L) >= cond * (1 - 1e-2)).all()
+
+
+@pytest.mark.parametrize("scale", [1e-170, 1e140])
+def test_host_condition_checks_do_not_depend_on_the_scale(scale):
+    a = arrays()
+    for k in ("sigma_q", "sigma_p"):
+        a[k] = a[k] * scale
+    a["sigma_q"][4] = _with_condition(a["sigma_q"][4], 1e8) * scale
+    with pytest.warns(vfesim.ConditioningWarning, match=r"^sigma_q\[agent=4\]: condition number 1e\+08"):
+        validate_state(a, CFG)
+    a["sigma_q"][2] = _with_condition(a["sigma_q"][2], 1e15) * scale
+    with pytest.raises(StateError, match=r"^sigma_q\[agent=2\]: condition number .* exceeds"):
+        validate_state(a, CFG)
 
 
 def test_host_conditioning_solves_only_the_agents_a_bound_flags(monkeypatch):

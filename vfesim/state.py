@@ -314,9 +314,11 @@ def check_conditioning(S, L, name: str, mode: str = "exact", bounds=None, worst=
     if worst is not None and worst <= (COND_WARN if mode == "exact" else COND_MAX)[dtype]:
         return
     if mode == "exact" and bounds is None and L is not None and xp is np:
-        bounds = condition_bounds(S, L)  # (the host's eigenvalues then only where a bound is high)
+        # (exact eigenvalues then only where a bound is high; the factor 2 covers L's rounding, relative
+        # O(eps cond): about 1e-4 at float32's warning level)
+        bounds = 2.0 * condition_bounds(S, L)
     if mode == "exact" and bounds is not None:
-        sel = xp.flatnonzero(bounds > COND_WARN[dtype])
+        sel = xp.flatnonzero(~(bounds <= COND_WARN[dtype]))  # (a NaN bound: solved, not skipped)
         if sel.size == 0:
             return
         w = xp.linalg.eigvalsh(S[sel].astype(np.float64))
@@ -354,12 +356,18 @@ def check_conditioning(S, L, name: str, mode: str = "exact", bounds=None, worst=
 
 
 def condition_bounds(S: np.ndarray, L: np.ndarray) -> np.ndarray:
-    """Upper bounds ||S||_F ||L^-1||_F^2 >= ||S|| ||S^-1|| (float64, (N,)) of the 2-norm condition numbers of
-    S = L L^T (N, K, K) on the host: the device check's bound (:mod:`vfesim_kernels.cuda.checks`). L^-1 by
-    forward substitution over the whole batch at once for small K (as :func:`batch_cholesky`), LAPACK above.
+    """Bounds ||S||_F ||L^-1||_F^2 >= ||S|| ||S^-1|| (float64, (N,)) of the 2-norm condition numbers of
+    S = L L^T (N, K, K) on the host: the device check's bound (:mod:`vfesim_kernels.cuda.checks`), up to the
+    rounding of L (relative O(eps cond) in S's precision). Each agent's S and L are scaled to max |S| = 1
+    first (the bound does not depend on the scale; its squares would underflow or overflow for entries
+    below ~1e-154 or above ~1e154). L^-1 by forward substitution over the whole batch at once for small K
+    (as :func:`batch_cholesky`), LAPACK above.
     """
-    L = L.astype(np.float64, copy=False)
     n, K = L.shape[:2]
+    peak = np.abs(S).reshape(n, -1).max(axis=1).astype(np.float64)
+    peak = np.where(peak > 0, peak, 1.0)
+    S = S.astype(np.float64) / peak[:, None, None]
+    L = L.astype(np.float64) / np.sqrt(peak)[:, None, None]
     if K > BATCH_CHOLESKY_MAX_K:
         inv = (np.linalg.inv(L) ** 2).sum(axis=(1, 2))
     else:
@@ -370,8 +378,7 @@ def condition_bounds(S: np.ndarray, L: np.ndarray) -> np.ndarray:
                 rhs = (1.0 if r == col else 0.0) - np.einsum("nk,nk->n", L[:, r, col:r], y[:, col:r])
                 y[:, r] = rhs / L[:, r, r]
             inv += np.einsum("nk,nk->n", y, y)
-    frob = np.sqrt(np.einsum("nij,nij->n", S, S, dtype=np.float64))
-    return frob * inv
+    return np.sqrt(np.einsum("nij,nij->n", S, S)) * inv
 
 
 def cholesky_named(S, name: str):
