@@ -130,15 +130,8 @@ def dtype_table(trees, Ns, K, repeat, rounds, emit) -> None:
             # 2-core machine they took the cores from Numba's threads timed right after them (numba
             # float64, N = 4096: 0.094 s interleaved in one process, 0.063 s with OPENBLAS_NUM_THREADS=1).
             for backend in ("numpy", "numba"):
-                cmd = [
-                    sys.executable,
-                    "-c",
-                    _TABLE_CASE,
-                    str(K),
-                    str(per_round),
-                    ",".join(map(str, Ns)),
-                    backend,
-                ]
+                sizes = ",".join(map(str, Ns))
+                cmd = [sys.executable, "-c", _TABLE_CASE, str(K), str(per_round), sizes, backend]
                 proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
                 out = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
                 if not out:

@@ -360,25 +360,14 @@ def condition_bounds(S: np.ndarray, L: np.ndarray) -> np.ndarray:
     S = L L^T (N, K, K) on the host: the device check's bound (:mod:`vfesim_kernels.cuda.checks`), up to the
     rounding of L (relative O(eps cond) in S's precision). Each agent's S and L are scaled to max |S| = 1
     first (the bound does not depend on the scale; its squares would underflow or overflow for entries
-    below ~1e-154 or above ~1e154). L^-1 by forward substitution over the whole batch at once for small K
-    (as :func:`batch_cholesky`), LAPACK above.
+    below ~1e-154 or above ~1e154).
     """
-    n, K = L.shape[:2]
+    n = S.shape[0]
     peak = np.abs(S).reshape(n, -1).max(axis=1).astype(np.float64)
     peak = np.where(peak > 0, peak, 1.0)
     S = S.astype(np.float64) / peak[:, None, None]
-    L = L.astype(np.float64) / np.sqrt(peak)[:, None, None]
-    if K > BATCH_CHOLESKY_MAX_K:
-        inv = (np.linalg.inv(L) ** 2).sum(axis=(1, 2))
-    else:
-        inv = np.zeros(n)
-        for col in range(K):  # column col of L^-1: L y = e_col, y[:col] = 0
-            y = np.zeros((n, K))
-            for r in range(col, K):
-                rhs = (1.0 if r == col else 0.0) - np.einsum("nk,nk->n", L[:, r, col:r], y[:, col:r])
-                y[:, r] = rhs / L[:, r, r]
-            inv += np.einsum("nk,nk->n", y, y)
-    return np.sqrt(np.einsum("nij,nij->n", S, S)) * inv
+    Linv = np.linalg.inv(L.astype(np.float64) / np.sqrt(peak)[:, None, None])
+    return np.sqrt(np.einsum("nij,nij->n", S, S)) * np.einsum("nij,nij->n", Linv, Linv)
 
 
 def cholesky_named(S, name: str):
