@@ -7,10 +7,11 @@ S_c[i]. For the matrices: code[c, i] = 0 when S_c[i] is finite, symmetric to ``t
 Cholesky-factorisable in the array's own precision (the verdict of NumPy's ``cholesky`` on the host, up to
 rounding), else 1 (NaN or Inf), 2 (not symmetric) or 3 (not positive definite); bound[c, i] (float64) is
 an upper bound of the 2-norm condition number, ||S||_F ||L^-1||_F^2 >= ||S|| ||S^-1|| (S = L L^T), at
-most about K^1.5 times too large (+inf for a failing matrix): callers compute exact condition numbers
-only where it exceeds a limit. ``out`` (float64, OUT_SIZE entries, initialised by :func:`state_checks`)
-receives, by atomics: max |x| of V1..V4, S1, S2 (+inf where an entry is not finite), the first failing
-agent of S1 and S2 (+inf when none) and the largest bound of S1 and S2.
+most about K^1.5 times too large (+inf for a failing matrix), computed for S scaled to max |S| = 1 so that
+no square underflows or overflows: callers compute exact condition numbers only where it exceeds a limit.
+``out`` (float64, OUT_SIZE entries, initialised by :func:`state_checks`) receives, by atomics: max |x| of
+V1..V4, S1, S2 (+inf where an entry is not finite), the first failing agent of S1 and S2 (+inf when none)
+and the largest bound of S1 and S2.
 
 One source, two launch shapes: one thread per agent, and from ``WARP_FROM_K`` on one warp per agent (the
 warp's threads own rows of a right-looking factorisation). Measured on an H100 (float32, GPU time of
@@ -81,15 +82,15 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
 
     @device
     def block_reduce(part, t, nt):
-        """Tree reduction over the block's threads (nt a power of two) into part[:, 0]: rows 0-2 by max,
-        row 3 by sum (fixed pairs: the same result run to run). A no-op for one thread per agent."""
+        """Tree reduction over the block's threads (nt a power of two) into part[:, 0]: rows 0-1 by max,
+        rows 2-3 by sum (fixed pairs: the same result run to run). A no-op for one thread per agent."""
         s = nt // 2
         while s > 0:
             barrier()
             if t < s:
                 part[0, t] = max(part[0, t], part[0, t + s])
                 part[1, t] = max(part[1, t], part[1, t + s])
-                part[2, t] = max(part[2, t], part[2, t + s])
+                part[2, t] += part[2, t + s]
                 part[3, t] += part[3, t + s]
             s //= 2
         barrier()
@@ -98,12 +99,11 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
     def matrix(S, i, t, nt, tol, L, part):
         """(code, condition-number bound, max |S[i]| or +inf) of S[i], the same in every thread of the
         block. Thread t reads entries t, t + nt, ... and owns rows t, t + nt, ... of the factorisation."""
-        # part[:, t]: this thread's max |S|, max |S - S^T|, 1 where an entry is not finite (maxima: any
-        # order, same result) and ||S||_F^2 (float64; a bound only: its summation order does not matter)
+        # part[:, t]: this thread's max |S| and max |S - S^T| (maxima: any order, same result), and the
+        # count of its entries that are not finite
         scale = zero
         asym = zero
         bad = zero
-        fro = 0.0
         barrier()  # the previous matrix's readers of L and part are done
         for e in range(t, KK, nt):
             a = e // K
@@ -111,19 +111,27 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
             v = S[i, a, b]
             L[a, b] = v
             if not math.isfinite(v):
-                bad = one
+                bad += one
             else:
                 scale = max(scale, abs(v))
                 asym = max(asym, abs(v - S[i, b, a]))
-                fro += float64(v) * float64(v)
-        part[0, t], part[1, t], part[2, t], part[3, t] = scale, asym, bad, fro
+        part[0, t], part[1, t], part[2, t], part[3, t] = scale, asym, bad, 0.0
         block_reduce(part, t, nt)
         if part[2, 0] > 0.0:
             return SPD_NONFINITE, math.inf, math.inf
         peak = part[0, 0]
         if dt(part[1, 0]) > tol * dt(peak):  # in the array's precision, as the host check
             return SPD_ASYMMETRIC, math.inf, peak
-        fro = part[3, 0]
+        # The bound is computed for S / peak (L / sqrt(peak)): it does not depend on the scale, and the
+        # squares below would underflow to a bound of 0 for float64 entries under ~1e-154 (or overflow
+        # above ~1e154). ||S / peak||_F^2 from this thread's own entries of L (no barrier needed); a zero
+        # matrix fails the factorisation below.
+        fro = 0.0
+        if peak > 0.0:
+            for e in range(t, KK, nt):
+                a = e // K
+                w = float64(L[a, e - a * K]) / float64(peak)
+                fro += w * w
         # Right-looking Cholesky of the lower triangle. A pivot that is not > 0 fails (every thread reads
         # the same pivot, so all leave together).
         for j in range(K):
@@ -142,19 +150,21 @@ def make_check_kernels(K: int, dtype: str, blockwise: bool = False) -> dict:
                 for c in range(j + 1, r + 1):
                     L[r, c] -= lrj * L[c, j]
         barrier()
-        # ||L^-1||_F^2: column c of L^-1 by forward substitution (threads own columns).
+        # ||sqrt(peak) L^-1||_F^2: column c of sqrt(peak) L^-1 by forward substitution (threads own
+        # columns); ||S / peak||_F^2 summed with it (sums: fixed pairs, the same result run to run).
         y = cuda.local.array(K, float64)
+        root = math.sqrt(float64(peak))
         inv = 0.0
         for c in range(t, K, nt):
             for r in range(c, K):
-                v = 1.0 if r == c else 0.0
+                v = root if r == c else 0.0
                 for k in range(c, r):
                     v -= float64(L[r, k]) * y[k]
                 y[r] = v / float64(L[r, r])
                 inv += y[r] * y[r]
-        part[0, t], part[1, t], part[2, t], part[3, t] = 0.0, 0.0, 0.0, inv
+        part[0, t], part[1, t], part[2, t], part[3, t] = 0.0, 0.0, fro, inv
         block_reduce(part, t, nt)
-        return SPD_OK, math.sqrt(fro) * part[3, 0], peak
+        return SPD_OK, math.sqrt(part[2, 0]) * part[3, 0], peak
 
     @device
     def record(acc, c, i, code, bound, peak):

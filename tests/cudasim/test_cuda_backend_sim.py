@@ -309,6 +309,35 @@ def test_state_check_kernel_classifies_like_numpy(monkeypatch, dtype, K, blocks)
     assert out[checks.WORSTS :].tolist() == worst
 
 
+@pytest.mark.parametrize("scale", [1e-170, 1e-300, 1e150, 1e300])
+@pytest.mark.parametrize("K", [3, 10])
+def test_state_check_kernel_bound_does_not_depend_on_the_scale(K, scale):
+    """The device bound at float64 scales whose squares underflow (entries below ~1e-154) or overflow
+    (above ~1e154) equals the bound at scale 1 to rounding: it is never 0 (which would let an ill-conditioned
+    matrix pass unchecked), and finite where the matrix is."""
+    from vfesim_kernels.cuda import checks
+
+    n = 4
+    rng = np.random.default_rng(2)
+    L = rng.standard_normal((n, K, K))
+    S = L @ L.transpose(0, 2, 1) + 1e-3 * np.eye(K)
+    S[n - 1] = np.diag(np.geomspace(1.0, 1e-9, K))  # cond 1e9: must be flagged at every scale
+
+    def bounds(S):
+        blockwise, grid, threads = checks.check_launch(n, K)
+        kernel = checks.make_check_kernels(K, "float64", blockwise)["state"]
+        V = [np.empty((n, 0))] * 4
+        code, bound, out = np.full((2, n), -1, np.int32), np.full((2, n), -1.0), checks.out_initial()
+        kernel[grid, threads](*V, S, S, 64 * np.finfo(np.float64).eps, code, bound, out)
+        assert code.tolist() == [[checks.SPD_OK] * n] * 2
+        return bound[0]
+
+    unit, scaled = bounds(S), bounds(S * scale)
+    cond = [np.linalg.cond(Si) for Si in S]
+    assert np.all(unit >= np.multiply(cond, 1 - 1e-6)) and np.all(unit <= 2 * K**1.5 * np.array(cond))
+    np.testing.assert_allclose(scaled, unit, rtol=1e-10)
+
+
 @pytest.mark.parametrize("n, K, blocks", [(1, 3, None), (9, 3, None), (1, 9, None), (9, 9, 2)])
 def test_state_check_kernel_partial_blocks_and_second_matrix(monkeypatch, n, K, blocks):
     """Agents that do not fill the last block (a thread per agent), one agent, blocks striding over an
