@@ -113,11 +113,14 @@ def _pull_features(U, a, log_a):
 
 
 def _pull_vjp(gA, gB, U, a, log_a):
+    """Cotangents of a, log a and U from those of the feature rows. U's is formed from the traceless parts
+    of C and M: their identity parts add U H (H Hermitian), which rule R2 maps to 0 exactly, but dominate
+    U_bar and cost the phi gradient (a small part of it) precision in complex64."""
     d = U.shape[-1]
     C = hmat(gA, d)  # cotangent of a~
     M = hmat(-2.0 * gB, d)  # cotangent of (log a)~
     Ud = dagger(U)
-    return U @ C @ Ud, U @ M @ Ud, 2.0 * (a @ U @ C + log_a @ U @ M)
+    return U @ C @ Ud, U @ M @ Ud, 2.0 * (a @ U @ traceless(C) + log_a @ U @ traceless(M))
 
 
 def _dk_log(s, W, E):
