@@ -20,7 +20,8 @@ The same operations as the NumPy stages of ``vfesim.quantum`` (the vectorised re
   :func:`energy_finish_agent` run around a batched eigensolver of the three matrices per agent (the CUDA
   kernels' cooperative Jacobi at large d, ``vfesim_kernels.cuda.eigh``);
 - :func:`pull_features` / :func:`pull_vjp_add`: the pairwise feature rows of pulled-back states,
-  ``A = hvec(U^dagger a U)``, ``B = -2 hvec(U^dagger (log a) U)``, and their adjoint;
+  ``A = hvec(U^dagger a U)``, ``B = -2 hvec(U^dagger (log a) U)`` (``trace_first`` coordinates), and
+  their adjoint;
 - :func:`dk_log`, :func:`dk_exp`, :func:`frames_vjp`: Daleckii–Krein adjoints of ``log``, ``exp`` and
   ``exp(-i .)`` (the divided differences of ``vfesim.quantum.linalg``);
 - :func:`energy_prep_agent`, :func:`energy_features_agent` / :func:`energy_backward_agent`: the whole
@@ -247,11 +248,18 @@ def push_forward(U, X, T, out):
 
 
 def hvec_store(X, scale, out):
-    """out (d^2,) = scale * [diag X, sqrt2 Re triu X, sqrt2 Im triu X] (row-major strict upper triangle)."""
+    """out (d^2,) = scale * hvec(X, trace_first=True) (``vfesim.quantum.linalg.hvec``): [diag X in the
+    Helmert basis, sqrt2 Re triu X, sqrt2 Im triu X] (row-major strict upper triangle). The Helmert
+    coordinates of the diagonal x: h_0 = (x_0 + ... + x_{d-1}) / sqrt(d), h_k = (x_0 + ... + x_{k-1} - k x_k)
+    / sqrt(k (k + 1))."""
     d = X.shape[0]
     m = d * (d - 1) // 2
-    for k in range(d):
-        out[k] = scale * X[k, k].real
+    s = X[0, 0].real
+    for k in range(1, d):
+        x = X[k, k].real
+        out[k] = scale * ((s - out.dtype.type(k) * x) * out.dtype.type(1.0 / math.sqrt(k * (k + 1.0))))
+        s += x
+    out[0] = scale * (s * out.dtype.type(1.0 / math.sqrt(d)))
     i = 0
     for p in range(d):
         for q in range(p + 1, d):
@@ -261,11 +269,18 @@ def hvec_store(X, scale, out):
 
 
 def hmat_load(v, scale, X):
-    """X = the Hermitian matrix of coordinates scale * v (inverse of :func:`hvec_store`)."""
+    """X = the traceless part of the Hermitian matrix of coordinates scale * v (:func:`hvec_store`'s), and
+    returns its identity coefficient scale * v[0] / sqrt(d) (the matrix is X + that times I). Apart, so
+    that the identity part, large in a pair cotangent, costs the traceless part no precision. The diagonal:
+    x_l = sum_{k > l} h_k / sqrt(k (k + 1)) - l h_l / sqrt(l (l + 1))."""
     d = X.shape[0]
     m = d * (d - 1) // 2
-    for k in range(d):
-        X[k, k] = scale * v[k]
+    t = v.dtype.type(0.0)
+    for l in range(d - 1, 0, -1):
+        hl = v[l] * v.dtype.type(1.0 / math.sqrt(l * (l + 1.0)))
+        X[l, l] = scale * (t - v.dtype.type(l) * hl)
+        t += hl
+    X[0, 0] = scale * t
     i = 0
     for p in range(d):
         for q in range(p + 1, d):
@@ -273,6 +288,7 @@ def hmat_load(v, scale, X):
             X[p, q] = z
             X[q, p] = z.conjugate()
             i += 1
+    return scale * (v[0] * v.dtype.type(1.0 / math.sqrt(d)))
 
 
 def dd_log(a, b, R):
@@ -392,26 +408,24 @@ def pull_features(Un, a, loga, Arow, Brow, T1, T2):
 def pull_vjp_add(gA, gB, gc, lam, Un, a, loga, a_bar, la_bar, U_bar, C, M, T, P):
     """Adds lam times the adjoint of :func:`pull_features` and of the feature c = 2 tr(a log a)
     (d tr(a log a) = tr((log a + I) da), the I left out: every consumer projects it away): with
-    C = hmat(lam gA) and M = hmat(-2 lam gB) (cotangents of the pulled-back a and log a),
-    a_bar += U C U^dagger + 2 lam gc log a, la_bar += U M U^dagger and U_bar += 2 (a U C' + (log a) U M')
-    with X' = X - tr(X)/d I (dL = Re tr(U_bar^dagger dU) up to terms U H, H Hermitian, that rule R2 maps
-    to 0). C and M are left traceless."""
+    C + cC I = hmat(lam gA) and M + cM I = hmat(-2 lam gB) (cotangents of the pulled-back a and log a; C, M
+    traceless), a_bar += U C U^dagger + cC I + 2 lam gc log a, la_bar += U M U^dagger + cM I and
+    U_bar += 2 (a U C + (log a) U M) (dL = Re tr(U_bar^dagger dU) up to terms U H, H Hermitian, that rule
+    R2 maps to 0). The identity parts stay out of U_bar: they would dominate it, while the phi gradient is
+    a small part of it (in complex64 it lost 1.2e-4 relative at N = 65 536, numba)."""
     d = C.shape[0]
-    hmat_load(gA, lam, C)
-    hmat_load(gB, -2.0 * lam, M)
+    cC = hmat_load(gA, lam, C)
+    cM = hmat_load(gB, -2.0 * lam, M)
     push_forward(Un, C, T, P)
     for r in range(d):
         for c in range(d):
             a_bar[r, c] += P[r, c] + 2.0 * lam * gc * loga[r, c]
+        a_bar[r, r] += cC
     push_forward(Un, M, T, P)
     for r in range(d):
         for c in range(d):
             la_bar[r, c] += P[r, c]
-    # U_bar from the traceless parts of C and M: their identity parts add U H (H Hermitian) to U_bar, which
-    # rule R2 maps to 0 exactly. Left in, they dominate U_bar, and the phi gradient (a small part of it)
-    # lost about eps |U_bar| / |phi_bar| in complex64 (1.2e-4 relative at N = 65 536, numba).
-    _drop_trace(C)
-    _drop_trace(M)
+        la_bar[r, r] += cM
     mm(Un, C, T)
     mm(a, T, P)
     mm(Un, M, T)
@@ -419,13 +433,6 @@ def pull_vjp_add(gA, gB, gc, lam, Un, a, loga, a_bar, la_bar, U_bar, C, M, T, P)
     for r in range(d):
         for c in range(d):
             U_bar[r, c] += 2.0 * P[r, c]
-
-
-def _drop_trace(X):
-    """X -= tr(X) / d I (X Hermitian: a real trace, subtracted in X's dtype)."""
-    t = X.dtype.type(_trace_re(X) / X.shape[0])
-    for r in range(X.shape[0]):
-        X[r, r] -= t
 
 
 def dk_log(sn, Wn, E, out, T1, T2):
@@ -1180,7 +1187,6 @@ FUNCTIONS = (
     "_copy",
     "_trace_re",
     "_tr_re",
-    "_drop_trace",
     "pull_features",
     "pull_vjp_add",
     "dk_log",

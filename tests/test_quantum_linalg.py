@@ -1,6 +1,7 @@
-"""vfesim.quantum.linalg: the batched eigensolver's dispatch by array module."""
+"""vfesim.quantum.linalg: the batched eigensolver's dispatch by array module; the Hermitian coordinates."""
 
 import numpy as np
+import pytest
 
 from vfesim.quantum import linalg
 
@@ -29,3 +30,29 @@ def test_eigvalsh_uses_the_registered_solver_or_the_modules(monkeypatch):
     assert (np.diff(w, axis=1) >= 0).all()
     monkeypatch.setitem(linalg.EIGENSOLVERS, "numpy", lambda A: (A.shape, "V"))
     assert linalg.eigvalsh(X) == (5, 3, 3)
+
+
+@pytest.mark.parametrize("d", [2, 3, 4, 8])
+@pytest.mark.parametrize("trace_first", [False, True])
+def test_hvec_is_an_isometry_and_hmat_its_inverse(d, trace_first):
+    """Both coordinate systems: tr(X Y) = hvec(X) . hvec(Y), hmat inverts hvec, the dtype follows the
+    input's precision; with trace_first the first coordinate is tr X / sqrt(d) and the identity has no
+    other (the Helmert matrix is orthonormal)."""
+    rng = np.random.default_rng(d)
+    Z = rng.normal(size=(2, 5, d, d)) + 1j * rng.normal(size=(2, 5, d, d))
+    X, Y = Z + np.conj(np.swapaxes(Z, -1, -2))
+    vx, vy = (linalg.hvec(A, trace_first=trace_first) for A in (X, Y))
+    assert vx.shape == (5, d * d) and vx.dtype == np.float64
+    np.testing.assert_allclose((vx * vy).sum(axis=1), np.einsum("nij,nji->n", X, Y).real, rtol=1e-12)
+    np.testing.assert_allclose(linalg.hmat(vx, d, trace_first=trace_first), X, atol=1e-12)
+    v32 = linalg.hvec(X.astype(np.complex64), trace_first=trace_first)
+    assert v32.dtype == np.float32 and linalg.hmat(v32, d, trace_first=trace_first).dtype == np.complex64
+    Hm = linalg.helmert(d)
+    np.testing.assert_allclose(Hm @ Hm.T, np.eye(d), atol=1e-15)
+    eye = linalg.hvec(np.eye(d, dtype=complex)[None], trace_first=trace_first)[0]
+    if trace_first:
+        np.testing.assert_allclose(vx[:, 0], np.trace(X, axis1=1, axis2=2).real / np.sqrt(d), rtol=1e-12)
+        np.testing.assert_allclose(eye, np.r_[np.sqrt(d), np.zeros(d * d - 1)], atol=1e-15)
+    else:
+        np.testing.assert_array_equal(vx[:, :d], np.diagonal(X, axis1=1, axis2=2).real)
+        np.testing.assert_array_equal(eye, np.r_[np.ones(d), np.zeros(d * d - d)])

@@ -18,7 +18,8 @@ states y~_i = U_i^dagger y_i U_i. Terms::
 with D(a || b) = tr a (log a - log b) and the aggregators of :mod:`vfesim.pairwise`.
 
 Pairwise part (spec §2.4). D(a~_i || a~_j) = -S(a_i) - tr(a~_i log a~_j) = 1/2 (A_i . B_j + c_i) with the
-real Hermitian coordinates of :func:`.linalg.hvec` (length d^2):
+real Hermitian coordinates of :func:`.linalg.hvec` (length d^2; ``trace_first``: the trace is the first
+coordinate, so that the pair cotangents' large identity parts do not cost their traceless parts precision):
 
     A_i = hvec(a~_i),   B_j = -2 hvec(log a~_j),   c_i = 2 tr(a_i log a_i),
 
@@ -109,18 +110,32 @@ def _eig_log(x):
 
 
 def _pull_features(U, a, log_a):
-    return hvec(_pull(U, a)), -2.0 * hvec(_pull(U, log_a))
+    return hvec(_pull(U, a), trace_first=True), -2.0 * hvec(_pull(U, log_a), trace_first=True)
 
 
 def _pull_vjp(gA, gB, U, a, log_a):
-    """Cotangents of a, log a and U from those of the feature rows. U's is formed from the traceless parts
-    of C and M: their identity parts add U H (H Hermitian), which rule R2 maps to 0 exactly, but dominate
-    U_bar and cost the phi gradient (a small part of it) precision in complex64."""
+    """Cotangents of a, log a and U from those of the feature rows. The identity parts of C and M (the
+    features' first coordinate) are added to a's and log a's cotangents apart and stay out of U's: they add
+    U H (H Hermitian), which rule R2 maps to 0 exactly, but would dominate U_bar and cost the phi gradient
+    (a small part of it) precision in complex64."""
+    xp = _xp(U)
     d = U.shape[-1]
-    C = hmat(gA, d)  # cotangent of a~
-    M = hmat(-2.0 * gB, d)  # cotangent of (log a)~
+    C, cC = _split_trace(gA, d)  # cotangent of a~: C + cC I
+    M, cM = _split_trace(-2.0 * gB, d)  # cotangent of (log a)~: M + cM I
     Ud = dagger(U)
-    return U @ C @ Ud, U @ M @ Ud, 2.0 * (a @ U @ traceless(C) + log_a @ U @ traceless(M))
+    eye = xp.eye(d, dtype=C.dtype)
+    return (
+        U @ C @ Ud + cC[:, None, None] * eye,
+        U @ M @ Ud + cM[:, None, None] * eye,
+        2.0 * (a @ U @ C + log_a @ U @ M),
+    )
+
+
+def _split_trace(v, d: int):
+    """(traceless part, identity coefficient) of hmat(v, d, trace_first=True)."""
+    w = v.copy()
+    w[:, 0] = 0.0
+    return hmat(w, d, trace_first=True), v[:, 0] / np.sqrt(d)
 
 
 def _dk_log(s, W, E):

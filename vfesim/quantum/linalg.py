@@ -5,7 +5,12 @@ costs nothing (``xp`` from the inputs); the eigensolver is the array module's ``
 
 Hermitian coordinates: ``hvec`` maps Herm(d) isometrically onto R^{d^2}: the diagonal, then sqrt(2) Re and
 sqrt(2) Im of the strict upper triangle (row-major), so ``tr(X Y) = hvec(X) . hvec(Y)`` for Hermitian X,
-Y. ``hmat`` is its inverse; a real cotangent g of hvec(X) is the Hermitian cotangent hmat(g) of X.
+Y. ``hmat`` is its inverse; a real cotangent g of hvec(X) is the Hermitian cotangent hmat(g) of X. With
+``trace_first=True`` the diagonal is in the Helmert basis instead (:func:`helmert`: the first coordinate
+is tr X / sqrt(d), the other d - 1 orthonormal contrasts of the diagonal), still isometric: the pairwise
+features of density-matrix agents use it, so that a sum of many rows (a pair cotangent, summed over a
+population of unit-trace states) carries its large identity part in one coordinate, not as a common
+offset of every diagonal coordinate whose rounding would swamp the small traceless part in float32.
 
 Divided differences (Daleckii–Krein): for ``X = V diag(x) V^dagger`` and a scalar f,
 ``Df(X)[E] = V (f^[1](x) o V^dagger E V) V^dagger`` with ``f^[1]_kl = (f(x_k) - f(x_l)) / (x_k - x_l)``
@@ -25,6 +30,7 @@ __all__ = [
     "herm",
     "traceless",
     "trace",
+    "helmert",
     "hvec",
     "hmat",
     "eigh",
@@ -66,15 +72,37 @@ def _upper(d: int) -> tuple[np.ndarray, np.ndarray]:
     return np.triu_indices(d, 1)
 
 
-def hvec(X):
-    """Hermitian (N, d, d) -> real (N, d^2) coordinates [diag, sqrt2 Re triu, sqrt2 Im triu]."""
+@functools.cache
+def helmert(d: int) -> np.ndarray:
+    """The orthonormal Helmert matrix (d, d) (float64): row 0 is (1, ..., 1) / sqrt(d); row k >= 1 has
+    1 / sqrt(k (k + 1)) in columns 0..k-1, -k / sqrt(k (k + 1)) in column k and 0 after it."""
+    Hm = np.zeros((d, d))
+    Hm[0] = 1.0 / np.sqrt(d)
+    for k in range(1, d):
+        Hm[k, :k] = 1.0 / np.sqrt(k * (k + 1.0))
+        Hm[k, k] = -k / np.sqrt(k * (k + 1.0))
+    return Hm
+
+
+def _helmert_like(x, d: int):
+    """helmert(d) on x's array module, in x's real dtype."""
+    return _xp(x).asarray(helmert(d), dtype=x.real.dtype)
+
+
+def hvec(X, *, trace_first: bool = False):
+    """Hermitian (N, d, d) -> real (N, d^2) coordinates [diag, sqrt2 Re triu, sqrt2 Im triu]; the diagonal
+    in the Helmert basis when ``trace_first``."""
     xp = _xp(X)
-    iu, ju = _upper(X.shape[-1])
+    d = X.shape[-1]
+    iu, ju = _upper(d)
     up = X[..., iu, ju]
-    return xp.concatenate([X.diagonal(axis1=-2, axis2=-1).real, SQRT2 * up.real, SQRT2 * up.imag], axis=-1)
+    diag = X.diagonal(axis1=-2, axis2=-1).real
+    if trace_first:
+        diag = diag @ _helmert_like(diag, d).T
+    return xp.concatenate([diag, SQRT2 * up.real, SQRT2 * up.imag], axis=-1)
 
 
-def hmat(v, d: int):
+def hmat(v, d: int, *, trace_first: bool = False):
     """Inverse of :func:`hvec`: real (N, d^2) -> Hermitian (N, d, d) of the matching complex dtype."""
     xp = _xp(v)
     iu, ju = _upper(d)
@@ -82,7 +110,7 @@ def hmat(v, d: int):
     cdt = np.result_type(v.dtype, np.complex64)
     X = xp.zeros(v.shape[:-1] + (d, d), cdt)
     idx = np.arange(d)
-    X[..., idx, idx] = v[..., :d]
+    X[..., idx, idx] = v[..., :d] @ _helmert_like(v, d) if trace_first else v[..., :d]
     up = (v[..., d : d + m] + 1j * v[..., d + m :]) / SQRT2
     X[..., iu, ju] = up
     X[..., ju, iu] = up.conj()
