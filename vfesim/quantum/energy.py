@@ -39,6 +39,7 @@ sigma = exp(log sigma) and log sigma(H, T); for the frames, U_bar = 2 a U C~ + 2
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -135,7 +136,7 @@ def _split_trace(v, d: int):
     """(traceless part, identity coefficient) of hmat(v, d, trace_first=True)."""
     w = v.copy()
     w[:, 0] = 0.0
-    return hmat(w, d, trace_first=True), v[:, 0] / np.sqrt(d)
+    return hmat(w, d, trace_first=True), v[:, 0] * (1.0 / math.sqrt(d))  # a Python float: v's dtype
 
 
 def _dk_log(s, W, E):

@@ -81,6 +81,7 @@ def helmert(d: int) -> np.ndarray:
     for k in range(1, d):
         Hm[k, :k] = 1.0 / np.sqrt(k * (k + 1.0))
         Hm[k, k] = -k / np.sqrt(k * (k + 1.0))
+    Hm.flags.writeable = False  # cached: shared by every caller
     return Hm
 
 
