@@ -11,7 +11,8 @@ runs, without a GPU.
     python benchmarks/bench_f32_sums.py --family gaussian quantum --n 4096 16384 --sums slice tile
 
 ``slice``: one float32 sum per owner over all others (the SIMT kernels' pattern, one slice); ``tile``:
-float32 over ``--tile`` others at a time, the partials added in float64 (the CPU kernels' pattern).
+float32 over ``--tile`` others at a time, the partials added in float64 (the CPU kernels' pattern);
+``kahan``: the same partials added into a float32 total with a float32 compensation (no float64).
 Softmin aggregator, self + belief terms (Gaussian K = 3; density-matrix d = --d), seed 0.
 """
 
@@ -27,15 +28,18 @@ from vfesim import pairwise
 
 
 @numba.njit(parallel=True, cache=True)
-def _weighted_sums(own, other, A, B, c, kappa, m, s, receivers, tile):
+def _weighted_sums(own, other, A, B, c, kappa, m, s, receivers, tile, compensated):
     """Per owner o: 1/2 sum_k W_ok other_k (receivers: W_ok = W[o, k]; else W_ok = W[k, o]) with W_ij =
     exp(-(A_i . B_j + c_i) / (2 kappa) - m_i) / s_i computed in float64, the products and sums in
-    float32; tile > 0: float32 partials over ``tile`` terms, added in float64."""
+    float32; tile > 0: float32 partials over ``tile`` terms, added in float64, or (``compensated``) into
+    a float32 total with a float32 compensation term (Kahan: no float64 arithmetic)."""
     N, D = own.shape
     out = np.empty((N, D), np.float32)
     for o in numba.prange(N):
         part = np.zeros(D, np.float32)
         total = np.zeros(D, np.float64)
+        hi = np.zeros(D, np.float32)
+        lo = np.zeros(D, np.float32)
         n_in = 0
         for k in range(N):
             if k == o:
@@ -51,11 +55,20 @@ def _weighted_sums(own, other, A, B, c, kappa, m, s, receivers, tile):
             n_in += 1
             if tile > 0 and n_in == tile:
                 for d in range(D):
-                    total[d] += part[d]
+                    if compensated:
+                        y = part[d] - lo[d]
+                        t = hi[d] + y
+                        lo[d] = (t - hi[d]) - y
+                        hi[d] = t
+                    else:
+                        total[d] += part[d]
                     part[d] = 0.0
                 n_in = 0
         for d in range(D):
-            out[o, d] = np.float32(0.5) * np.float32(total[d] + part[d])
+            if compensated:
+                out[o, d] = np.float32(0.5) * (hi[d] + (part[d] - lo[d]))
+            else:
+                out[o, d] = np.float32(0.5) * np.float32(total[d] + part[d])
     return out
 
 
@@ -89,9 +102,10 @@ def summed_in_float32(sums: str, tile: int):
     def dense(A, B, c, kappa, aggregator):
         E, gA, gB, gc = pairwise.pairwise_dense(A, B, c, kappa, aggregator)  # float64: E and gc
         m, s = _row_stats(A, B, c, kappa)
-        t = tile if sums == "tile" else 0
-        gA = _weighted_sums(A, B, A, B, c, kappa, m, s, True, t).astype(np.float64)
-        gB = _weighted_sums(B, A, A, B, c, kappa, m, s, False, t).astype(np.float64)
+        t = 0 if sums == "slice" else tile
+        kahan = sums == "kahan"
+        gA = _weighted_sums(A, B, A, B, c, kappa, m, s, True, t, kahan).astype(np.float64)
+        gB = _weighted_sums(B, A, A, B, c, kappa, m, s, False, t, kahan).astype(np.float64)
         return E, gA, gB, gc
 
     return dense
@@ -121,7 +135,7 @@ def main() -> None:
     ap.add_argument("--family", nargs="+", default=["gaussian", "quantum"], choices=["gaussian", "quantum"])
     ap.add_argument("--n", nargs="+", type=int, default=[4096])
     ap.add_argument("--d", type=int, default=4, help="density-matrix dimension")
-    ap.add_argument("--sums", nargs="+", default=["slice", "tile"], choices=["slice", "tile"])
+    ap.add_argument("--sums", nargs="+", default=["slice", "tile"], choices=["slice", "tile", "kahan"])
     ap.add_argument("--tile", type=int, default=64, help="others per float32 partial (--sums tile)")
     args = ap.parse_args()
     print(f"{'family':>8} {'case':>5} {'N':>7} {'sums':>6}  max-norm relative error of each gradient")
