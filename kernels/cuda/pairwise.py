@@ -256,7 +256,7 @@ def dense_slices(N: int, S: int, threads: int = PAIR_THREADS) -> tuple[int, int]
 # came later, core.PAIR_OPTS_NARROW), while the D = 16 density-matrix
 # pairs (complex64, d = 4) lost under the same cap (18.0-18.6 ms against 17.6): kept for D = 10 only
 # (benchmarks/results/gpu_pairs_h100_stop39.txt).
-DENSE_REGISTERS: dict = {("float32", 10): (128, 128)}
+DENSE_REGISTERS: dict = {("float32", 10): (None, 128)}
 
 
 def dense_registers(D: int, dtype) -> tuple:
@@ -368,15 +368,6 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
     one_u = np.uint32(1)
     if not SIMULATOR and threads % 32:
         raise ValueError(f"threads: whole warps (the stats kernel votes over all 32 lanes), got {threads}")
-    # float32: each owner's weighted row sums run in float32 over one tile of the others, then go into
-    # compensated float32 totals in shared memory (Kahan; no float64 arithmetic): one float32 sum over a
-    # whole slice lost the gradients' small parts at large N (benchmarks/bench_f32_sums.py). Where the
-    # totals do not fit the static shared memory beside the tile (D = 16: 3 owners per thread), not yet.
-    isz = np.dtype(dtype).itemsize
-    KQ = 4 if expected else 2  # totals and compensations of acc (and accx)
-    comp = np.dtype(dtype) == np.float32 and KQ * OPT * D * NT * isz + TS * (D + 3) * isz <= 48 * 1024
-    KS = (KQ, OPT, D, NT) if comp else (1, 1, 1, 1)
-    KG = (2, OPT, D, NT) if comp else (1, 1, 1, 1)
 
     def dots(own, rw, kl):
         """kl[o, 0] + kl[o, 1] += own[o] . rw[0] for every owner o, as two partial sums (even and odd
@@ -402,23 +393,17 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
             t[o] += e * x
         s[o] += e
 
-    def push(o, rw, x, y, e, m, s, t, acc, accx, px, kt, tid):
+    def push(o, rw, x, y, e, m, s, t, acc, accx, px):
         """Owner o (a receiver) meets one more sender (row rw, logit x, y = x - m[o], e = ex(-|y|)):
         online log-sum-exp statistics and the sums of sender rows weighted by ex(x - m), rescaled when
-        the maximum m moves (the tile's partials and the earlier tiles' totals kt alike)."""
+        the maximum m moves."""
         if y > zero:  # a new maximum: the sums so far scale by e = ex(m_old - x); this row has weight 1
             if expected and s[o] > zero:  # every delta so far grows by the shift y
                 for d in range(D):
                     accx[o, d] = e * (accx[o, d] + y * acc[o, d])
-                    if comp:
-                        kt[2, o, d, tid] = e * (kt[2, o, d, tid] + y * kt[0, o, d, tid])
-                        kt[3, o, d, tid] = e * (kt[3, o, d, tid] + y * kt[1, o, d, tid])
                 px[o] = e * (px[o] + y * s[o])
             for d in range(D):
                 acc[o, d] = acc[o, d] * e + rw[0, d]
-                if comp:
-                    kt[0, o, d, tid] *= e
-                    kt[1, o, d, tid] *= e
             m[o] = x
             s[o] = s[o] * e + one
             if expected:  # (softmin needs no mean KL: its t, and abar, stay 0)
@@ -426,19 +411,12 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
         else:
             add(o, rw, x, y, e, s, t, acc, accx, px)
 
-    def kahan_add(kt, q, o, d, tid, v):
-        """kt[q] - kt[q + 1] += v: a Kahan step (the running total kt[q], its compensation kt[q + 1])."""
-        y = v - kt[q + 1, o, d, tid]
-        s = kt[q, o, d, tid] + y
-        kt[q + 1, o, d, tid] = (s - kt[q, o, d, tid]) - y
-        kt[q, o, d, tid] = s
-
     def owner(q):
         """The number of the thread's owner that is the agent q rows after its first owner (its owners are
         NT rows apart), or -1: the pair that owner would skip (i == j)."""
         return q // NT if q >= 0 and q % NT == 0 and q < NT * OPT else -1
 
-    def meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, kt, tid, skip):
+    def meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, skip):
         """Every owner but number ``skip`` (-1: none) meets sender row rw: the logits and exponentials of
         all owners first (independent work in flight), then the updates. The maximum of an owner moves
         rarely after its first senders: a warp whose owners all stay below theirs takes the updates
@@ -458,7 +436,7 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
         if warp_any(up):
             for o in range(OPT):
                 if o != skip:
-                    push(o, rw, xe[o, 0], xe[o, 1], xe[o, 2], m, s, t, acc, accx, px, kt, tid)
+                    push(o, rw, xe[o, 0], xe[o, 1], xe[o, 2], m, s, t, acc, accx, px)
         else:
             for o in range(OPT):
                 if o != skip:
@@ -501,14 +479,6 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
             s[o] = zero
             t[o] = zero
             px[o] = zero
-        # Each tile's float32 partials go into compensated float32 totals (Kahan: total = hi - lo):
-        # kt[0], kt[1] of acc, kt[2], kt[3] of accx.
-        kt = cuda.shared.array(KS, dt)
-        if comp:
-            for q in range(KQ):
-                for o in range(OPT):
-                    for d in range(D):
-                        kt[q, o, d, tid] = zero
         sX = cuda.shared.array((TS, D), dt)
         for j0 in range(j_begin, j_end, TS):
             cuda.syncthreads()
@@ -526,22 +496,14 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                     for d in range(D):  # the sender's row once into registers, for all OPT owners
                         rw[0, d] = sX[jj, d]
                     skip = owner(j0 - g0 + int64(jj))  # the owner that is this sender, if any
-                    meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, kt, tid, skip)
+                    meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, skip)
                     jj = uint32(jj + one_u)
             else:
                 while jj < nj:
                     for d in range(D):
                         rw[0, d] = sX[jj, d]
-                    meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, kt, tid, -1)
+                    meet(own, rw, oc, kl, xe, m, s, t, acc, accx, px, -1)
                     jj = uint32(jj + one_u)
-            if comp:  # the tile's partials into the compensated totals
-                for o in range(OPT):
-                    for d in range(D):
-                        kahan_add(kt, 0, o, d, tid, acc[o, d])
-                        acc[o, d] = zero
-                        if expected:
-                            kahan_add(kt, 2, o, d, tid, accx[o, d])
-                            accx[o, d] = zero
         for o in range(OPT):  # back to natural units: logits, KL' and deltas divide by LB (t sums e x)
             i = i0 + o * NT
             if i < NR:
@@ -549,11 +511,10 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                 ps[sl, f, i] = s[o]
                 pt[sl, f, i] = -(t[o] * inv_lb)
                 for d in range(D):
-                    gAr[sl, f, i, d] = kt[0, o, d, tid] - kt[1, o, d, tid] if comp else acc[o, d]
+                    gAr[sl, f, i, d] = acc[o, d]
                 if expected:
                     for d in range(D):
-                        tx = kt[2, o, d, tid] - kt[3, o, d, tid] if comp else accx[o, d]
-                        gAx[sl, f, i, d] = tx * inv_lb
+                        gAx[sl, f, i, d] = accx[o, d] * inv_lb
                     gAx[sl, f, i, D] = px[o] * inv_lb
 
     def merge(pm, ps, pt, kappa, f0, m, inv_s, abar, energy, gAr, gAx):
@@ -645,12 +606,6 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
             for d in range(D):
                 own[o, d] = B[f, ii, d]
                 acc[o, d] = zero
-        kt = cuda.shared.array(KG, dt)  # compensated totals of the tiles' partials
-        if comp:
-            for q in range(2):
-                for o in range(OPT):
-                    for d in range(D):
-                        kt[q, o, d, tid] = zero
         sX = cuda.shared.array((TS, D), dt)
         sc = cuda.shared.array(TS, dt)
         si = cuda.shared.array(TS, dt)
@@ -689,21 +644,14 @@ def _dense_kernels(D: int, dtype: str, aggregator: str, threads: int, opt: int, 
                         rw[0, d] = sX[kk, d]
                     send(own, rw, sc[kk], si[kk], sq[kk], acc, kl, -1, OPT)
                     kk = uint32(kk + one_u)
-            if comp:  # the tile's partials into the compensated totals
-                for o in range(OPT):
-                    for d in range(D):
-                        kahan_add(kt, 0, o, d, tid, acc[o, d])
-                        acc[o, d] = zero
         out = -(inv_lb * inv_lb) if expected else -inv_lb  # W A' = (W LB^e) A'' (-1 / LB^(1 + e))
         for o in range(OPT):
             i = i0 + o * NT
             if i < N:
                 for d in range(D):
-                    total = kt[0, o, d, tid] - kt[1, o, d, tid] if comp else acc[o, d]
-                    gBs[sl, f, i, d] = total * out
+                    gBs[sl, f, i, d] = acc[o, d] * out
 
     dots = device(dots)
-    kahan_add = device(kahan_add)
     owner = device(owner)
     add = device(add)
     push = device(push)
