@@ -11,7 +11,8 @@ runs, without a GPU.
     python benchmarks/bench_f32_sums.py --family gaussian quantum --n 4096 16384 --sums slice tile
 
 ``slice``: one float32 sum per owner over all others (the SIMT kernels' pattern, one slice); ``tile``:
-float32 over ``--tile`` others at a time, the partials added in float64 (the CPU kernels' pattern);
+float32 over ``--tile`` others at a time, the partials added in float64 (the CPU kernels' scheme; they
+group 256 senders for gA and 32 receivers for gB);
 ``kahan``: the same partials added into a float32 total with a float32 compensation (no float64).
 Softmin aggregator, self + belief terms (Gaussian K = 3; density-matrix d = --d), seed 0.
 """
@@ -100,6 +101,8 @@ def summed_in_float32(sums: str, tile: int):
     """A dense pair function (vfesim.pairwise signature) whose cotangent sums run in float32."""
 
     def dense(A, B, c, kappa, aggregator):
+        if aggregator != "softmin":
+            raise ValueError(f"bench_f32_sums: softmin weights only, got {aggregator!r}")
         E, gA, gB, gc = pairwise.pairwise_dense(A, B, c, kappa, aggregator)  # float64: E and gc
         m, s = _row_stats(A, B, c, kappa)
         t = 0 if sums == "slice" else tile
@@ -136,7 +139,7 @@ def main() -> None:
     ap.add_argument("--n", nargs="+", type=int, default=[4096])
     ap.add_argument("--d", type=int, default=4, help="density-matrix dimension")
     ap.add_argument("--sums", nargs="+", default=["slice", "tile"], choices=["slice", "tile", "kahan"])
-    ap.add_argument("--tile", type=int, default=64, help="others per float32 partial (--sums tile)")
+    ap.add_argument("--tile", type=int, default=64, help="others per float32 partial (--sums tile, kahan)")
     args = ap.parse_args()
     print(f"{'family':>8} {'case':>5} {'N':>7} {'sums':>6}  max-norm relative error of each gradient")
     for family in args.family:

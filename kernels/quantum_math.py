@@ -398,7 +398,8 @@ def frames_from_eig(kn, Vn, Un, S):
 
 
 def pull_features(Un, a, loga, Arow, Brow, T1, T2):
-    """Arow = hvec(U^dagger a U), Brow = -2 hvec(U^dagger (log a) U) (one agent's feature rows)."""
+    """Arow = hvec(U^dagger a U), Brow = -2 hvec(U^dagger (log a) U) (one agent's feature rows, in
+    ``trace_first`` coordinates: :func:`hvec_store`)."""
     pull_back(Un, a, T1, T2)
     hvec_store(T2, 1.0, Arow)
     pull_back(Un, loga, T1, T2)

@@ -34,7 +34,8 @@ Gradients (the layout of the state; :func:`energy_and_gradient_arrays`):
 The neighbour sums arrive as the cotangents of each agent's own a and log a, so the chain through log is
 one Daleckii–Krein per agent (not per pair): x_bar += Dlog(x)[log-cotangent]; for the prior, through
 sigma = exp(log sigma) and log sigma(H, T); for the frames, U_bar = 2 a U C~ + 2 (log a) U M~ per term
-(C~, M~ the pulled-back cotangents), then one Daleckii–Krein of exp(-i phi . J) (rule R2).
+(C~, M~ the traceless parts of the pulled-back cotangents: their identity parts add U H, H Hermitian,
+which rule R2 maps to 0), then one Daleckii–Krein of exp(-i phi . J) (rule R2).
 """
 
 from __future__ import annotations

@@ -86,8 +86,8 @@ def helmert(d: int) -> np.ndarray:
 
 
 def _helmert_like(x, d: int):
-    """helmert(d) on x's array module, in x's real dtype."""
-    return _xp(x).asarray(helmert(d), dtype=x.real.dtype)
+    """helmert(d) on x's array module, in x's real floating dtype (float64 for integer x)."""
+    return _xp(x).asarray(helmert(d), dtype=np.result_type(x.real.dtype, np.float32))
 
 
 def hvec(X, *, trace_first: bool = False):
