@@ -26,15 +26,16 @@ import numpy as np
 
 import vfesim
 from vfesim import pairwise
+from vfesim.pairwise import blocks
 
 
 @numba.njit(parallel=True, cache=True)
-def _weighted_sums(own, other, A, B, c, kappa, m, s, receivers, tile, compensated):
+def _weighted_sums(other, A, B, c, kappa, m, inv_s, receivers, tile, compensated):
     """Per owner o: 1/2 sum_k W_ok other_k (receivers: W_ok = W[o, k]; else W_ok = W[k, o]) with W_ij =
     exp(-(A_i . B_j + c_i) / (2 kappa) - m_i) / s_i computed in float64, the products and sums in
     float32; tile > 0: float32 partials over ``tile`` terms, added in float64, or (``compensated``) into
     a float32 total with a float32 compensation term (Kahan: no float64 arithmetic)."""
-    N, D = own.shape
+    N, D = other.shape
     out = np.empty((N, D), np.float32)
     for o in numba.prange(N):
         part = np.zeros(D, np.float32)
@@ -50,7 +51,7 @@ def _weighted_sums(own, other, A, B, c, kappa, m, s, receivers, tile, compensate
             x = 0.0
             for d in range(D):
                 x += A[r, d] * B[q, d]
-            w = np.float32(np.exp(-0.5 * (x + c[r]) / kappa - m[r]) / s[r])
+            w = np.float32(np.exp(-0.5 * (x + c[r]) / kappa - m[r]) * inv_s[r])
             for d in range(D):
                 part[d] += w * np.float32(other[k, d])
             n_in += 1
@@ -73,28 +74,13 @@ def _weighted_sums(own, other, A, B, c, kappa, m, s, receivers, tile, compensate
     return out
 
 
-@numba.njit(parallel=True, cache=True)
-def _row_stats(A, B, c, kappa):
-    """Each receiver's maximum logit m_i and sum s_i of exp(logit - m_i) over j != i (float64)."""
-    N, D = A.shape
-    m = np.empty(N)
-    s = np.empty(N)
-    for i in numba.prange(N):
-        mi, si = -np.inf, 0.0
-        for j in range(N):
-            if j == i:
-                continue
-            x = 0.0
-            for d in range(D):
-                x += A[i, d] * B[j, d]
-            y = -0.5 * (x + c[i]) / kappa
-            if y > mi:
-                si = si * np.exp(mi - y) + 1.0
-                mi = y
-            else:
-                si += np.exp(y - mi)
-        m[i], s[i] = mi, si
-    return m, s
+def _rows(A, B, c, kappa, block: int = 1024):
+    """The receivers' softmin row summary (energy, m, 1/s) from the pairwise layer's block API, streamed
+    over sender blocks (no N x N array)."""
+    stats = blocks.empty_stats(A.shape[0], np.float64)
+    for s0 in range(0, B.shape[0], block):
+        stats = blocks.merge_stats(stats, blocks.block_stats(A, c, B[s0 : s0 + block], kappa, 0, s0))
+    return blocks.finish_rows(stats, kappa, "softmin")
 
 
 def summed_in_float32(sums: str, tile: int):
@@ -103,13 +89,13 @@ def summed_in_float32(sums: str, tile: int):
     def dense(A, B, c, kappa, aggregator):
         if aggregator != "softmin":
             raise ValueError(f"bench_f32_sums: softmin weights only, got {aggregator!r}")
-        E, gA, gB, gc = pairwise.pairwise_dense(A, B, c, kappa, aggregator)  # float64: E and gc
-        m, s = _row_stats(A, B, c, kappa)
+        rows = _rows(A, B, c, kappa)
         t = 0 if sums == "slice" else tile
         kahan = sums == "kahan"
-        gA = _weighted_sums(A, B, A, B, c, kappa, m, s, True, t, kahan).astype(np.float64)
-        gB = _weighted_sums(B, A, A, B, c, kappa, m, s, False, t, kahan).astype(np.float64)
-        return E, gA, gB, gc
+        gA = _weighted_sums(B, A, B, c, kappa, rows.m, rows.inv_s, True, t, kahan).astype(np.float64)
+        gB = _weighted_sums(A, A, B, c, kappa, rows.m, rows.inv_s, False, t, kahan).astype(np.float64)
+        gc = 0.5 * (rows.inv_s > 0)  # softmin: each receiver's weights sum to 1
+        return rows.energy.sum(), gA, gB, gc
 
     return dense
 
